@@ -1,0 +1,421 @@
+"""autocast(policy): run a region in mixed precision as a Policy says.
+
+How it works. torch.autocast does the casting in C++ at the Autocast dispatch
+key. ampkit enters torch.autocast and, for the ops where the policy differs
+from torch's own lists (``Policy.edits``), registers Python kernels at that key
+with ``torch.library`` for as long as any ampkit region needs them. So the
+default policy costs exactly what torch.autocast costs (no Python per op), and
+an edited policy pays a few microseconds only on the ops it moved.
+
+The registrations are process-wide (the dispatcher has no per-thread table);
+each kernel reads the calling thread's innermost ampkit policy and, in a
+thread without one, does what torch.autocast would. Per-module overrides use
+global module hooks, installed only while a region with overrides is open.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import threading
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from ampkit import hardware, op_lists
+from ampkit.op_lists import ALLOW, DENY, INFER
+from ampkit.policy import Policy
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_AUTOCAST_KEYS = {
+    "cpu": torch._C.DispatchKey.AutocastCPU,
+    "cuda": torch._C.DispatchKey.AutocastCUDA,
+}
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        # Innermost last: (policy or None when disabled, torch.autocast ctx, hooks held).
+        self.stack: list[tuple[Policy | None, torch.autocast, bool]] = []
+        # Modules whose forward entered an override: (module, torch.autocast ctx).
+        self.module_stack: list[tuple[nn.Module, torch.autocast, Policy | None]] = []
+        # Leaf float32 tensor id -> (tensor, cast copy), dropped when the outermost region exits.
+        self.weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+_state = _ThreadState()
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, category, stacklevel=3)
+
+
+def current_policy(device_type: str) -> Policy | None:
+    """The calling thread's innermost enabled ampkit policy for ``device_type``, if any."""
+    for policy, _, _ in reversed(_state.stack):
+        if policy is not None and policy.device_type == device_type:
+            return policy
+    return None
+
+
+def weight_cache_size() -> int:
+    """How many cast weights this thread's open region caches (0 outside a region)."""
+    return len(_state.weight_cache)
+
+
+# ---------------------------------------------------------------------------
+# Casting kernels for edited ops
+
+
+def _eligible(t: object, device_type: str) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and t.dtype != torch.float64
+        and t.device.type == device_type
+    )
+
+
+def _cast_tree(value: Any, cast: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return cast(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_tree(v, cast) for v in value)
+    return value
+
+
+def _widest(values: Any, device_type: str, low: torch.dtype) -> torch.dtype | None:
+    """torch's promote rule: float32 if any input is float32 or two 16-bit types mix."""
+    found: set[torch.dtype] = set()
+
+    def visit(v: Any) -> None:
+        if _eligible(v, device_type):
+            found.add(v.dtype)
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                visit(item)
+
+    visit(values)
+    if not found:
+        return None
+    return found.pop() if len(found) == 1 else torch.float32
+
+
+def _make_kernel(device_type: str, op: str, overload: torch._ops.OpOverload) -> Callable[..., Any]:
+    keyset = torch._C.DispatchKeySet(_AUTOCAST_KEYS[device_type])
+    banned_message = op_lists.BANNED[device_type].get(op)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        policy = current_policy(device_type)
+        if policy is not None:
+            category = policy.category(op)
+        else:  # a thread using plain torch.autocast while another holds these kernels
+            category = op_lists.torch_category(device_type, op)
+            category = DENY if category == "banned" else category
+        low = torch.get_autocast_dtype(device_type)
+
+        def to_low(t: torch.Tensor) -> torch.Tensor:
+            if not _eligible(t, device_type) or t.dtype == low:
+                return t
+            if t.is_leaf and t.requires_grad:  # weights: cast once per region
+                hit = _state.weight_cache.get(id(t))
+                if hit is None or hit[0] is not t:
+                    hit = (t, t.to(low))
+                    _state.weight_cache[id(t)] = hit
+                return hit[1]
+            return t.to(low)
+
+        def to_dtype(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+            return lambda t: t.to(dtype) if _eligible(t, device_type) else t
+
+        with torch._C._ExcludeDispatchKeyGuard(keyset):
+            if category == ALLOW:
+                args, kwargs = _cast_tree(args, to_low), _cast_tree(kwargs, to_low)
+            elif category == DENY:
+                if banned_message:
+                    _warn_once(f"banned:{op}", banned_message)
+                cast = to_dtype(torch.float32)
+                args, kwargs = _cast_tree(args, cast), _cast_tree(kwargs, cast)
+            elif category == INFER:
+                widest = _widest((args, kwargs), device_type, low)
+                if widest is not None:
+                    cast = to_dtype(widest)
+                    args, kwargs = _cast_tree(args, cast), _cast_tree(kwargs, cast)
+            return overload(*args, **kwargs)
+
+    return kernel
+
+
+class _Registry:
+    """Refcounted torch.library registrations: one Library per (device, op)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], int] = {}
+        self._libs: dict[tuple[str, str], torch.library.Library] = {}
+
+    def acquire(self, device_type: str, ops: frozenset[str]) -> None:
+        with self._lock:
+            for op in ops:
+                key = (device_type, op)
+                if self._counts.get(key, 0) == 0:
+                    self._libs[key] = self._register(device_type, op)
+                self._counts[key] = self._counts.get(key, 0) + 1
+
+    def release(self, device_type: str, ops: frozenset[str]) -> None:
+        with self._lock:
+            for op in ops:
+                key = (device_type, op)
+                self._counts[key] -= 1
+                if self._counts[key] == 0:
+                    self._libs.pop(key)._destroy()
+
+    def active(self) -> set[tuple[str, str]]:
+        """(device_type, op) pairs that hold ampkit kernels now."""
+        with self._lock:
+            return {key for key, count in self._counts.items() if count}
+
+    @staticmethod
+    def _register(device_type: str, op: str) -> torch.library.Library:
+        lib = torch.library.Library("aten", "IMPL")
+        packet = getattr(torch.ops.aten, op)
+        with warnings.catch_warnings():
+            # torch warns (once per process) that a kernel is overridden: that is the point.
+            warnings.simplefilter("ignore")
+            for name in packet.overloads():
+                overload = getattr(packet, name)
+                if overload._schema.is_mutable:  # out= and in-place variants keep their dtypes
+                    continue
+                qualified = op if name == "default" else f"{op}.{name}"
+                lib.impl(qualified, _make_kernel(device_type, op, overload), _AUTOCAST_KEYS[device_type].name)
+        return lib
+
+
+_registry = _Registry()
+
+
+# ---------------------------------------------------------------------------
+# Per-module overrides
+
+_module_names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+_hooks_lock = threading.Lock()
+_hooks_count = 0
+_hook_handles: list[Any] = []
+
+
+def _override_for(module: nn.Module, policy: Policy) -> torch.dtype | None:
+    name = _module_names.get(module, "")
+    found = None
+    for override in policy.overrides:
+        pattern = override.pattern
+        if isinstance(pattern, str) and fnmatch.fnmatchcase(name, pattern):
+            found = override.dtype
+        elif isinstance(pattern, type) and isinstance(module, pattern):
+            found = override.dtype
+    return found
+
+
+def _name_modules(root: nn.Module) -> None:
+    """Record qualified names relative to ``root``, the first module seen of its tree."""
+    if root not in _module_names:
+        for name, sub in root.named_modules():
+            _module_names[sub] = name
+
+
+def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    if not _state.stack or _state.stack[-1][0] is None or not _state.stack[-1][0].overrides:
+        return None
+    policy = _state.stack[-1][0]
+    _name_modules(module)
+    dtype = _override_for(module, policy)
+    if dtype is None:
+        return None
+    if dtype == torch.float32:
+        ctx = torch.autocast(policy.device_type, enabled=False)
+        pushed = None
+        cast = lambda t: t.float() if _eligible(t, policy.device_type) else t  # noqa: E731
+        args, kwargs = _cast_tree(args, cast), _cast_tree(kwargs, cast)
+    else:
+        ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
+        pushed = policy.all_low()
+    ctx.__enter__()
+    _state.stack.append((pushed, ctx, False))
+    _state.module_stack.append((module, ctx, pushed))
+    return args, kwargs
+
+
+def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+    if _state.module_stack and _state.module_stack[-1][0] is module:
+        _, ctx, _ = _state.module_stack.pop()
+        _state.stack.pop()
+        ctx.__exit__(None, None, None)
+
+
+def _acquire_hooks() -> None:
+    global _hooks_count
+    with _hooks_lock:
+        if _hooks_count == 0:
+            from torch.nn.modules import module as module_mod
+
+            _hook_handles.append(module_mod.register_module_forward_pre_hook(_pre_hook, with_kwargs=True))
+            _hook_handles.append(
+                module_mod.register_module_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+            )
+        _hooks_count += 1
+
+
+def _release_hooks() -> None:
+    global _hooks_count
+    with _hooks_lock:
+        _hooks_count -= 1
+        if _hooks_count == 0:
+            while _hook_handles:
+                _hook_handles.pop().remove()
+
+
+def _kernel_ops(policy: Policy) -> frozenset[str]:
+    """The ops that need ampkit kernels for ``policy`` and its module overrides."""
+    ops = policy.edits
+    if any(o.dtype != torch.float32 for o in policy.overrides):
+        ops = ops | policy.all_low().edits
+    return ops
+
+
+# ---------------------------------------------------------------------------
+# The public context manager
+
+
+class autocast:  # noqa: N801 - named like torch.autocast, which it extends
+    """Run a region (or a function) in mixed precision as ``policy`` says.
+
+    Args:
+        policy: the Policy; defaults to ``Policy.default()`` for the CPU.
+        enabled: False (or a disabled policy) turns autocasting off inside the
+            region, also inside an enclosing enabled region. Default True.
+
+    Nestable, re-entrant and thread-safe: one instance can decorate a
+    ``forward`` that runs in several threads at once. Casts of float32 weights
+    are cached for the outermost region and dropped when it exits.
+
+    Example:
+        >>> policy = ampkit.Policy.default("cpu", torch.bfloat16)
+        >>> with ampkit.autocast(policy):
+        ...     loss = loss_fn(model(x), y)
+        >>> loss.backward()  # outside the region, as with torch.autocast
+
+    Note:
+        An edited policy registers process-wide dispatcher kernels on entry of
+        the first region that needs them (about 15 us per op overload) and
+        removes them when the last such region exits.
+    """
+
+    def __init__(self, policy: Policy | None = None, *, enabled: bool = True) -> None:
+        policy = policy if policy is not None else Policy.default("cpu")
+        if not isinstance(policy, Policy):
+            raise ValueError(
+                f"ampkit.autocast takes an ampkit.Policy, got {type(policy).__name__}: "
+                "build one with ampkit.Policy.default(device_type, dtype)."
+            )
+        self.policy = policy if enabled else policy.disabled()
+        self._kernel_ops = _kernel_ops(self.policy) if self.policy.enabled else frozenset()
+        if self.policy.enabled and self.policy.device_type == "cpu" and self.policy.dtype == torch.float16:
+            if not hardware.cpu_has_native_fp16():
+                _warn_once(
+                    "cpu-fp16",
+                    "float16 on a CPU without native float16 arithmetic (no avx512_fp16 / amx_fp16): "
+                    f"matmuls run {hardware.CPU_FP16_SLOWDOWN_NOTE}. Use torch.bfloat16 on CPUs.",
+                    hardware.SlowPrecisionWarning,
+                )
+
+    def __enter__(self) -> autocast:
+        policy = self.policy
+        if policy.enabled:
+            ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
+        else:
+            ctx = torch.autocast(policy.device_type, enabled=False)
+        if self._kernel_ops:
+            _registry.acquire(policy.device_type, self._kernel_ops)
+        hooks = bool(policy.enabled and policy.overrides)
+        if hooks:
+            _acquire_hooks()
+        ctx.__enter__()
+        _state.stack.append((policy if policy.enabled else None, ctx, hooks))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _, ctx, hooks = _state.stack.pop()
+        ctx.__exit__(*exc)
+        if hooks:
+            _release_hooks()
+        if self._kernel_ops:
+            _registry.release(self.policy.device_type, self._kernel_ops)
+        if not _state.stack:
+            _state.weight_cache.clear()
+
+    def __call__(self, fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self.policy.overrides and args and isinstance(args[0], nn.Module):
+                _name_modules(args[0])  # a decorated forward: names are relative to its module
+            with self:
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------------
+# Custom autograd functions
+
+
+def custom_fwd(
+    fwd: Callable[..., Any] | None = None,
+    *,
+    device_type: str,
+    cast_inputs: torch.dtype | None = None,
+) -> Callable[..., Any]:
+    """Decorate an ``autograd.Function.forward`` for ampkit.autocast regions.
+
+    torch.amp.custom_fwd plus the ampkit policy: the forward's policy is
+    remembered so ``custom_bwd`` runs the backward under the same policy and
+    autocast state, also when the backward runs after the region exited.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"``.
+        cast_inputs: if set, floating inputs are cast to it and the forward runs
+            with autocast off (torch's semantics).
+    """
+    if fwd is None:
+        return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
+    torch_fwd = torch.amp.custom_fwd(fwd, device_type=device_type, cast_inputs=cast_inputs)
+
+    @functools.wraps(fwd)
+    def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        ctx._ampkit_policy = current_policy(device_type)
+        return torch_fwd(ctx, *args, **kwargs)
+
+    return forward
+
+
+def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> Callable[..., Any]:
+    """Decorate the matching ``backward``: it runs under its forward's policy."""
+    if bwd is None:
+        return functools.partial(custom_bwd, device_type=device_type)
+    torch_bwd = torch.amp.custom_bwd(bwd, device_type=device_type)
+
+    @functools.wraps(bwd)
+    def backward(ctx: Any, *grads: Any) -> Any:
+        policy = getattr(ctx, "_ampkit_policy", None)
+        if policy is None:
+            return torch_bwd(ctx, *grads)
+        with autocast(policy):  # torch_bwd then restores the forward's exact autocast state
+            return torch_bwd(ctx, *grads)
+
+    return backward

@@ -1,0 +1,1 @@
+"""The `ampkit` command line: one module per subcommand, registered in main.py."""

@@ -1,0 +1,234 @@
+"""Policy: how a forward pass runs in mixed precision.
+
+A policy is a low-precision ``dtype``, three op lists (allow / deny / infer) and
+per-module overrides. It is immutable: every edit returns a new policy, so a
+policy can be shared between threads and stored in a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ampkit import op_lists
+from ampkit.op_lists import ALLOW, DENY, INFER
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+}
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+ModulePattern = str | type[nn.Module]
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """Return the 16-bit torch dtype named by ``dtype``.
+
+    Raises:
+        ValueError: ``dtype`` is not float16 or bfloat16.
+    """
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower()]
+    if dtype in LOW_DTYPES:
+        return dtype  # type: ignore[return-value]
+    raise ValueError(
+        f"Unsupported mixed precision dtype: {dtype!r}. Choose torch.float16 ('fp16') or "
+        "torch.bfloat16 ('bf16'); float32 is what mixed precision falls back to, not a "
+        "compute dtype to choose."
+    )
+
+
+def check_device_type(device_type: str) -> str:
+    """Return ``device_type`` if ampkit has op lists for it, else raise ValueError."""
+    if device_type not in op_lists.DEVICE_TYPES:
+        raise ValueError(
+            f"Unknown device_type: {device_type!r}. Choose one of {list(op_lists.DEVICE_TYPES)} "
+            "(the type of torch.device, without an index)."
+        )
+    return device_type
+
+
+@functools.cache
+def known_ops() -> frozenset[str]:
+    """Every ATen operator name (without overload) the installed torch defines."""
+    names = torch._C._dispatch_get_all_op_names()
+    return frozenset(n[len("aten::") :].split(".")[0] for n in names if n.startswith("aten::"))
+
+
+def _check_ops(ops: Iterable[str], argument: str) -> frozenset[str]:
+    if isinstance(ops, str):
+        raise ValueError(f"{argument}= takes a list of op names, got the string {ops!r}; write [{ops!r}].")
+    ops = frozenset(ops)
+    for op in sorted(ops):
+        if op not in known_ops():
+            close = difflib.get_close_matches(op, known_ops(), n=3)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise ValueError(
+                f"Unknown op {op!r} in {argument}=: it is no ATen operator of torch "
+                f"{torch.__version__}.{hint} `ampkit ops` lists the ops of the default policy."
+            )
+    return ops
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleOverride:
+    """Run every module matching ``pattern`` in ``dtype``.
+
+    ``pattern`` is an ``nn.Module`` subclass (matches instances) or an fnmatch
+    pattern over qualified names from ``named_modules()`` (``"lm_head"``,
+    ``"*.attn.*"``); names are taken relative to the outermost module called in
+    the autocast region.
+    """
+
+    pattern: ModulePattern
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """An immutable mixed precision policy.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"``.
+        dtype: the low-precision compute dtype, torch.float16 or torch.bfloat16.
+        allow: ops that run in ``dtype`` (convolutions, linear, matmul...).
+        deny: ops that run in float32 (reductions, softmax, exp/log, norms, losses).
+        infer: ops that run in the widest floating dtype among their inputs.
+        overrides: per-module dtypes, applied in order (the last match wins).
+        enabled: False makes ``ampkit.autocast`` a pass-through.
+
+    Ops in no list run in the dtype of their inputs. Build one with
+    ``Policy.default()`` and edit it with ``with_ops`` / ``with_modules``.
+
+    Example:
+        >>> policy = Policy.default("cpu", torch.bfloat16).with_ops(deny=["gelu"])
+        >>> policy.category("gelu")
+        'deny'
+    """
+
+    device_type: str
+    dtype: torch.dtype
+    allow: frozenset[str]
+    deny: frozenset[str]
+    infer: frozenset[str]
+    overrides: tuple[ModuleOverride, ...] = ()
+    enabled: bool = True
+    # op -> category for every listed op; derived, so not compared or shown.
+    _table: dict[str, str] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        check_device_type(self.device_type)
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+        table: dict[str, str] = {}
+        for category in (ALLOW, DENY, INFER):
+            ops = getattr(self, category)
+            object.__setattr__(self, category, _check_ops(ops, category))
+            for op in ops:
+                if op in table:
+                    raise ValueError(
+                        f"Op {op!r} is in both {table[op]} and {category}; an op belongs to one list. "
+                        "Use with_ops(), which moves ops instead of copying them."
+                    )
+                table[op] = category
+        object.__setattr__(self, "_table", table)
+
+    @classmethod
+    def default(cls, device_type: str = "cpu", dtype: torch.dtype | str | None = None) -> Policy:
+        """The default policy: torch.autocast's decisions for ``device_type``.
+
+        Args:
+            device_type: ``"cpu"`` (default) or ``"cuda"``.
+            dtype: defaults to bfloat16 on CPU and float16 on CUDA, as torch.autocast.
+
+        The one difference from torch.autocast: ops torch refuses under autocast
+        (``binary_cross_entropy`` on CUDA) run in float32 with a one-time warning.
+        """
+        lists = op_lists.DEFAULT_LISTS[check_device_type(device_type)]
+        if dtype is None:
+            dtype = torch.bfloat16 if device_type == "cpu" else torch.float16
+        return cls(device_type, resolve_dtype(dtype), lists[ALLOW], lists[DENY], lists[INFER])
+
+    def category(self, op: str) -> str | None:
+        """``"allow"``, ``"deny"``, ``"infer"`` or None (the op follows its inputs)."""
+        return self._table.get(op)
+
+    def with_ops(
+        self,
+        *,
+        allow: Iterable[str] = (),
+        deny: Iterable[str] = (),
+        infer: Iterable[str] = (),
+        none: Iterable[str] = (),
+    ) -> Policy:
+        """Return a policy with the named ops moved into the given lists.
+
+        Args:
+            allow / deny / infer: ops to move into that list (from wherever they are).
+            none: ops to take out of every list, so they follow their inputs.
+
+        Raises:
+            ValueError: an unknown op name (with close matches), or one op named twice.
+        """
+        moves = {ALLOW: allow, DENY: deny, INFER: infer, "none": none}
+        target: dict[str, str] = {}
+        for category, ops in moves.items():
+            for op in _check_ops(ops, category):
+                if op in target:
+                    raise ValueError(f"Op {op!r} is named in both {target[op]}= and {category}=; name it once.")
+                target[op] = category
+        lists = {c: set(getattr(self, c)) - set(target) for c in (ALLOW, DENY, INFER)}
+        for op, category in target.items():
+            if category != "none":
+                lists[category].add(op)
+        return dataclasses.replace(self, **{c: frozenset(ops) for c, ops in lists.items()})
+
+    def with_modules(self, *patterns: ModulePattern, dtype: torch.dtype | str) -> Policy:
+        """Return a policy that runs the matching modules wholly in ``dtype``.
+
+        Args:
+            patterns: ``nn.Module`` subclasses or fnmatch patterns of qualified names.
+            dtype: torch.float32 (keep them out of mixed precision) or the policy's dtype
+                (every listed op, deny ops too, runs in 16 bits).
+
+        Example:
+            >>> policy = Policy.default("cpu").with_modules(nn.LayerNorm, "lm_head", dtype=torch.float32)
+        """
+        dtype = torch.float32 if dtype in (torch.float32, "fp32", "float32") else resolve_dtype(dtype)
+        if dtype not in (torch.float32, self.dtype):
+            raise ValueError(
+                f"Module override dtype {dtype} is neither torch.float32 nor this policy's dtype "
+                f"{self.dtype}. Build the policy with dtype={dtype} first, or keep the modules in float32."
+            )
+        for pattern in patterns:
+            if not isinstance(pattern, str) and not (isinstance(pattern, type) and issubclass(pattern, nn.Module)):
+                raise ValueError(
+                    f"Module pattern {pattern!r} is neither an nn.Module subclass nor a name pattern "
+                    "such as 'lm_head' or '*.attn.*'."
+                )
+        added = tuple(ModuleOverride(p, dtype) for p in patterns)
+        return dataclasses.replace(self, overrides=self.overrides + added)
+
+    def disabled(self) -> Policy:
+        """This policy with ``enabled=False``: autocast becomes a pass-through."""
+        return dataclasses.replace(self, enabled=False)
+
+    @functools.cached_property
+    def edits(self) -> frozenset[str]:
+        """Ops whose handling differs from torch.autocast's on this device."""
+        torch_lists = op_lists.TORCH_LISTS[self.device_type]
+        ops = self._table.keys() | op_lists.BANNED[self.device_type].keys()
+        ops |= torch_lists[ALLOW] | torch_lists[DENY] | torch_lists[INFER]
+        return frozenset(op for op in ops if self.category(op) != op_lists.torch_category(self.device_type, op))
+
+    def all_low(self) -> Policy:
+        """This policy with every deny op moved to allow (for modules overridden to ``dtype``)."""
+        return dataclasses.replace(self, allow=self.allow | self.deny, deny=frozenset(), overrides=())
