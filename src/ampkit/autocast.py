@@ -230,7 +230,7 @@ def _name_modules(root: nn.Module) -> None:
             _module_names[sub] = name
 
 
-def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
     if not _state.stack or _state.stack[-1][0] is None or not _state.stack[-1][0].overrides:
         return None
     policy = _state.stack[-1][0]
@@ -241,15 +241,15 @@ def _pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict
     if dtype == torch.float32:
         ctx = torch.autocast(policy.device_type, enabled=False)
         pushed = None
-        cast = lambda t: t.float() if _eligible(t, policy.device_type) else t  # noqa: E731
-        args, kwargs = _cast_tree(args, cast), _cast_tree(kwargs, cast)
+        # Positional inputs only: torch's global pre-hooks do not see keyword arguments.
+        args = _cast_tree(args, lambda t: t.float() if _eligible(t, policy.device_type) else t)
     else:
         ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
         pushed = policy.all_low()
     ctx.__enter__()
     _state.stack.append((pushed, ctx, False))
     _state.module_stack.append((module, ctx, pushed))
-    return args, kwargs
+    return args
 
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -265,7 +265,7 @@ def _acquire_hooks() -> None:
         if _hooks_count == 0:
             from torch.nn.modules import module as module_mod
 
-            _hook_handles.append(module_mod.register_module_forward_pre_hook(_pre_hook, with_kwargs=True))
+            _hook_handles.append(module_mod.register_module_forward_pre_hook(_pre_hook))
             _hook_handles.append(
                 module_mod.register_module_forward_hook(_post_hook, with_kwargs=True, always_call=True)
             )
@@ -341,11 +341,11 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
         else:
             ctx = torch.autocast(policy.device_type, enabled=False)
-        if self._kernel_ops:
-            _registry.acquire(policy.device_type, self._kernel_ops)
         hooks = bool(policy.enabled and policy.overrides)
         if hooks:
             _acquire_hooks()
+        if self._kernel_ops:
+            _registry.acquire(policy.device_type, self._kernel_ops)
         ctx.__enter__()
         _state.stack.append((policy if policy.enabled else None, ctx, hooks))
         return self

@@ -42,3 +42,17 @@ def cpu_has_native_fp16() -> bool:
 
 def _arm_has(flag: str) -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith(("NEON", "SVE")) and flag in cpu_flags()
+
+
+def recommend_dtype(device: torch.device | str) -> torch.dtype:
+    """The 16-bit dtype to use on ``device``.
+
+    bfloat16 on CPUs (float16 there is emulated unless the CPU has native
+    float16) and on CUDA GPUs of compute capability >= 8.0; float16 on older
+    GPUs, whose tensor cores have no bfloat16.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(device)
+        return torch.bfloat16 if major >= 8 else torch.float16
+    return torch.bfloat16

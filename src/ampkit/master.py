@@ -1,0 +1,262 @@
+"""FP32 master weights and Apex-style opt levels O0-O3.
+
+A 16-bit weight cannot take an update smaller than half its spacing: bfloat16
+has 8 significant bits, so ``1.0 + 1e-3`` rounds back to ``1.0``. Keeping a
+float32 copy of every weight for the optimizer (Micikevicius et al., 2018,
+"Mixed Precision Training") keeps those updates.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit import hardware
+from ampkit.autocast import autocast
+from ampkit.policy import LOW_DTYPES, Policy, resolve_dtype
+
+STATE_VERSION = 1
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    """Update a 16-bit model through float32 copies of its weights.
+
+    The wrapped optimizer's ``param_groups`` hold the float32 masters (so its
+    state, e.g. Adam moments, is float32 too); ``model_params`` are the model's
+    own parameters. ``step`` copies the 16-bit gradients into float32 (done
+    earlier by a loss scaler's ``unscale_``, which then unscales in float32),
+    steps the inner optimizer and writes the masters back, rounded.
+
+    Args:
+        optimizer: any torch.optim optimizer built over the model's parameters.
+            Build this wrapper while they are still float32 (``initialize`` does),
+            or the masters start from already-rounded values.
+
+    Example:
+        >>> opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        >>> model.to(torch.bfloat16)
+        >>> loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if isinstance(optimizer, MasterWeightOptimizer):
+            raise ValueError("The optimizer already keeps master weights; wrap the inner optimizer once.")
+        self.optimizer = optimizer
+        self.model_params: list[nn.Parameter] = []
+        for group in optimizer.param_groups:
+            masters = []
+            for param in group["params"]:
+                self.model_params.append(param)
+                masters.append(param.detach().clone().float().requires_grad_(param.requires_grad))
+            group["params"] = masters
+        self.master_params: list[torch.Tensor] = [m for g in optimizer.param_groups for m in g["params"]]
+        self._grads_synced = False
+
+    # torch.optim.Optimizer's own attributes, delegated so schedulers and hooks work.
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else (hooks, _opt_called set by LR schedulers) lives on the inner optimizer.
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def sync_master_grads_(self) -> None:
+        """Copy the model's 16-bit gradients into the masters' float32 ``.grad``.
+
+        Called by ``step`` and by a loss scaler's ``unscale_``; once per step.
+        """
+        if self._grads_synced:
+            return
+        for param, master in zip(self.model_params, self.master_params):
+            if param.grad is None:
+                master.grad = None
+            elif master.grad is None or master.grad.shape != param.grad.shape:
+                master.grad = param.grad.detach().float()
+            else:
+                master.grad.copy_(param.grad)
+        self._grads_synced = True
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Step the inner optimizer on the masters and write them back to the model."""
+        self.sync_master_grads_()
+        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        torch._foreach_copy_(self.model_params, self.master_params)
+        self._grads_synced = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's and the masters' gradients."""
+        for tensors in (self.model_params, self.master_params):
+            for t in tensors:
+                if t.grad is None:
+                    continue
+                if set_to_none:
+                    t.grad = None
+                else:
+                    t.grad.detach_().zero_()
+        self._grads_synced = False
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "add_param_group() on a MasterWeightOptimizer is not supported: build the inner optimizer "
+            "with every group, then wrap it."
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state plus the float32 masters.
+
+        Keys: ``version``, ``optimizer`` (the inner state dict), ``master_params``.
+        """
+        return {
+            "version": STATE_VERSION,
+            "optimizer": self.optimizer.state_dict(),
+            "master_params": [m.detach().clone() for m in self.master_params],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``; the model's weights are set from the masters.
+
+        A plain optimizer state dict (from float32 training without this wrapper)
+        loads too: its state is applied and the masters keep their values; to take
+        the weights from a float32 model checkpoint use ``load_fp32_weights``.
+
+        Raises:
+            RuntimeError: an empty dict, or masters that do not match in count or shape.
+        """
+        if not state_dict:
+            raise RuntimeError("Cannot load an empty state dict into MasterWeightOptimizer.")
+        if "master_params" not in state_dict:
+            if "state" not in state_dict or "param_groups" not in state_dict:
+                raise RuntimeError(
+                    f"Not an optimizer state dict: keys {sorted(state_dict)}; expected 'version', 'optimizer' "
+                    "and 'master_params' (MasterWeightOptimizer) or 'state' and 'param_groups' (torch.optim)."
+                )
+            self.optimizer.load_state_dict(state_dict)
+            return
+        masters = state_dict["master_params"]
+        if len(masters) != len(self.master_params):
+            raise RuntimeError(
+                f"The checkpoint has {len(masters)} master weights, this optimizer {len(self.master_params)}."
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        with torch.no_grad():
+            for master, saved in zip(self.master_params, masters):
+                if master.shape != saved.shape:
+                    raise RuntimeError(f"Master weight shape {tuple(saved.shape)} != {tuple(master.shape)}.")
+                master.copy_(saved)
+            torch._foreach_copy_(self.model_params, self.master_params)
+
+    @torch.no_grad()
+    def load_fp32_weights(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a float32 model checkpoint: exact into the masters, rounded into ``model``."""
+        model.load_state_dict(state_dict)
+        index = {id(p): i for i, p in enumerate(self.model_params)}
+        for name, param in model.named_parameters():
+            if id(param) in index:
+                self.master_params[index[id(param)]].copy_(state_dict[name])
+
+    @torch.no_grad()
+    def fp32_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` with every trained weight taken from its float32 master."""
+        masters = {id(p): m for p, m in zip(self.model_params, self.master_params)}
+        state = model.state_dict()
+        for name, param in model.named_parameters():
+            if id(param) in masters:
+                state[name] = masters[id(param)].detach().clone()
+        return {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}
+
+
+def _cast_inputs(dtype: torch.dtype) -> Any:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def cast(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return v.to(dtype)
+            return v
+
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    return hook
+
+
+def _cast_output(module: nn.Module, args: tuple, output: Any) -> Any:
+    if isinstance(output, torch.Tensor) and output.dtype in LOW_DTYPES:
+        return output.float()
+    return output
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    opt_level: str = "O1",
+    dtype: torch.dtype | str | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Prepare a float32 model and its optimizer for mixed precision (Apex's levels).
+
+    Args:
+        model: a float32 model, already on its device.
+        optimizer: its optimizer (optional, for inference).
+        opt_level: ``"O0"`` float32; ``"O1"`` autocast with the default policy,
+            float32 weights; ``"O2"`` model in ``dtype`` except normalization layers,
+            float32 master weights, inputs cast to ``dtype`` and outputs to float32 at
+            the model boundary; ``"O3"`` everything in ``dtype`` (no masters).
+        dtype: torch.float16 or torch.bfloat16; None picks bfloat16 on CPUs and on
+            GPUs of compute capability >= 8.0, float16 on older GPUs.
+
+    Returns:
+        (model, optimizer): the model is changed in place; the optimizer is wrapped
+        in ``MasterWeightOptimizer`` for O2.
+
+    Raises:
+        ValueError: an unknown ``opt_level`` or dtype.
+
+    Example:
+        >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
+    """
+    if opt_level not in OPT_LEVELS:
+        raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    dtype = resolve_dtype(dtype) if dtype is not None else hardware.recommend_dtype(device)
+    if opt_level == "O0":
+        return model, optimizer
+    if opt_level == "O1":
+        region = autocast(Policy.default(device.type, dtype))
+        model.forward = types.MethodType(region(type(model).forward), model)  # type: ignore[method-assign]
+        return model, optimizer
+    if opt_level == "O2" and optimizer is not None:
+        optimizer = MasterWeightOptimizer(optimizer)  # before the cast: masters are exact
+    for module in model.modules():
+        if opt_level == "O2" and isinstance(module, NORM_TYPES):
+            continue  # normalization statistics stay float32; torch's norms take 16-bit inputs
+        _cast_own(module, dtype)
+    model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
+    model.register_forward_hook(_cast_output)
+    return model, optimizer
+
+
+def _cast_own(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast a module's own parameters and floating buffers, not its children's.
+
+    ``param.data`` is replaced, so the Parameter objects (which optimizers hold) stay.
+    """
+    for param in module.parameters(recurse=False):
+        param.data = param.data.to(dtype)
+    for name, buf in module.named_buffers(recurse=False):
+        if buf.is_floating_point():
+            setattr(module, name, buf.to(dtype))

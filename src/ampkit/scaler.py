@@ -1,0 +1,414 @@
+"""Loss scalers: keep small float16 gradients from underflowing, never skip silently.
+
+The call pattern is torch.amp.GradScaler's, so switching is a one-line change::
+
+    scaler = ampkit.DynamicLossScaler()
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        with ampkit.autocast(policy):
+            loss = loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        if scaler.step(optimizer):   # False when the step was skipped
+            scheduler.step()
+        scaler.update()
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ampkit import scaling
+from ampkit.scaling import ScaleRule, ScaleState
+
+STATE_VERSION = 1
+_HISTORY_LEN = 1000
+
+
+class NonFiniteError(RuntimeError):
+    """Training cannot continue: steps keep overflowing at the smallest scale."""
+
+
+class _Stage(enum.Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerStats:
+    """What a scaler has done so far.
+
+    Attributes:
+        steps: optimizer steps taken.
+        skipped: steps skipped because a gradient was inf/NaN.
+        overflows: updates that saw an overflow (a skipped step, or a tolerated one).
+        scale: the current loss scale.
+        history: the last 1000 updates as (update index, scale used, skipped).
+    """
+
+    steps: int
+    skipped: int
+    overflows: int
+    scale: float
+    history: tuple[tuple[int, float, bool], ...]
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaling: grow after clean steps, back off and skip on inf/NaN.
+
+    Args:
+        init_scale: the first scale (default 2**16).
+        growth_factor: multiplier after ``growth_interval`` clean steps (default 2.0).
+        backoff_factor: multiplier on overflow (default 0.5).
+        growth_interval: clean steps before growing (default 2000).
+        hysteresis: overflowing steps tolerated before a back-off (default 1: every
+            overflow backs off, as torch's GradScaler; DeepSpeed uses 2). Steps that
+            overflow are skipped either way.
+        min_scale / max_scale: bounds of the scale (default 1.0 and 2**24).
+        max_min_scale_overflows: overflowing steps in a row at ``min_scale`` before
+            raising NonFiniteError (default 10).
+        enabled: False makes every method a pass-through (``scale`` returns its input,
+            ``step`` just steps).
+        process_group: with torch.distributed, the overflow finding is all-reduced over
+            this group before deciding, so every rank skips the same steps.
+
+    Raises:
+        ValueError: a constant out of range.
+
+    Note:
+        ``step`` syncs with the device once (to decide whether to skip), as torch's
+        GradScaler does; ``scale`` and ``unscale_`` do not.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**24,
+        max_min_scale_overflows: int = 10,
+        enabled: bool = True,
+        process_group: Any = None,
+    ) -> None:
+        self.rule = ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
+        if not (math.isfinite(init_scale) and min_scale <= init_scale <= max_scale):
+            raise ValueError(
+                f"init_scale={init_scale!r} is outside [min_scale, max_scale] = [{min_scale}, {max_scale}]."
+            )
+        self.enabled = enabled
+        self.max_min_scale_overflows = max_min_scale_overflows
+        self.process_group = process_group
+        self._state = ScaleState(float(init_scale), 0, hysteresis)
+        self._steps = self._skipped = self._overflows = self._updates = 0
+        self._min_scale_overflows = 0
+        self._history: collections.deque[tuple[int, float, bool]] = collections.deque(maxlen=_HISTORY_LEN)
+        self._begin_iteration()
+
+    # -- the training-loop calls ------------------------------------------------
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply a loss (or a list/tuple of them) by the current scale."""
+        if not self.enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            self._last_loss = outputs.detach()
+            self._scaled = True
+            return outputs * self._state.scale
+        if isinstance(outputs, (list, tuple)):
+            return type(outputs)(self.scale(o) for o in outputs)
+        raise ValueError(f"scale() takes a tensor or a list/tuple of tensors, got {type(outputs).__name__}.")
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place and check them.
+
+        Call it before working on true gradients (clipping, logging). At most once
+        per optimizer between updates.
+
+        Raises:
+            RuntimeError: called twice for one optimizer, or after ``step``.
+        """
+        if not self.enabled:
+            return
+        stage = self._stages.get(id(optimizer), _Stage.READY)
+        if stage is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if stage is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step(); call it before step(), once per update().")
+        sync = getattr(optimizer, "sync_master_grads_", None)
+        if sync is not None:  # MasterWeightOptimizer: unscale the float32 copies
+            sync()
+        self._found[id(optimizer)] = self._unscale_grads(_params(optimizer))
+        self._stages[id(optimizer)] = _Stage.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], *args: Any, **kwargs: Any) -> bool:
+        """Unscale if needed, then step unless a gradient is inf/NaN.
+
+        Args:
+            optimizer: one optimizer, or a list of them to step together: all step,
+                or (when any of their gradients overflowed) none does. Separate
+                ``step`` calls skip independently, as torch's GradScaler.
+            args, kwargs: passed to ``optimizer.step``.
+
+        Returns:
+            True when the optimizer(s) stepped, False when skipped.
+
+        Raises:
+            RuntimeError: ``step`` twice for one optimizer since the last update, or
+                gradients that were never scaled.
+        """
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if not self.enabled:
+            for opt in optimizers:
+                opt.step(*args, **kwargs)
+            return True
+        if "closure" in kwargs:
+            raise RuntimeError("step(closure=...) is not supported with loss scaling: run the closure yourself.")
+        if not self._scaled:
+            raise RuntimeError("step() was called before scale(): scale the loss and call backward() first.")
+        for opt in optimizers:
+            if self._stages.get(id(opt)) is _Stage.STEPPED:
+                raise RuntimeError("step() has already been called on this optimizer since the last update().")
+            if self._stages.get(id(opt), _Stage.READY) is _Stage.READY:
+                self.unscale_(opt)
+        found = _total([self._found[id(opt)] for opt in optimizers] + self._loose_found)
+        overflow = self._agree(found)  # syncs once
+        self._iteration_overflow |= overflow
+        for opt in optimizers:
+            self._stages[id(opt)] = _Stage.STEPPED
+            if not overflow:
+                opt.step(*args, **kwargs)
+        if overflow:
+            self._skipped += 1
+        else:
+            self._steps += 1
+        return not overflow
+
+    def update(self, new_scale: float | None = None) -> None:
+        """Update the scale from this iteration's overflow findings.
+
+        Args:
+            new_scale: set this scale instead (counters are reset).
+
+        Raises:
+            RuntimeError: no ``step`` since the last update.
+            NonFiniteError: ``max_min_scale_overflows`` overflowing updates in a row at
+                ``min_scale``; the message says whether the loss itself is inf/NaN.
+        """
+        if not self.enabled:
+            return
+        if new_scale is not None:
+            self._state = ScaleState(float(new_scale), 0, self.rule.hysteresis)
+            self._begin_iteration()
+            return
+        if not any(stage is _Stage.STEPPED for stage in self._stages.values()):
+            raise RuntimeError("update() was called without step(): call scaler.step(optimizer) first.")
+        overflow = self._iteration_overflow
+        self._history.append((self._updates, self._state.scale, overflow))
+        self._updates += 1
+        if overflow:
+            self._overflows += 1
+            at_min = self._state.scale <= self.rule.min_scale
+            self._min_scale_overflows = self._min_scale_overflows + 1 if at_min else 0
+        else:
+            self._min_scale_overflows = 0
+        self._state = scaling.next_scale(self._state, overflow, self.rule)
+        last_loss = self._last_loss
+        self._begin_iteration()
+        if self._min_scale_overflows >= self.max_min_scale_overflows:
+            raise NonFiniteError(self._diagnose(last_loss))
+
+    def get_scale(self) -> float:
+        """The current scale (1.0 when disabled)."""
+        return self._state.scale if self.enabled else 1.0
+
+    @property
+    def stats(self) -> ScalerStats:
+        """Steps taken and skipped, overflows, the scale and a bounded history."""
+        return ScalerStats(self._steps, self._skipped, self._overflows, self.get_scale(), tuple(self._history))
+
+    def clip_grad_norm_(
+        self,
+        optimizer_or_params: torch.optim.Optimizer | Iterable[torch.Tensor],
+        max_norm: float,
+        norm_type: float = 2.0,
+    ) -> torch.Tensor:
+        """Clip true (unscaled) gradients; unscales first where needed.
+
+        Args:
+            optimizer_or_params: an optimizer (unscaled via ``unscale_`` if not yet),
+                or parameters whose gradients are unscaled here.
+            max_norm, norm_type: as ``torch.nn.utils.clip_grad_norm_``.
+
+        Returns:
+            The total norm of the unscaled gradients before clipping (inf/NaN when a
+            gradient overflowed; the following ``step`` is then skipped).
+        """
+        if isinstance(optimizer_or_params, torch.optim.Optimizer):
+            if self.enabled and self._stages.get(id(optimizer_or_params), _Stage.READY) is _Stage.READY:
+                self.unscale_(optimizer_or_params)
+            params = _params(optimizer_or_params)
+        else:
+            params = list(optimizer_or_params)
+            if self.enabled:  # counted in the next step's decision
+                self._loose_found.append(self._unscale_grads(params))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+
+    # -- checkpoints --------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume.
+
+        Keys: ``version``, ``scale``, ``growth_tracker``, ``hysteresis_left``,
+        ``growth_factor``, ``backoff_factor``, ``growth_interval``, ``hysteresis``,
+        ``min_scale``, ``max_scale``, ``steps``, ``skipped``, ``overflows``, ``updates``,
+        ``min_scale_overflows``.
+        """
+        return {
+            "version": STATE_VERSION,
+            "scale": self._state.scale,
+            "growth_tracker": self._state.growth_tracker,
+            "hysteresis_left": self._state.hysteresis_left,
+            **dataclasses.asdict(self.rule),
+            "steps": self._steps,
+            "skipped": self._skipped,
+            "overflows": self._overflows,
+            "updates": self._updates,
+            "min_scale_overflows": self._min_scale_overflows,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``, or from a torch.amp.GradScaler's state dict.
+
+        Raises:
+            RuntimeError: the dict is empty or misses keys (they are named).
+        """
+        if "_growth_tracker" in state_dict and "version" not in state_dict:  # torch.amp.GradScaler
+            state_dict = _from_grad_scaler(state_dict, self.rule)
+        required = set(self.state_dict())
+        missing = sorted(required - set(state_dict))
+        if missing:
+            raise RuntimeError(
+                f"Cannot load loss scaler state: missing keys {missing}. Pass the dict from "
+                "DynamicLossScaler.state_dict() or torch.amp.GradScaler.state_dict()."
+            )
+        if state_dict["version"] != STATE_VERSION:
+            raise RuntimeError(f"Loss scaler state version {state_dict['version']} is not {STATE_VERSION}.")
+        self.rule = ScaleRule(**{f.name: state_dict[f.name] for f in dataclasses.fields(ScaleRule)})
+        self._state = ScaleState(
+            float(state_dict["scale"]), int(state_dict["growth_tracker"]), int(state_dict["hysteresis_left"])
+        )
+        self._steps, self._skipped = int(state_dict["steps"]), int(state_dict["skipped"])
+        self._overflows, self._updates = int(state_dict["overflows"]), int(state_dict["updates"])
+        self._min_scale_overflows = int(state_dict["min_scale_overflows"])
+
+    # -- internals ------------------------------------------------------------------
+
+    def _begin_iteration(self) -> None:
+        self._stages: dict[int, _Stage] = {}
+        self._found: dict[int, torch.Tensor] = {}
+        self._loose_found: list[torch.Tensor] = []
+        self._unscaled_ids: set[int] = set()
+        self._iteration_overflow = False
+        self._scaled = False
+        self._last_loss: torch.Tensor | None = None
+
+    def _unscale_grads(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
+        grads = []
+        for p in params:
+            if p.grad is not None and id(p) not in self._unscaled_ids:
+                self._unscaled_ids.add(id(p))
+                grads.append(p.grad)
+        found = scaling.unscale_and_check_(grads, 1.0 / self._state.scale)
+        return _total(list(found.values()))
+
+    def _agree(self, found: torch.Tensor) -> bool:
+        if self.process_group is not None:
+            import torch.distributed as dist
+
+            found = found.detach().clone()
+            group = None if self.process_group is True else self.process_group
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+        return bool(found.item() > 0)
+
+    def _diagnose(self, last_loss: torch.Tensor | None) -> str:
+        head = (
+            f"{self._min_scale_overflows} optimizer steps in a row were skipped at the smallest loss scale "
+            f"({self.rule.min_scale}); scaling cannot help further."
+        )
+        if last_loss is not None and not bool(torch.isfinite(last_loss).all()):
+            return (
+                f"{head} The loss itself is {last_loss.float().flatten()[0].item()} in the forward pass: find the op "
+                "that overflows with ampkit.find_nonfinite(model, inputs, policy), keep it in float32 "
+                "(policy.with_ops(deny=[...]) or with_modules(..., dtype=torch.float32)), or use bfloat16."
+            )
+        return (
+            f"{head} The loss is finite but its gradients overflow even unscaled: lower the learning rate, "
+            "clip gradients, keep the overflowing layers in float32, or use bfloat16."
+        )
+
+
+class StaticLossScaler(DynamicLossScaler):
+    """A fixed loss scale. Steps whose gradients overflow are still skipped and counted.
+
+    Args:
+        scale: the loss scale (e.g. 128.0 or 2**10).
+        max_min_scale_overflows: overflowing steps in a row before NonFiniteError (default 10).
+        enabled: False makes every method a pass-through.
+    """
+
+    def __init__(
+        self, scale: float, max_min_scale_overflows: int = 10, enabled: bool = True, process_group: Any = None
+    ) -> None:
+        super().__init__(
+            init_scale=scale,
+            growth_factor=1.0,
+            backoff_factor=1.0,
+            growth_interval=2**31 - 1,
+            min_scale=scale,
+            max_scale=scale,
+            max_min_scale_overflows=max_min_scale_overflows,
+            enabled=enabled,
+            process_group=process_group,
+        )
+
+
+def _total(found: list[torch.Tensor]) -> torch.Tensor:
+    """Sum one-element tensors on the first one's device (a device copy: no host sync)."""
+    if not found:
+        return torch.zeros(1)
+    device = found[0].device
+    return torch.stack([f.to(device) for f in found]).sum()
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _from_grad_scaler(state: dict[str, Any], rule: ScaleRule) -> dict[str, Any]:
+    """Translate a torch.amp.GradScaler state dict (counters start at 0)."""
+    return {
+        "version": STATE_VERSION,
+        "scale": float(state["scale"]),
+        "growth_tracker": int(state["_growth_tracker"]),
+        "hysteresis_left": 1,
+        **dataclasses.asdict(rule),
+        "growth_factor": float(state["growth_factor"]),
+        "backoff_factor": float(state["backoff_factor"]),
+        "growth_interval": int(state["growth_interval"]),
+        "hysteresis": 1,
+        "steps": 0,
+        "skipped": 0,
+        "overflows": 0,
+        "updates": 0,
+        "min_scale_overflows": 0,
+    }

@@ -1,0 +1,261 @@
+"""ampkit.autocast: regions, nesting, caching, overrides, threads, custom functions."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampkit
+from ampkit import Policy, autocast
+autocast_mod = importlib.import_module("ampkit.autocast")  # the module; ampkit.autocast is the class
+
+CPU = Policy.default("cpu", torch.bfloat16)
+
+
+def _mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+
+
+def test_default_policy_matches_torch_autocast_bitwise() -> None:
+    model, x = _mlp(), torch.randn(4, 8)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = model(x)
+    with autocast(CPU):
+        got = model(x)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, expected)
+
+
+def test_default_policy_registers_no_kernels() -> None:
+    with autocast(CPU):
+        assert autocast_mod._registry.active() == set()
+
+
+def test_edited_kernels_live_only_while_a_region_needs_them() -> None:
+    policy = CPU.with_ops(deny=["gelu"])
+    with autocast(policy):
+        with autocast(policy):
+            assert autocast_mod._registry.active() == {("cpu", "gelu")}
+        assert autocast_mod._registry.active() == {("cpu", "gelu")}
+    assert autocast_mod._registry.active() == set()
+    x = torch.randn(4, dtype=torch.bfloat16)
+    with torch.autocast("cpu", torch.bfloat16):  # torch's own behaviour is back
+        assert F.gelu(x).dtype == torch.bfloat16
+
+
+def test_enabled_false_is_a_pass_through_also_inside_an_enabled_region() -> None:
+    model, x = _mlp(), torch.randn(4, 8)
+    with autocast(CPU, enabled=False):
+        assert model(x).dtype == torch.float32
+    with autocast(CPU):
+        with autocast(CPU.disabled()):
+            assert model(x).dtype == torch.float32
+        assert model(x).dtype == torch.bfloat16
+
+
+def test_nested_regions_use_the_innermost_policy() -> None:
+    outer, inner = CPU.with_ops(deny=["gelu"]), CPU.with_ops(allow=["gelu"])
+    x = torch.randn(4)
+    with autocast(outer):
+        assert F.gelu(x.bfloat16()).dtype == torch.float32
+        with autocast(inner):
+            assert F.gelu(x).dtype == torch.bfloat16
+        assert F.gelu(x.bfloat16()).dtype == torch.float32
+
+
+def test_infer_ops_run_in_the_widest_input_dtype() -> None:
+    policy = CPU.with_ops(infer=["add", "mul"])
+    a, b = torch.randn(4), torch.randn(4, dtype=torch.bfloat16)
+    with autocast(policy):
+        assert torch.add(a, b).dtype == torch.float32
+        assert torch.mul(b, b).dtype == torch.bfloat16
+
+
+def test_edited_policy_gradients_flow_through_casts() -> None:
+    model, x = _mlp(), torch.randn(4, 8)
+    policy = CPU.with_ops(allow=["layer_norm", "gelu"])
+    with autocast(policy):
+        loss = model(x).float().pow(2).sum()
+    loss.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_weight_used_twice_is_cast_once_and_the_cache_is_bounded() -> None:
+    policy = CPU.with_ops(allow=["mul"])
+    weight = nn.Parameter(torch.randn(4))
+    seen: list[int] = []
+    with autocast(policy):
+        for _ in range(50):  # a generation loop: no backward, same weights
+            with torch.no_grad():
+                y = torch.mul(torch.randn(4), weight) + torch.mul(torch.randn(4), weight)
+            assert y.dtype == torch.bfloat16
+            seen.append(autocast_mod.weight_cache_size())
+    assert seen == [1] * 50
+    assert autocast_mod.weight_cache_size() == 0
+
+
+def test_cached_cast_is_the_same_tensor_within_a_region() -> None:
+    policy = CPU.with_ops(allow=["mul"])
+    weight = nn.Parameter(torch.randn(4))
+    with autocast(policy):
+        torch.mul(torch.randn(4), weight)
+        first = autocast_mod._state.weight_cache[id(weight)][1]
+        torch.mul(torch.randn(4), weight)
+        assert autocast_mod._state.weight_cache[id(weight)][1] is first
+
+
+def test_module_override_by_type_keeps_layernorm_in_float32() -> None:
+    model = _mlp()
+    captured: dict[str, torch.dtype] = {}
+    model[1].register_forward_hook(lambda m, i, o: captured.__setitem__("ln_in", i[0].dtype))
+    model[3].register_forward_hook(lambda m, i, o: captured.__setitem__("head", o.dtype))
+    with autocast(CPU.with_modules(nn.Linear, dtype=torch.float32)):
+        model(torch.randn(2, 8))
+    assert captured == {"ln_in": torch.float32, "head": torch.float32}
+
+
+def test_module_override_by_name_pattern() -> None:
+    model = nn.Sequential()
+    model.add_module("body", nn.Linear(8, 8))
+    model.add_module("lm_head", nn.Linear(8, 4))
+    outs: dict[str, torch.dtype] = {}
+    for name, module in model.named_children():
+        module.register_forward_hook(lambda m, i, o, name=name: outs.__setitem__(name, o.dtype))
+    with autocast(CPU.with_modules("lm_*", dtype=torch.float32)):
+        model(torch.randn(2, 8))
+    assert outs == {"body": torch.bfloat16, "lm_head": torch.float32}
+
+
+def test_module_override_to_low_dtype_runs_deny_ops_in_16_bits() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Softmax(-1))
+    policy = CPU.with_ops(deny=["softmax"])
+    with autocast(policy):
+        assert model(torch.randn(2, 8)).dtype == torch.float32
+    with autocast(policy.with_modules(nn.Softmax, dtype=torch.bfloat16)):
+        assert model(torch.randn(2, 8)).dtype == torch.bfloat16
+    assert autocast_mod._hook_handles == []
+
+
+def test_decorated_forward_names_modules_from_its_own_module() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 2)
+
+        @autocast(CPU.with_modules("head", dtype=torch.float32))
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.body(x)
+            return h, self.head(h)
+
+    h, out = Net()(torch.randn(2, 8))
+    assert (h.dtype, out.dtype) == (torch.bfloat16, torch.float32)
+
+
+def test_decorated_forward_casts_the_same_in_worker_threads() -> None:
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        @autocast(CPU.with_ops(deny=["gelu"]))
+        def forward(self, x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+            h = self.fc(x)
+            return h.dtype, F.gelu(h).dtype
+
+    net = Net()
+    main = net(torch.randn(2, 8))
+    results: list[tuple[torch.dtype, torch.dtype]] = []
+    barrier = threading.Barrier(4)
+
+    def work() -> None:
+        barrier.wait()  # all four inside forward at once, as DataParallel does
+        for _ in range(20):
+            results.append(net(torch.randn(2, 8)))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert main == (torch.bfloat16, torch.float32)
+    assert results == [main] * 80
+    assert autocast_mod._registry.active() == set()
+
+
+class _MatmulFn(torch.autograd.Function):
+    dtypes: list[torch.dtype] = []
+
+    @staticmethod
+    @ampkit.custom_fwd(device_type="cpu")
+    def forward(ctx, a, b):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(a, b)
+        out = torch.mm(a, b)
+        _MatmulFn.dtypes.append(out.dtype)
+        return out
+
+    @staticmethod
+    @ampkit.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        a, b = ctx.saved_tensors
+        grad_a = torch.mm(grad, b.t())
+        _MatmulFn.dtypes.append(grad_a.dtype)
+        return grad_a, torch.mm(a.t(), grad)
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    [(CPU, torch.bfloat16), (CPU.with_ops(deny=["mm"]), torch.float32)],
+    ids=["default", "mm-denied"],
+)
+def test_custom_function_backward_runs_under_its_forward_policy(policy: Policy, expected: torch.dtype) -> None:
+    _MatmulFn.dtypes = []
+    a = torch.randn(4, 4, requires_grad=True)
+    b = torch.randn(4, 4, requires_grad=True)
+    with autocast(policy):
+        out = _MatmulFn.apply(a, b)
+    out.float().sum().backward()  # after the region: the policy still applies
+    assert _MatmulFn.dtypes == [expected, expected]
+
+
+def test_custom_fwd_cast_inputs_runs_forward_in_that_dtype() -> None:
+    class Square(torch.autograd.Function):
+        @staticmethod
+        @ampkit.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+        def forward(ctx, x):  # type: ignore[no-untyped-def]
+            return torch.mm(x, x)
+
+    with autocast(CPU):
+        assert Square.apply(torch.randn(3, 3, dtype=torch.bfloat16)).dtype == torch.float32
+
+
+def test_bce_runs_in_float32_on_cpu() -> None:
+    p = torch.rand(4, dtype=torch.bfloat16)
+    with autocast(CPU):
+        assert nn.BCELoss()(p, p).dtype == torch.float32
+
+
+def test_removing_bce_from_the_lists_lets_it_follow_its_input() -> None:
+    p = torch.rand(4, dtype=torch.bfloat16)
+    with autocast(CPU.with_ops(none=["binary_cross_entropy"])):
+        assert F.binary_cross_entropy(p, p).dtype == torch.bfloat16
+
+
+def test_fp16_on_cpu_without_native_fp16_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ampkit.hardware, "cpu_has_native_fp16", lambda: False)
+    monkeypatch.setattr(autocast_mod, "_warned", set())
+    with pytest.warns(ampkit.SlowPrecisionWarning, match="about 70x slower.*Use torch.bfloat16"):
+        autocast(Policy.default("cpu", torch.float16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        autocast(Policy.default("cpu", torch.float16))
+
+
+def test_not_a_policy_is_rejected() -> None:
+    with pytest.raises(ValueError, match="takes an ampkit.Policy, got str"):
+        autocast("bf16")  # type: ignore[arg-type]
