@@ -7,6 +7,10 @@ from ampkit.autocast import autocast, custom_bwd, custom_fwd
 from ampkit.hardware import SlowPrecisionWarning
 from ampkit.policy import ModuleOverride, Policy
 
+# Loss scaling and master weights
+from ampkit.master import MasterWeightOptimizer, initialize
+from ampkit.scaler import DynamicLossScaler, NonFiniteError, ScalerStats, StaticLossScaler
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -17,4 +21,11 @@ __all__ = [
     "custom_fwd",
     "custom_bwd",
     "SlowPrecisionWarning",
+    # Loss scaling and master weights
+    "DynamicLossScaler",
+    "StaticLossScaler",
+    "ScalerStats",
+    "NonFiniteError",
+    "MasterWeightOptimizer",
+    "initialize",
 ]

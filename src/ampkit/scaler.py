@@ -385,9 +385,9 @@ class StaticLossScaler(DynamicLossScaler):
 def _total(found: list[torch.Tensor]) -> torch.Tensor:
     """Sum one-element tensors on the first one's device (a device copy: no host sync)."""
     if not found:
-        return torch.zeros(1)
+        return torch.zeros(())
     device = found[0].device
-    return torch.stack([f.to(device) for f in found]).sum()
+    return torch.stack([f.to(device).reshape(()) for f in found]).sum()
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

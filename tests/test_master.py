@@ -1,0 +1,161 @@
+"""FP32 master weights and the O0-O3 opt levels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+from ampkit import DynamicLossScaler, MasterWeightOptimizer
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.LayerNorm(32), nn.ReLU(), nn.Linear(32, 3))
+
+
+def _task(n: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0.5).long()
+    return x, y
+
+
+def _setup(level: str, opt_class: type, dtype: str, **kwargs: float):  # type: ignore[no-untyped-def]
+    model = _net()
+    return ampkit.initialize(model, opt_class(model.parameters(), **kwargs), level, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_update_below_16_bit_resolution_is_kept_by_the_master_copy(dtype: torch.dtype) -> None:
+    # lr * grad = 1e-5 on a weight of 1.0: far below the spacing of 16-bit numbers at 1.0.
+    plain = nn.Parameter(torch.ones(4, dtype=dtype))
+    opt_plain = torch.optim.SGD([plain], lr=1e-5)
+    mastered = nn.Parameter(torch.ones(4))
+    opt_master = MasterWeightOptimizer(torch.optim.SGD([mastered], lr=1e-5))
+    mastered.data = mastered.data.to(dtype)
+    for _ in range(200):
+        for p, opt in ((plain, opt_plain), (mastered, opt_master)):
+            opt.zero_grad()
+            p.float().sum().backward()
+            opt.step()
+    assert plain.eq(1.0).all()  # every update rounded away
+    torch.testing.assert_close(opt_master.master_params[0], torch.full((4,), 1 - 200e-5), rtol=0, atol=1e-5)
+    assert mastered.lt(1.0).all()  # the model sees the accumulated change
+
+
+def test_o2_trains_to_float32_accuracy() -> None:
+    x, y = _task()
+    accuracies = {}
+    for level in ("O0", "O2"):
+        model = _net()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = ampkit.initialize(model, opt, level, dtype=torch.bfloat16)
+        for _ in range(60):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        with torch.no_grad():
+            accuracies[level] = (model(x).argmax(1) == y).float().mean().item()
+    assert accuracies["O0"] > 0.9
+    assert abs(accuracies["O2"] - accuracies["O0"]) <= 0.02
+
+
+def test_o2_with_float16_and_dynamic_scaling() -> None:
+    x, y = _task(64)
+    model, opt = _setup("O2", torch.optim.SGD, "fp16", lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**24)  # big enough to overflow float16 gradients at first
+    stepped = []
+    for _ in range(12):
+        opt.zero_grad()
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        stepped.append(scaler.step(opt))
+        scaler.update()
+    assert not stepped[0] and all(stepped[-3:])
+    assert scaler.stats.skipped == stepped.count(False) > 0
+
+
+@pytest.mark.parametrize(
+    "level, linear_dtype, norm_dtype, wrapped",
+    [
+        ("O0", torch.float32, torch.float32, False),
+        ("O1", torch.float32, torch.float32, False),
+        ("O2", torch.bfloat16, torch.float32, True),
+        ("O3", torch.bfloat16, torch.bfloat16, False),
+    ],
+)
+def test_opt_levels(level: str, linear_dtype: torch.dtype, norm_dtype: torch.dtype, wrapped: bool) -> None:
+    model, opt = _setup(level, torch.optim.SGD, "bf16", lr=0.1)
+    assert model[0].weight.dtype == linear_dtype and model[1].weight.dtype == norm_dtype
+    assert isinstance(opt, MasterWeightOptimizer) == wrapped
+    hidden = {}
+    model[0].register_forward_hook(lambda m, i, o: hidden.__setitem__("dtype", o.dtype))
+    out = model(torch.randn(2, 8))  # float32 inputs are cast at the boundary
+    assert hidden["dtype"] == (torch.float32 if level == "O0" else torch.bfloat16)
+    assert out.dtype == (torch.bfloat16 if level == "O1" else torch.float32)
+
+
+def test_unknown_opt_level() -> None:
+    with pytest.raises(ValueError, match=r"Unknown opt_level: 'O4'. Choose one of \['O0', 'O1', 'O2', 'O3'\]"):
+        ampkit.initialize(_net(), None, "O4")
+
+
+def test_param_groups_schedulers_and_zero_grad() -> None:
+    model = _net()
+    inner = torch.optim.SGD(
+        [{"params": model[0].parameters(), "lr": 0.1}, {"params": model[3].parameters(), "lr": 0.01}], lr=0.5
+    )
+    model, opt = ampkit.initialize(model, inner, "O2", "bf16")
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    sched.step()
+    assert [g["lr"] for g in opt.param_groups] == [0.05, 0.005]
+    assert all(m.dtype == torch.float32 for m in opt.master_params)
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in opt.model_params) and len(opt.model_params) == 4
+
+
+def test_checkpoint_holds_float32_masters_and_round_trips(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model, opt = _setup("O2", torch.optim.Adam, "bf16", lr=1e-3)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    saved = torch.load(tmp_path / "opt.pt")
+    assert all(m.dtype == torch.float32 for m in saved["master_params"])
+
+    # Into a float32 model without loss.
+    fp32_model = _net()
+    fp32_model.load_state_dict(opt.fp32_state_dict(model))
+    assert torch.equal(fp32_model[0].weight, opt.master_params[0])
+
+    # Into a fresh O2 setup: masters and Adam state restored exactly.
+    model2, opt2 = _setup("O2", torch.optim.Adam, "bf16", lr=1e-3)
+    opt2.load_state_dict(saved)
+    for a, b in zip(opt.master_params, opt2.master_params):
+        assert torch.equal(a, b)
+    assert torch.equal(model2[0].weight, model[0].weight)
+
+
+def test_float32_checkpoint_fills_the_masters_exactly() -> None:
+    reference = _net()
+    with torch.no_grad():
+        reference[0].weight.add_(1e-4)  # not representable in bfloat16
+    model, opt = _setup("O2", torch.optim.SGD, "bf16", lr=0.1)
+    opt.load_fp32_weights(model, reference.state_dict())
+    index = [id(p) for p in opt.model_params].index(id(model[0].weight))
+    assert torch.equal(opt.master_params[index], reference[0].weight)
+    assert model[0].weight.dtype == torch.bfloat16
+
+
+def test_bad_checkpoints_are_named() -> None:
+    _, opt = _setup("O2", torch.optim.SGD, "bf16", lr=0.1)
+    with pytest.raises(RuntimeError, match="empty state dict"):
+        opt.load_state_dict({})
+    with pytest.raises(RuntimeError, match=r"Not an optimizer state dict: keys \['weights'\]"):
+        opt.load_state_dict({"weights": 1})
+    with pytest.raises(RuntimeError, match="has 1 master weights, this optimizer 6"):
+        opt.load_state_dict({"version": 1, "optimizer": {}, "master_params": [torch.zeros(1)]})
