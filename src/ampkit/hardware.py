@@ -56,3 +56,37 @@ def recommend_dtype(device: torch.device | str) -> torch.dtype:
         major, _ = torch.cuda.get_device_capability(device)
         return torch.bfloat16 if major >= 8 else torch.float16
     return torch.bfloat16
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, or the platform's processor string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def machine_summary(device: torch.device | str = "cpu") -> dict[str, object]:
+    """Plain facts about this machine for result files: versions, device, 16-bit support."""
+    import os
+
+    device = torch.device(device)
+    summary: dict[str, object] = {
+        "torch": torch.__version__,
+        "cpu": cpu_model_name(),
+        "cpu_cores": os.cpu_count(),
+        "cpu_native_bf16": cpu_has_native_bf16(),
+        "cpu_native_fp16": cpu_has_native_fp16(),
+        "device": device.type,
+        "device_name": cpu_model_name(),
+    }
+    if device.type == "cuda":
+        summary["device_name"] = torch.cuda.get_device_name(device)
+        summary["cuda"] = torch.version.cuda
+        summary["compute_capability"] = "%d.%d" % torch.cuda.get_device_capability(device)
+    return summary

@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ampkit.cli import ops
+from ampkit.cli import compare, ops
 
-SUBCOMMANDS = [ops]
+SUBCOMMANDS = [compare, ops]
 
 
 def build_parser() -> argparse.ArgumentParser:

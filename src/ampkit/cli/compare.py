@@ -1,0 +1,78 @@
+"""`ampkit compare`: train float32 and mixed precision side by side; print and save the record."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ampkit.experiment import comparison as comparison_mod
+from ampkit.experiment import report
+from ampkit.experiment.data import DATASETS
+from ampkit.experiment.models import MODELS
+from ampkit.experiment.run import PRECISIONS
+from ampkit.master import OPT_LEVELS
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "compare",
+        help="train in float32 and mixed precision, compare time, memory and accuracy",
+        description="With no arguments: ResNet-18 on the bundled handwritten digits, float32 vs the mixed "
+        "settings this hardware supports.",
+    )
+    parser.add_argument("--model", default="resnet18", help=f"{' | '.join(MODELS)} | pkg.module:factory")
+    parser.add_argument("--data", default=None, help=f"{' | '.join(DATASETS)} (default: digits; text for gpt)")
+    parser.add_argument("--precision", nargs="+", choices=PRECISIONS, help="mixed precisions to run")
+    parser.add_argument("--opt-level", nargs="+", choices=OPT_LEVELS[1:], help="opt levels of the mixed runs")
+    parser.add_argument("--batch-size", type=int)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--epochs", type=int)
+    group.add_argument("--steps", type=int)
+    parser.add_argument("--lr", type=float)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="output directory (default: ./ampkit-runs/<timestamp>/)")
+    parser.add_argument("--json", action="store_true", help="print results.json to stdout instead of the table")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = args.out or comparison_mod.default_out_dir()
+    comparison_mod.check_out_dir(out)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        configs = comparison_mod.plan(
+            model=args.model, data=args.data, precisions=args.precision, opt_levels=args.opt_level,
+            batch_size=args.batch_size, epochs=args.epochs, steps=args.steps, lr=args.lr, device=args.device,
+            seed=args.seed,
+        )
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    console = Console(stderr=args.json)
+    if not console.is_terminal:
+        console = Console(stderr=args.json, width=160)  # logs: one line per run, not wrapped at 80
+    if args.quiet or args.json or not console.is_terminal:
+        result = comparison_mod.compare(configs)
+    else:
+        with Progress(
+            TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+            TimeElapsedColumn(), console=console,
+        ) as bars:
+            tasks = {c.label: bars.add_task(c.label, total=c.steps, loss="-") for c in configs}
+            result = comparison_mod.compare(
+                configs, lambda label, step, total, loss: bars.update(tasks[label], completed=step, loss=f"{loss:.4f}")
+            )
+    paths = report.write_all(result, out)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    console.print(report.table(result))
+    console.print("Wrote " + ", ".join(str(p) for p in paths))
+    return 0

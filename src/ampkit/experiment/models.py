@@ -1,0 +1,146 @@
+"""The models `ampkit compare` trains: ResNet-18 for 1x28x28 images, a small GPT, an MLP.
+
+Defined here because torchvision is not a dependency; each factory takes the
+data's shape and returns a float32 ``nn.Module``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, in_channels: int, channels: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, channels, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or in_channels != channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, channels, 1, stride, bias=False), nn.BatchNorm2d(channels)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 (He et al., 2016) for small grayscale images.
+
+    The ImageNet stem (7x7 stride-2 conv and max-pool) would shrink 28x28 to 7x7;
+    a 3x3 stride-1 conv stem keeps 28x28 for the first stage, as CIFAR ResNets do.
+    """
+
+    def __init__(self, in_channels: int = 1, num_classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 64, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        layers, channels = [], 64
+        for width, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers += [BasicBlock(channels, width, stride), BasicBlock(width, width, 1)]
+            channels = width
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.layers(F.relu(self.bn1(self.conv1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
+
+
+class MLP(nn.Module):
+    def __init__(self, in_features: int = 784, num_classes: int = 10, hidden: int = 512) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, c // self.n_heads).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(b, t, c))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(d_model), CausalSelfAttention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """A small decoder-only transformer (nanoGPT's shape): token + position embeddings,
+    pre-norm blocks, a tied language-model head."""
+
+    def __init__(self, vocab_size: int = 256, context: int = 256, d_model: int = 384, n_layers: int = 4,
+                 n_heads: int = 6) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab_size, d_model)
+        self.pos = nn.Embedding(context, d_model)
+        self.blocks = nn.Sequential(*[Block(d_model, n_heads) for _ in range(n_layers)])
+        self.ln_f = nn.LayerNorm(d_model)
+        self.lm_head = nn.Linear(d_model, vocab_size, bias=False)
+        self.lm_head.weight = self.tok.weight
+        for module in self.modules():  # GPT-2's initialisation, as nanoGPT
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
+        for name, p in self.named_parameters():
+            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layers))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.blocks(self.tok(idx) + self.pos(positions))
+        return self.lm_head(self.ln_f(x))
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"resnet18": ResNet18, "gpt": GPT, "mlp": MLP}
+
+
+def load_factory(spec: str) -> Callable[..., nn.Module]:
+    """A model factory: a name in MODELS, or ``pkg.module:factory`` (a user's own).
+
+    Raises:
+        ValueError: an unknown name, or a ``module:factory`` that cannot be imported.
+    """
+    if spec in MODELS:
+        return MODELS[spec]
+    if ":" not in spec:
+        raise ValueError(f"Unknown model {spec!r}. Choose one of {sorted(MODELS)} or give pkg.module:factory.")
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"Cannot load model factory {spec!r}: {error}. Is the module on PYTHONPATH?") from error
+    if not callable(factory):
+        raise ValueError(f"Model factory {spec!r} is not callable.")
+    return factory

@@ -1,0 +1,129 @@
+"""Tables, figures and files of a comparison. Files are written atomically."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.table import Table
+
+from ampkit.experiment.comparison import Comparison
+
+MIB = 2**20
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Write ``path`` through a temporary file in its directory, then rename it into place,
+    so a crash never leaves a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(comparison: Comparison, path: Path) -> None:
+    text = json.dumps(comparison.to_dict(), indent=2, allow_nan=True)
+    atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
+
+
+def _ratio(value: float) -> str:
+    return "" if math.isnan(value) else f" ({value:.2f}x)"
+
+
+def table(comparison: Comparison) -> Table:
+    """The comparison as a rich table, each figure with its ratio to float32."""
+    machine = comparison.machine
+    config = comparison.config
+    title = (
+        f"ampkit compare: {config['model']} on {config['data']}, batch {config['batch_size']}, "
+        f"{config['steps']} steps, {machine['device_name']} (torch {machine['torch']})"
+    )
+    out = Table(title=title)
+    for header in ("dtype", "level", "ms/step", "samples/s", "peak mem", "saved (bwd)", "loss", "test acc", "skip",
+                   "scale"):
+        out.add_column(header, justify="left" if header in ("dtype", "level") else "right", no_wrap=True)
+    for run in comparison.runs:
+        r = lambda field: _ratio(comparison.ratio(run, field)) if run is not comparison.baseline else ""  # noqa: E731
+        out.add_row(
+            run.precision,
+            run.opt_level,
+            f"{run.ms_per_step:.1f}{r('ms_per_step')}",
+            f"{run.samples_per_s:.1f}{r('samples_per_s')}",
+            f"{run.peak_memory_bytes / MIB:.0f} MiB{r('peak_memory_bytes')}",
+            f"{run.saved_for_backward_bytes / MIB:.1f} MiB{r('saved_for_backward_bytes')}",
+            f"{run.final_train_loss:.4f}",
+            f"{100 * run.test_accuracy:.1f}%",
+            str(run.skipped_steps),
+            "-" if run.final_loss_scale is None else f"{run.final_loss_scale:g}",
+        )
+    return out
+
+
+def write_curves(comparison: Comparison, path: Path) -> None:
+    """Training loss per step of every run, overlaid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    for run in comparison.runs:
+        ax.plot(range(1, len(run.losses) + 1), run.losses, label=run.label, linewidth=1.4)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.set_title(f"{comparison.config['model']} on {comparison.config['data']}: loss per step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    plt.close(fig)
+
+
+def write_summary(comparison: Comparison, path: Path) -> None:
+    """Time and memory per run as bars, with the float32 baseline marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [run.label for run in comparison.runs]
+    panels = [
+        ("ms per step", [run.ms_per_step for run in comparison.runs]),
+        ("peak memory (MiB)", [run.peak_memory_bytes / MIB for run in comparison.runs]),
+        ("saved for backward (MiB)", [run.saved_for_backward_bytes / MIB for run in comparison.runs]),
+    ]
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.6), dpi=120)
+    for ax, (name, values) in zip(axes, panels):
+        bars = ax.bar(labels, values, color=["#888888"] + ["#3b75af"] * (len(values) - 1))
+        ax.axhline(values[0], color="black", linestyle="--", linewidth=1, label="fp32")
+        for bar, value in zip(bars, values):
+            ratio = value / values[0] if values[0] else math.nan
+            ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
+                        fontsize=8)
+        ax.set_title(name)
+        ax.tick_params(axis="x", labelrotation=20)
+    axes[0].legend(loc="lower left")
+    fig.suptitle(f"{comparison.config['model']} on {comparison.config['data']}, {comparison.machine['device_name']}",
+                 fontsize=9)
+    fig.tight_layout()
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    plt.close(fig)
+
+
+def write_all(comparison: Comparison, out: Path) -> list[Path]:
+    """results.json, curves.png and summary.png in ``out``; returns their paths."""
+    paths = [out / "results.json", out / "curves.png", out / "summary.png"]
+    write_json(comparison, paths[0])
+    write_curves(comparison, paths[1])
+    write_summary(comparison, paths[2])
+    return paths

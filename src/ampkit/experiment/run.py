@@ -1,0 +1,263 @@
+"""One training run of a comparison, and the subprocess that hosts it.
+
+Each run executes in its own Python process (``python -m ampkit.experiment.run``)
+so its peak memory is its own; it reports progress and its result as JSON lines
+on stdout. Runs start from the same seed, hence the same initial weights, and
+draw the same batches in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ampkit.experiment import data as data_mod
+from ampkit.experiment.models import load_factory
+from ampkit.master import initialize
+from ampkit.policy import resolve_dtype
+from ampkit.scaler import DynamicLossScaler
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+CONTEXT = 256
+WARMUP_STEPS = 2
+PRECISE_BN_BATCHES = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One run: a model on data in one precision setting."""
+
+    model: str = "resnet18"
+    data: str = "digits"
+    precision: str = "fp32"  # fp32, bf16 or fp16
+    opt_level: str = "O0"  # O0 for fp32; O1/O2/O3 for 16-bit
+    batch_size: int = 64
+    steps: int = 44
+    lr: float = 2e-3
+    device: str = "cpu"
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        return "fp32" if self.precision == "fp32" else f"{self.precision} {self.opt_level}"
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one run measured. Times in ms, memory in bytes."""
+
+    label: str
+    precision: str
+    opt_level: str
+    ms_per_step: float  # median over the steps after warm-up
+    samples_per_s: float
+    peak_memory_bytes: int  # CUDA: max_memory_allocated; CPU: peak RSS of the run's process
+    saved_for_backward_bytes: int  # activation memory of one step, exact on any device
+    final_train_loss: float  # mean of the last 5 steps
+    test_accuracy: float  # images: class accuracy; text: next-byte accuracy
+    skipped_steps: int
+    final_loss_scale: float | None  # None without loss scaling
+    steps: int
+    losses: list[float]
+    wall_s: float
+
+
+def _is_weight_copy(t: torch.Tensor) -> bool:
+    """A 16-bit copy of a parameter made by autocast (its only input is a leaf)."""
+    fn = t.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    inputs = [next_fn for next_fn, _ in fn.next_functions if next_fn is not None]
+    return bool(inputs) and all(next_fn.name().endswith("AccumulateGrad") for next_fn in inputs)
+
+
+def saved_bytes_of_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Run ``step`` (forward and loss) and count the activation bytes autograd saves for backward.
+
+    Storages are counted once. Parameters, and the 16-bit copies of parameters
+    that autocast saves, are weights rather than activations and are left out,
+    so the figure is the activation memory of one step, exact on any device.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and not _is_weight_copy(t):
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step()
+    return loss, sum(seen.values())
+
+
+def execute(config: RunConfig, progress: Callable[[int, float], None] = lambda i, loss: None) -> RunResult:
+    """Train and evaluate one configuration in this process."""
+    start = time.perf_counter()
+    device = torch.device(config.device)
+    dataset = data_mod.load(config.data)
+    torch.manual_seed(config.seed)
+    model = load_factory(config.model)(**dataset.model_kwargs(CONTEXT)).to(device)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    if config.precision != "fp32":
+        dtype = resolve_dtype(config.precision)
+        model, optimizer = initialize(model, optimizer, config.opt_level, dtype)  # type: ignore[assignment]
+    scaler = DynamicLossScaler(enabled=config.precision == "fp16")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def batch(index: torch.Tensor, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        xs = dataset.train_x if split == "train" else dataset.test_x
+        ys = dataset.train_y if split == "train" else dataset.test_y
+        if dataset.kind == "text":
+            x, y = data_mod.windows(xs, index, CONTEXT)
+        else:
+            x, y = xs[index], ys[index]
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+    plan = data_mod.batches(dataset, config.batch_size, config.steps, config.seed, CONTEXT)
+    losses: list[float] = []
+    times: list[float] = []
+    saved = 0
+    model.train()
+    for i, index in enumerate(plan):
+        x, y = batch(index)
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        if i == 0:
+            loss, saved = saved_bytes_of_step(model, lambda: loss_of(x, y))
+        else:
+            loss = loss_of(x, y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        loss_value = loss.item()  # syncs, so the step's time is complete
+        times.append(time.perf_counter() - t0)
+        losses.append(loss_value)
+        progress(i + 1, loss_value)
+
+    recalibrate_batchnorm(model, [batch(index)[0] for index in plan[-PRECISE_BN_BATCHES:]])
+    accuracy = evaluate(model, dataset, batch)
+    median_s = statistics.median(times[WARMUP_STEPS:] or times)
+    stats = scaler.stats
+    return RunResult(
+        label=config.label,
+        precision=config.precision,
+        opt_level=config.opt_level,
+        ms_per_step=median_s * 1e3,
+        samples_per_s=config.batch_size / median_s,
+        peak_memory_bytes=peak_memory(device),
+        saved_for_backward_bytes=saved,
+        final_train_loss=statistics.fmean(losses[-5:]),
+        test_accuracy=accuracy,
+        skipped_steps=stats.skipped,
+        final_loss_scale=stats.scale if scaler.enabled else None,
+        steps=len(losses),
+        losses=losses,
+        wall_s=time.perf_counter() - start,
+    )
+
+
+@torch.no_grad()
+def recalibrate_batchnorm(model: nn.Module, inputs: list[torch.Tensor]) -> None:
+    """Recompute BatchNorm statistics as plain averages over ``inputs`` (precise BN).
+
+    A few dozen steps are too few for BatchNorm's running averages (momentum 0.1)
+    to catch up with weights that still move fast, and evaluation suffers; this is
+    Detectron2's PreciseBN. Models without BatchNorm are left alone.
+    """
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    momenta = [m.momentum for m in norms]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None  # cumulative average
+    model.train()
+    for x in inputs:
+        model(x)
+    for norm, momentum in zip(norms, momenta):
+        norm.momentum = momentum
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: data_mod.Dataset, batch: Callable[..., Any]) -> float:
+    model.eval()
+    correct = total = 0
+    if dataset.kind == "text":
+        g = torch.Generator().manual_seed(1)
+        starts = torch.randint(0, len(dataset.test_x) - CONTEXT - 1, (64,), generator=g)
+        indices = list(starts.split(16))
+    else:
+        indices = list(torch.arange(len(dataset.test_y)).split(256))
+    for index in indices:
+        x, y = batch(index, "test")
+        correct += int((model(x).argmax(-1) == y).sum())
+        total += y.numel()
+    model.train()
+    return correct / total
+
+
+def peak_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def run_in_subprocess(config: RunConfig, progress: Callable[[int, float], None]) -> RunResult:
+    """Run ``config`` in a fresh Python process; ``progress(step, loss)`` per step.
+
+    Raises:
+        RuntimeError: the run failed; the message carries its error output.
+    """
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ampkit.experiment.run", json.dumps(dataclasses.asdict(config))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    result = None
+    assert process.stdout is not None and process.stderr is not None
+    for line in process.stdout:
+        message = json.loads(line)
+        if "step" in message:
+            progress(message["step"], message["loss"])
+        elif "result" in message:
+            result = RunResult(**message["result"])
+    stderr = process.stderr.read()
+    if process.wait() != 0 or result is None:
+        raise RuntimeError(f"The {config.label} run failed (exit code {process.returncode}):\n{stderr[-4000:]}")
+    if stderr.strip():
+        print(stderr, file=sys.stderr, end="")  # the run's warnings, shown once
+    return result
+
+
+def _main(argv: list[str]) -> int:
+    config = RunConfig(**json.loads(argv[0]))
+
+    def report(step: int, loss: float) -> None:
+        print(json.dumps({"step": step, "loss": loss}), flush=True)
+
+    result = execute(config, report)
+    print(json.dumps({"result": dataclasses.asdict(result)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

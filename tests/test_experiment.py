@@ -1,0 +1,207 @@
+"""`ampkit compare` end to end on tiny configurations, and its data loaders."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+
+from ampkit.cli.main import main
+from ampkit.experiment import comparison, data, report
+from ampkit.experiment.models import GPT, load_factory
+from ampkit.experiment.run import RunConfig, execute
+
+RUN_FIELDS = {f.name for f in dataclasses.fields(comparison.RunResult)}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[comparison.Comparison, Path]:
+    configs = comparison.plan(model="resnet18", steps=3, batch_size=8)
+    result = comparison.compare(configs)
+    out = tmp_path_factory.mktemp("tiny")
+    report.write_all(result, out)
+    return result, out
+
+
+def test_default_plan_is_fp32_then_bf16_o1_o2_on_cpu() -> None:
+    configs = comparison.plan()
+    assert [c.label for c in configs] == ["fp32", "bf16 O1", "bf16 O2"]
+    assert {c.steps for c in configs} == {2 * (1437 // 64)}  # two epochs of the digits train split
+    assert len({dataclasses.replace(c, precision="", opt_level="") for c in configs}) == 1
+
+
+def test_results_json_has_every_field(tiny: tuple[comparison.Comparison, Path]) -> None:
+    result, out = tiny
+    saved = json.loads((out / "results.json").read_text())
+    assert [run["label"] for run in saved["runs"]] == ["fp32", "bf16 O1", "bf16 O2"]
+    for run in saved["runs"]:
+        assert RUN_FIELDS | {"ratio_to_fp32"} <= set(run)
+        assert set(run["ratio_to_fp32"]) == set(comparison.RATIO_FIELDS)
+        assert run["steps"] == 3 and len(run["losses"]) == 3 and run["ms_per_step"] > 0
+    assert {"torch", "device_name", "cpu_native_bf16", "cpu_native_fp16"} <= set(saved["machine"])
+    assert saved["runs"][0]["ratio_to_fp32"]["ms_per_step"] == 1.0
+
+
+def test_mixed_runs_save_fewer_bytes_for_backward(tiny: tuple[comparison.Comparison, Path]) -> None:
+    result, _ = tiny
+    fp32 = result.baseline.saved_for_backward_bytes
+    assert fp32 > 0
+    for run in result.runs[1:]:
+        assert run.saved_for_backward_bytes < fp32
+
+
+def test_pictures_are_valid_pngs(tiny: tuple[comparison.Comparison, Path]) -> None:
+    _, out = tiny
+    for name in ("curves.png", "summary.png"):
+        raw = (out / name).read_bytes()
+        assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+        image = matplotlib.image.imread(out / name)
+        assert image.shape[0] > 200 and image.shape[1] > 400
+    assert not list(out.glob(".*"))  # no temporary files left behind
+
+
+def test_same_seed_gives_the_same_float32_numbers() -> None:
+    config = RunConfig(model="mlp", steps=4, batch_size=16)
+    first, second = execute(config), execute(config)
+    assert first.losses == second.losses
+    assert first.test_accuracy == second.test_accuracy
+    other = execute(dataclasses.replace(config, seed=1))
+    assert other.losses != first.losses
+
+
+def test_gpt_on_stdlib_text_runs() -> None:
+    result = execute(RunConfig(model="gpt", data="text", steps=2, batch_size=2, precision="bf16", opt_level="O2"))
+    assert result.losses[0] == pytest.approx(torch.log(torch.tensor(256.0)).item(), rel=0.15)
+    assert 0.0 <= result.test_accuracy <= 1.0
+
+
+def test_fp16_run_reports_scaling() -> None:
+    result = execute(RunConfig(model="mlp", steps=3, batch_size=8, precision="fp16", opt_level="O2"))
+    assert result.final_loss_scale is not None and result.final_loss_scale > 0
+    assert result.skipped_steps >= 0
+
+
+def test_console_script_json(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "ampkit.cli.main", "compare", "--model", "mlp", "--steps", "3", "--batch-size", "8",
+         "--out", str(tmp_path / "run"), "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    assert printed == json.loads((tmp_path / "run" / "results.json").read_text())
+
+
+def test_existing_results_are_never_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "results.json").write_text("{}")
+    assert main(["compare", "--steps", "1", "--out", str(tmp_path)]) == 2
+    assert "already holds results.json; ampkit never overwrites results" in capsys.readouterr().err
+    assert (tmp_path / "results.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "cuda"], "CUDA is not available here"),
+        (["--device", "tpu"], "Unknown device 'tpu'"),
+        (["--model", "vgg"], r"Unknown model 'vgg'. Choose one of \['gpt', 'mlp', 'resnet18'\]"),
+        (["--data", "cifar"], "Unknown data 'cifar'. Choose one of"),
+        (["--model", "nosuchmodule:make"], "Cannot load model factory 'nosuchmodule:make'"),
+    ],
+)
+def test_bad_choices_exit_2_with_a_message(argv: list[str], message: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available() and "cuda" in argv:
+        pytest.skip("CUDA is available here")
+    assert main(["compare", "--out", str(tmp_path / "x"), *argv]) == 2
+    assert message.replace("\\", "") in capsys.readouterr().err or pytest.fail(message)
+
+
+def test_user_model_factory_by_path() -> None:
+    factory = load_factory("ampkit.experiment.models:MLP")
+    assert factory(num_classes=10)(torch.randn(2, 1, 28, 28)).shape == (2, 10)
+    assert load_factory("gpt") is GPT
+
+
+def test_fp16_on_cpu_warns_with_the_measured_slowdown(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ampkit import SlowPrecisionWarning, hardware
+
+    monkeypatch.setattr(hardware, "cpu_has_native_fp16", lambda: False)
+    with pytest.warns(SlowPrecisionWarning, match=r"about 70x slower.*--precision bf16"):
+        comparison.plan(precisions=["fp16"], steps=1)
+
+
+# -- MNIST IDX files -------------------------------------------------------------------
+
+
+def _write_idx(path: Path, magic: int, array: torch.Tensor, gz: bool = False) -> None:
+    header = struct.pack(">II", magic, array.shape[0])
+    if magic == 2051:
+        header += struct.pack(">II", *array.shape[1:])
+    raw = header + bytes(array.to(torch.uint8).flatten().tolist())
+    if gz:
+        path.with_name(path.name + ".gz").write_bytes(gzip.compress(raw))
+    else:
+        path.write_bytes(raw)
+
+
+@pytest.fixture
+def mnist_dir(tmp_path: Path) -> Path:
+    for split, n in (("train", 12), ("t10k", 5)):
+        _write_idx(tmp_path / f"{split}-images-idx3-ubyte", 2051, torch.randint(0, 256, (n, 28, 28)), gz=True)
+        _write_idx(tmp_path / f"{split}-labels-idx1-ubyte", 2049, torch.randint(0, 10, (n,)))
+    return tmp_path
+
+
+def test_mnist_loads_gzipped_and_plain_files(mnist_dir: Path) -> None:
+    dataset = data.load(f"mnist:{mnist_dir}")
+    assert dataset.train_x.shape == (12, 1, 28, 28) and dataset.test_y.shape == (5,)
+
+
+def test_mnist_missing_file(mnist_dir: Path) -> None:
+    (mnist_dir / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(ValueError, match=r"t10k-labels-idx1-ubyte \(or t10k-labels-idx1-ubyte.gz\) is missing"):
+        data.load(f"mnist:{mnist_dir}")
+
+
+def test_mnist_truncated_file(mnist_dir: Path) -> None:
+    path = mnist_dir / "train-labels-idx1-ubyte"
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(ValueError, match=r"train-labels-idx1-ubyte has 17 bytes, its header promises 20: truncated"):
+        data.load(f"mnist:{mnist_dir}")
+
+
+def test_mnist_wrong_magic(mnist_dir: Path) -> None:
+    _write_idx(mnist_dir / "train-labels-idx1-ubyte", 2051, torch.zeros(12, 1, 1))
+    with pytest.raises(ValueError, match="has magic number 2051, expected 2049"):
+        data.load(f"mnist:{mnist_dir}")
+
+
+def test_mnist_corrupt_gzip(mnist_dir: Path) -> None:
+    (mnist_dir / "train-images-idx3-ubyte.gz").write_bytes(b"\x1f\x8bnot gzip at all")
+    with pytest.raises(ValueError, match="train-images-idx3-ubyte.gz is not valid gzip"):
+        data.load(f"mnist:{mnist_dir}")
+
+
+def test_mnist_count_mismatch(mnist_dir: Path) -> None:
+    _write_idx(mnist_dir / "t10k-labels-idx1-ubyte", 2049, torch.zeros(4))
+    with pytest.raises(ValueError, match="MNIST test split: 5 images but 4 labels"):
+        data.load(f"mnist:{mnist_dir}")
+
+
+def test_mnist_missing_directory(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="MNIST directory .*nope does not exist"):
+        data.load(f"mnist:{tmp_path / 'nope'}")
+
+
+def test_digits_split_is_fixed() -> None:
+    a, b = data.load("digits"), data.load("digits")
+    assert torch.equal(a.test_y, b.test_y) and a.train_x.shape == (1437, 1, 28, 28)
