@@ -77,6 +77,13 @@ def test_infer_ops_run_in_the_widest_input_dtype() -> None:
         assert torch.mul(b, b).dtype == torch.bfloat16
 
 
+def test_keyword_tensor_arguments_are_cast_too() -> None:
+    policy = CPU.with_ops(deny=["addmm"])
+    bias, a, b = torch.randn(2, 2, dtype=torch.bfloat16), torch.randn(2, 2), torch.randn(2, 2)
+    with autocast(policy):
+        assert torch.ops.aten.addmm(bias, a.bfloat16(), mat2=b.bfloat16()).dtype == torch.float32
+
+
 def test_edited_policy_gradients_flow_through_casts() -> None:
     model, x = _mlp(), torch.randn(4, 8)
     policy = CPU.with_ops(allow=["layer_norm", "gelu"])

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 # Casting
 from ampkit.autocast import autocast, custom_bwd, custom_fwd
-from ampkit.hardware import SlowPrecisionWarning
+from ampkit.hardware import SlowPrecisionWarning, recommend_dtype
 from ampkit.policy import ModuleOverride, Policy
 
 # Loss scaling and master weights
 from ampkit.master import MasterWeightOptimizer, initialize
 from ampkit.scaler import DynamicLossScaler, NonFiniteError, ScalerStats, StaticLossScaler
+
+# Distributed: ampkit.distributed (imported on use: it needs torch.distributed)
 
 __version__ = "0.1.0"
 
@@ -21,6 +23,7 @@ __all__ = [
     "custom_fwd",
     "custom_bwd",
     "SlowPrecisionWarning",
+    "recommend_dtype",
     # Loss scaling and master weights
     "DynamicLossScaler",
     "StaticLossScaler",

@@ -89,6 +89,8 @@ def _cast_tree(value: Any, cast: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         return cast(value)
     if isinstance(value, (list, tuple)):
         return type(value)(_cast_tree(v, cast) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_tree(v, cast) for k, v in value.items()}
     return value
 
 

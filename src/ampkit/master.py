@@ -76,7 +76,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
-    def sync_master_grads_(self) -> None:
+    def prepare_grads_(self) -> None:
         """Copy the model's 16-bit gradients into the masters' float32 ``.grad``.
 
         Called by ``step`` and by a loss scaler's ``unscale_``; once per step.
@@ -95,7 +95,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Step the inner optimizer on the masters and write them back to the model."""
-        self.sync_master_grads_()
+        self.prepare_grads_()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         torch._foreach_copy_(self.model_params, self.master_params)
         self._grads_synced = False

@@ -144,9 +144,9 @@ class DynamicLossScaler:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if stage is _Stage.STEPPED:
             raise RuntimeError("unscale_() is being called after step(); call it before step(), once per update().")
-        sync = getattr(optimizer, "sync_master_grads_", None)
-        if sync is not None:  # MasterWeightOptimizer: unscale the float32 copies
-            sync()
+        prepare = getattr(optimizer, "prepare_grads_", None)
+        if prepare is not None:  # DistributedOptimizer reduces, MasterWeightOptimizer copies to float32
+            prepare()
         self._found[id(optimizer)] = self._unscale_grads(_params(optimizer))
         self._stages[id(optimizer)] = _Stage.UNSCALED
 

@@ -1,0 +1,42 @@
+"""Shared helpers of the benchmark scripts: interleaved timing, medians, result files."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ampkit import hardware
+from ampkit.experiment.report import atomic_write
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def interleaved_medians(variants: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, float]:
+    """Median seconds per call of each variant, timed in alternation.
+
+    Alternating (A, B, C, A, B, C, ...) rather than running each variant in a block
+    spreads the machine's slow moments over all of them, so the ratios hold on a
+    noisy machine.
+    """
+    for fn in variants.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def save(name: str, payload: dict[str, Any]) -> Path:
+    """Write ``results/<name>.json`` atomically, with the machine it ran on."""
+    path = RESULTS / f"{name}.json"
+    payload = {"machine": hardware.machine_summary(), "created": time.strftime("%Y-%m-%d %H:%M"), **payload}
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=2) + "\n"))
+    return path

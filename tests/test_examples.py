@@ -1,0 +1,30 @@
+"""The examples run and learn."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _load(name: str):  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_train_example_learns_the_digits(level: str) -> None:
+    accuracy = _load("train").main(["--opt-level", level, "--epochs", "2"])
+    assert accuracy > 0.93
+
+
+def test_train_example_fp16_with_loss_scaling(capsys: pytest.CaptureFixture[str]) -> None:
+    accuracy = _load("train").main(["--opt-level", "O2", "--dtype", "fp16", "--epochs", "1"])
+    assert accuracy > 0.8
+    assert "skipped steps" in capsys.readouterr().out
