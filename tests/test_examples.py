@@ -28,3 +28,26 @@ def test_train_example_fp16_with_loss_scaling(capsys: pytest.CaptureFixture[str]
     accuracy = _load("train").main(["--opt-level", "O2", "--dtype", "fp16", "--epochs", "1"])
     assert accuracy > 0.8
     assert "skipped steps" in capsys.readouterr().out
+
+
+@pytest.mark.distributed
+def test_train_ddp_example_under_torchrun_halves_the_bytes() -> None:
+    import json
+    import subprocess
+    import sys
+
+    from multiprocess import free_port
+
+    sent = {}
+    for compression in ("none", "fp16"):
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+             str(EXAMPLES / "train_ddp.py"), "--steps", "3", "--batch-size", "8", "--json",
+             "--compression", compression],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        summary = json.loads(done.stdout.strip().splitlines()[-1])
+        assert summary["world_size"] == 2 and summary["overflows"] == 0
+        sent[compression] = summary["bytes_sent_per_rank"]
+    assert sent["fp16"] * 2 == sent["none"]
