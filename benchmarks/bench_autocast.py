@@ -21,7 +21,7 @@ from rich.table import Table
 
 import ampkit
 from ampkit.experiment.models import GPT, ResNet18
-from ampkit.experiment.run import saved_bytes_of_step
+from ampkit.memory import saved_bytes_of_step
 from common import interleaved_medians, save
 
 EDITS = {

@@ -31,3 +31,36 @@ def test_console_script_is_installed() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "conv2d" in done.stdout
+
+
+def test_env_prints_cpu_features_on_a_cpu_only_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "avx512_bf16=" in out and "Recommended on" in out
+
+
+def test_env_json(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    assert main(["env", "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert set(payload) == {"hardware", "recommendation"} and "cpu_features" in payload["hardware"]
+
+
+def test_inspect_json_and_histogram(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    assert main(["inspect", "--model", "mlp", "--batch-size", "8", "--out", str(tmp_path), "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["numerics"]["modules"][0]["name"] == "net.0"
+    assert payload["memory"]["mixed"]["master_weights"] > 0
+    assert (tmp_path / "grad_histogram.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["inspect", "--model", "mlp", "--out", str(tmp_path)]) == 2  # never overwrites
+    assert "exists; ampkit never overwrites" in capsys.readouterr().err
+
+
+def test_inspect_table_with_nonfinite_search(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    assert main(["inspect", "--model", "mlp", "--batch-size", "4", "--out", str(tmp_path),
+                 "--find-nonfinite", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "Memory estimate" in out and "First inf/NaN under bf16: none" in out

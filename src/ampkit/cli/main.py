@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ampkit.cli import compare, ops
+from ampkit.cli import compare, env, inspect_cmd, ops
 
-SUBCOMMANDS = [compare, ops]
+SUBCOMMANDS = [compare, inspect_cmd, env, ops]
 
 
 def build_parser() -> argparse.ArgumentParser:

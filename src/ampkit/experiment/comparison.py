@@ -67,7 +67,7 @@ def default_settings(device: torch.device) -> list[tuple[str, str]]:
     """The mixed settings the hardware supports: (precision, opt level) pairs."""
     if device.type == "cuda":
         settings = [("fp16", "O1"), ("fp16", "O2")]
-        if torch.cuda.get_device_capability(device)[0] >= 8:
+        if hardware.recommend_dtype(device) == torch.bfloat16:  # bf16 tensor cores: compute capability >= 8.0
             settings += [("bf16", "O1"), ("bf16", "O2")]
         return settings
     return [("bf16", "O1"), ("bf16", "O2")]

@@ -25,6 +25,7 @@ from torch import nn
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.models import load_factory
 from ampkit.master import initialize
+from ampkit.memory import saved_bytes_of_step
 from ampkit.policy import resolve_dtype
 from ampkit.scaler import DynamicLossScaler
 
@@ -71,36 +72,6 @@ class RunResult:
     steps: int
     losses: list[float]
     wall_s: float
-
-
-def _is_weight_copy(t: torch.Tensor) -> bool:
-    """A 16-bit copy of a parameter made by autocast (its only input is a leaf)."""
-    fn = t.grad_fn
-    if fn is None or fn.name() != "ToCopyBackward0":
-        return False
-    inputs = [next_fn for next_fn, _ in fn.next_functions if next_fn is not None]
-    return bool(inputs) and all(next_fn.name().endswith("AccumulateGrad") for next_fn in inputs)
-
-
-def saved_bytes_of_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
-    """Run ``step`` (forward and loss) and count the activation bytes autograd saves for backward.
-
-    Storages are counted once. Parameters, and the 16-bit copies of parameters
-    that autocast saves, are weights rather than activations and are left out,
-    so the figure is the activation memory of one step, exact on any device.
-    """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and not _is_weight_copy(t):
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = step()
-    return loss, sum(seen.values())
 
 
 def execute(config: RunConfig, progress: Callable[[int, float], None] = lambda i, loss: None) -> RunResult:

@@ -1,0 +1,103 @@
+"""`ampkit inspect`: per-layer float16/bfloat16 range report, loss-scale advice, memory and alignment."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ampkit.alignment import check_alignment
+from ampkit.experiment import data as data_mod
+from ampkit.experiment.models import MODELS, load_factory
+from ampkit.experiment.run import CONTEXT
+from ampkit.memory import estimate_memory
+from ampkit.numerics import find_nonfinite, inspect_numerics, write_histogram
+from ampkit.policy import Policy
+
+MIB = 2**20
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("inspect", help="where a model overflows or underflows in 16 bits, and why")
+    parser.add_argument("--model", default="resnet18", help=f"{' | '.join(MODELS)} | pkg.module:factory")
+    parser.add_argument("--data", default=None, help="digits | mnist:DIR | text | synthetic (default: digits; text for gpt)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: 32 (8 for gpt)")
+    parser.add_argument("--opt-level", default="O2", choices=["O1", "O2", "O3"], help="for the memory estimate")
+    parser.add_argument("--find-nonfinite", choices=["fp16", "bf16"], help="also run under this policy and name the "
+                        "first op that makes inf/NaN (slow: checks every op)")
+    parser.add_argument("--out", type=Path, help="directory for the histogram (default: ./ampkit-runs/inspect-<time>/)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    data_name = args.data or ("text" if args.model == "gpt" else "digits")
+    if args.model == "gpt" and data_name != "text" or args.model != "gpt" and data_name == "text":
+        raise ValueError(f"--model {args.model} and --data {data_name} do not fit: text goes with gpt only.")
+    out = args.out or Path("ampkit-runs") / datetime.datetime.now().strftime("inspect-%Y%m%d-%H%M%S")
+    histogram = out / "grad_histogram.png"
+    if histogram.exists():
+        raise ValueError(f"{histogram} exists; ampkit never overwrites results. Pass another --out.")
+    dataset = data_mod.load(data_name)
+    torch.manual_seed(0)
+    model = load_factory(args.model)(**dataset.model_kwargs(CONTEXT))
+    batch = args.batch_size or (8 if args.model == "gpt" else 32)
+    if dataset.kind == "text":
+        x, y = data_mod.windows(dataset.train_x, torch.arange(batch) * (CONTEXT + 1), CONTEXT)
+    else:
+        x, y = dataset.train_x[:batch], dataset.train_y[:batch]
+
+    report = inspect_numerics(model, x, y)
+    memory = estimate_memory(model, x, args.opt_level)
+    alignment = check_alignment(model)
+    nonfinite = None
+    if args.find_nonfinite:
+        nonfinite = find_nonfinite(model, x, Policy.default("cpu", args.find_nonfinite), target=y)
+    write_histogram(report, histogram)
+
+    if args.json:
+        payload = {"numerics": dataclasses.asdict(report), "memory": dataclasses.asdict(memory),
+                   "alignment": [dataclasses.asdict(a) for a in alignment],
+                   "nonfinite": dataclasses.asdict(nonfinite) if nonfinite else None, "histogram": str(histogram)}
+        print(json.dumps(payload, indent=2))
+        return 0
+    console = Console(width=max(Console().width, 120))
+    table = Table(title=f"ampkit inspect: {args.model} on {data_name}, batch {batch} (float32 pass)")
+    for header in ("module", "type", "max |act|", "act > 65504", "max |grad|", "grad fp16 subnormal",
+                   "grad fp16 -> 0", "grad bf16 -> 0"):
+        table.add_column(header, justify="left" if header in ("module", "type") else "right")
+    for m in report.modules:
+        g = m.gradient
+        table.add_row(
+            m.name, m.type, f"{m.activation.max_abs:.3g}", f"{100 * m.activation.fp16_overflow:.2f}%",
+            "-" if g is None else f"{g.max_abs:.3g}", "-" if g is None else f"{100 * g.fp16_subnormal:.2f}%",
+            "-" if g is None else f"{100 * g.fp16_zero:.2f}%", "-" if g is None else f"{100 * g.bf16_zero:.2f}%",
+        )
+    console.print(table)
+    for reason in report.reasons:
+        console.print(f"- {reason}")
+    mem = Table(title=f"Memory estimate ({memory.parameters:,} parameters, AdamW)")
+    for header in ("setting", "weights", "gradients", "master weights", "optimizer states", "activations", "total"):
+        mem.add_column(header, justify="left" if header == "setting" else "right")
+    for row in (memory.float32, memory.mixed):
+        mem.add_row(row.label, *(f"{v / MIB:.1f} MiB" for v in (row.weights, row.gradients, row.master_weights,
+                                                             row.optimizer_states, row.activations, row.total)))
+    console.print(mem)
+    if alignment:
+        console.print(f"Tensor-core alignment: {len(alignment)} dimensions are not multiples of 8:")
+        for a in alignment:
+            console.print(f"  {a.module} ({a.type}) {a.dimension} = {a.size} -> pad to {a.padded}")
+    else:
+        console.print("Tensor-core alignment: every Linear/Conv/Embedding dimension is a multiple of 8.")
+    if args.find_nonfinite:
+        console.print(f"First inf/NaN under {args.find_nonfinite}: " + (
+            "none" if nonfinite is None else
+            f"{nonfinite.op} in {nonfinite.module} ({nonfinite.phase}), input ranges {nonfinite.input_ranges}"))
+    console.print(f"Wrote {histogram}")
+    return 0

@@ -1,0 +1,135 @@
+"""Memory estimates: weights, gradients, master weights, optimizer states and activations.
+
+The arithmetic people do by hand (1M parameters are 4 MB in float32 and 2 MB in
+float16), with activations taken from a real trace of one step: the bytes
+autograd saves for backward, counted with ``saved_tensors_hooks``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit.policy import resolve_dtype
+
+# Optimizer states per parameter, in the dtype of the parameters the optimizer updates.
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-nomomentum": 0, "adagrad": 1, "rmsprop": 1}
+
+
+def _is_weight_copy(t: torch.Tensor) -> bool:
+    """A 16-bit copy of a parameter made by autocast (its only input is a leaf)."""
+    fn = t.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    inputs = [next_fn for next_fn, _ in fn.next_functions if next_fn is not None]
+    return bool(inputs) and all(next_fn.name().endswith("AccumulateGrad") for next_fn in inputs)
+
+
+def saved_bytes_of_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
+    """Run ``step`` (forward and loss) and count the activation bytes autograd saves for backward.
+
+    Storages are counted once. Parameters, and the 16-bit copies of parameters
+    that autocast saves, are weights rather than activations and are left out,
+    so the figure is the activation memory of one step, exact on any device.
+
+    Returns:
+        (the loss ``step`` returned, bytes).
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and not _is_weight_copy(t):
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = step()
+    return loss, sum(seen.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes of one precision setting."""
+
+    label: str
+    weights: int
+    gradients: int
+    master_weights: int
+    optimizer_states: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.master_weights + self.optimizer_states + self.activations
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """float32 and the chosen level side by side."""
+
+    parameters: int
+    float32: MemoryBreakdown
+    mixed: MemoryBreakdown
+
+
+def estimate_memory(
+    model: nn.Module,
+    inputs: Any,
+    opt_level: str = "O2",
+    optimizer: str = "adamw",
+    dtype: torch.dtype | str = torch.bfloat16,
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+) -> MemoryEstimate:
+    """Estimate training memory in float32 and at ``opt_level``.
+
+    Args:
+        model: a float32 model (left untouched: copies are traced).
+        inputs: a tensor or tuple of positional inputs for one step.
+        opt_level: ``"O1"``, ``"O2"`` or ``"O3"``.
+        optimizer: one of OPTIMIZER_STATES' keys (default ``"adamw"``: two states).
+        dtype: the 16-bit dtype.
+        loss_fn: ``loss_fn(output) -> loss`` (default: mean square of the output).
+
+    Raises:
+        ValueError: an unknown optimizer or opt level.
+    """
+    from ampkit.master import NORM_TYPES, OPT_LEVELS, initialize
+
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"Unknown optimizer {optimizer!r}. Choose one of {sorted(OPTIMIZER_STATES)}.")
+    if opt_level not in OPT_LEVELS[1:]:
+        raise ValueError(f"Unknown opt_level {opt_level!r} for a mixed estimate. Choose one of {list(OPT_LEVELS[1:])}.")
+    dtype = resolve_dtype(dtype)
+    states = OPTIMIZER_STATES[optimizer]
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    loss_fn = loss_fn or (lambda out: out.float().pow(2).mean())
+
+    def activations(level: str) -> int:
+        traced = copy.deepcopy(model)
+        if level != "O0":
+            traced, _ = initialize(traced, None, level, dtype)
+        _, saved = saved_bytes_of_step(traced, lambda: loss_fn(traced(*args)))
+        return saved
+
+    params = [(m, p) for m in model.modules() for p in m.parameters(recurse=False) if p.requires_grad]
+    n = sum(p.numel() for _, p in params)
+    low = torch.finfo(dtype).bits // 8
+    fp32 = MemoryBreakdown("float32", 4 * n, 4 * n, 0, 4 * states * n, activations("O0"))
+    if opt_level == "O1":
+        mixed = MemoryBreakdown(f"{opt_level} {dtype}", 4 * n, 4 * n, 0, 4 * states * n, activations("O1"))
+    else:
+        # O2 keeps normalization layers in float32; O3 casts everything.
+        kept = sum(p.numel() for m, p in params if opt_level == "O2" and isinstance(m, NORM_TYPES))
+        model_bytes = low * (n - kept) + 4 * kept
+        masters = 4 * n if opt_level == "O2" else 0
+        state_bytes = states * (4 * n if opt_level == "O2" else model_bytes)
+        mixed = MemoryBreakdown(f"{opt_level} {dtype}", model_bytes, model_bytes, masters, state_bytes,
+                                activations(opt_level))
+    return MemoryEstimate(n, fp32, mixed)

@@ -1,0 +1,46 @@
+"""Memory estimates against hand arithmetic and a measured step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ampkit.experiment.models import ResNet18
+from ampkit.experiment.run import RunConfig, execute
+from ampkit.memory import estimate_memory
+
+
+def test_one_million_parameters_are_4_mb_in_fp32_and_2_mb_in_16_bits() -> None:
+    model = nn.Linear(1000, 1000, bias=False)  # 1,000,000 parameters
+    est = estimate_memory(model, torch.randn(2, 1000), "O3", optimizer="sgd-nomomentum", dtype=torch.float16)
+    assert est.parameters == 1_000_000
+    assert est.float32.weights == 4_000_000 and est.mixed.weights == 2_000_000
+    assert est.mixed.master_weights == 0 and est.float32.optimizer_states == 0
+
+
+def test_o2_adds_masters_and_keeps_norms_in_fp32() -> None:
+    model = nn.Sequential(nn.Linear(10, 10), nn.LayerNorm(10))
+    est = estimate_memory(model, torch.randn(2, 10), "O2", optimizer="adamw")
+    n_linear, n_norm = 110, 20
+    assert est.mixed.weights == 2 * n_linear + 4 * n_norm
+    assert est.mixed.master_weights == 4 * (n_linear + n_norm)
+    assert est.mixed.optimizer_states == 2 * 4 * (n_linear + n_norm)  # AdamW's two float32 moments
+
+
+def test_activations_agree_with_a_measured_compare_step() -> None:
+    config = RunConfig(model="resnet18", steps=1, batch_size=8, precision="bf16", opt_level="O2")
+    measured = execute(config).saved_for_backward_bytes
+    baseline = execute(RunConfig(model="resnet18", steps=1, batch_size=8)).saved_for_backward_bytes
+    torch.manual_seed(0)
+    est = estimate_memory(ResNet18(), torch.randn(8, 1, 28, 28), "O2")
+    assert est.mixed.activations == pytest.approx(measured, rel=0.05)
+    assert est.float32.activations == pytest.approx(baseline, rel=0.05)
+    assert est.mixed.activations < est.float32.activations
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match=r"Unknown optimizer 'lion'. Choose one of"):
+        estimate_memory(nn.Linear(2, 2), torch.randn(1, 2), optimizer="lion")
+    with pytest.raises(ValueError, match=r"Unknown opt_level 'O0' for a mixed estimate"):
+        estimate_memory(nn.Linear(2, 2), torch.randn(1, 2), "O0")

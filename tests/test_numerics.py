@@ -1,0 +1,83 @@
+"""Numerics inspection: planted overflows and NaNs are found where they were planted."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+import torch
+from torch import nn
+
+from ampkit import Policy
+from ampkit.numerics import RangeStats, find_nonfinite, inspect_numerics, write_histogram
+
+
+def _planted_overflow() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        model[2].weight.mul_(1e5)  # pushes its activations past 65504
+    return model
+
+
+def test_range_stats_edge_values() -> None:
+    values = torch.tensor([1e5, 1.0, 2.0**-20, 2.0**-26, 0.0, float("-inf")])
+    stats = RangeStats.of(values)
+    assert stats.max_abs == math.inf
+    assert stats.fp16_overflow == pytest.approx(2 / 5)  # 1e5 and inf, of 5 nonzero values
+    assert stats.fp16_subnormal == pytest.approx(1 / 5)  # 2^-20
+    assert stats.fp16_zero == pytest.approx(1 / 5)  # 2^-26 < 2^-24
+    assert stats.bf16_overflow == pytest.approx(1 / 5) and stats.bf16_zero == 0.0
+
+
+def test_planted_overflow_is_named_and_bf16_recommended() -> None:
+    report = inspect_numerics(_planted_overflow(), torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    assert [m.name for m in report.modules][:5] == ["0", "1", "2", "3", "4"]
+    assert report.keep_float32[0] == "2"
+    assert report.modules[2].activation.fp16_overflow > 0 and report.modules[0].activation.fp16_overflow == 0
+    assert report.prefer_bf16
+    assert any("2: activations exceed float16's 65504" in r for r in report.reasons)
+
+
+def test_loss_scale_keeps_the_largest_gradient_under_half_of_fp16_max() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    report = inspect_numerics(model, torch.randn(16, 8) * 1e-3, torch.randn(16, 2) * 1e-6)
+    scale = report.recommended_loss_scale
+    largest = max(m.gradient.max_abs for m in report.modules if m.gradient is not None)
+    assert scale is not None and math.log2(scale).is_integer()
+    assert largest * scale <= 65504 / 2 < largest * scale * 2  # the largest power of two that fits
+    assert report.fp16_zero_after_scaling <= report.fp16_zero_before_scaling
+
+
+def test_inspection_leaves_gradients_alone() -> None:
+    model = _planted_overflow()
+    inspect_numerics(model, torch.randn(2, 8))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_find_nonfinite_names_the_overflowing_layer_under_fp16() -> None:
+    model, x = _planted_overflow(), torch.randn(4, 8)
+    with pytest.warns(UserWarning):  # fp16 on this CPU is slow; the tensors are tiny
+        finding = find_nonfinite(model, x, Policy.default("cpu", torch.float16))
+    assert finding is not None
+    assert (finding.module, finding.op, finding.phase, finding.finite_inputs) == ("2", "addmm", "forward", True)
+    assert find_nonfinite(model, x, Policy.default("cpu", torch.bfloat16)) is None  # bf16's range suffices
+
+
+def test_find_nonfinite_locates_a_planted_nan() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+    with torch.no_grad():
+        model[2][1].bias[0] = float("nan")
+    finding = find_nonfinite(model, torch.randn(3, 8))
+    assert finding is not None and finding.module == "2.1" and not finding.finite_inputs
+
+
+def test_histogram_png(tmp_path: Path) -> None:
+    report = inspect_numerics(_planted_overflow(), torch.randn(4, 8), torch.randint(0, 4, (4,)))
+    assert sum(report.log2_grad_hist.values()) > 0
+    write_histogram(report, tmp_path / "h.png")
+    assert matplotlib.image.imread(tmp_path / "h.png").shape[1] > 400
