@@ -71,7 +71,7 @@ def bench_models() -> list[dict]:
             "ampkit edited bf16": lambda: ampkit.autocast(edited),
         }
         steps = {label: step_fn(model, x, y, region) for label, region in regions.items()}
-        medians = interleaved_medians(steps, warmup=2, repeats=7)
+        medians = interleaved_medians(steps, warmup=2, repeats=11)
         saved = {label: saved_bytes_of_step(model, step.forward)[1] for label, step in steps.items()}  # type: ignore[attr-defined]
         reference = "torch.autocast bf16"
         for label in regions:

@@ -18,16 +18,20 @@ RESULTS = Path(__file__).parent / "results"
 def interleaved_medians(variants: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, float]:
     """Median seconds per call of each variant, timed in alternation.
 
-    Alternating (A, B, C, A, B, C, ...) rather than running each variant in a block
-    spreads the machine's slow moments over all of them, so the ratios hold on a
-    noisy machine.
+    Alternating rather than running each variant in a block spreads the machine's
+    slow moments over all of them, so the ratios hold on a noisy machine. The order
+    is reversed every other round (A B C, C B A, ...): on this machine the variant
+    that runs right after another was measured 1-2% slower (torch.autocast against
+    itself: 1.014x), a position effect that a fixed order would book to one variant.
     """
     for fn in variants.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
+    names = list(variants)
+    for round_ in range(repeats):
+        for name in names if round_ % 2 == 0 else reversed(names):
+            fn = variants[name]
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)

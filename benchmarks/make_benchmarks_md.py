@@ -64,7 +64,7 @@ def compare_table(results: dict[str, Any]) -> str:
 def autocast_table(results: dict[str, Any]) -> str:
     rows = [
         f"`python benchmarks/bench_autocast.py`, {results['created']}, on {machine_line(results['machine'])}. "
-        "Training steps, median of 7 after 2 warm-up steps, variants timed in alternation.",
+        "Training steps, median of 11 after 2 warm-up steps, variants timed in alternation.",
         "",
         "| model | variant | ms/step | vs torch.autocast | saved for backward | equal to torch.autocast's |",
         "|---|---|---|---|---|---|",
@@ -122,6 +122,39 @@ def distributed_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def inspect_section(results: dict[str, Any]) -> str:
+    ms = results["ms"]
+    report, memory = results["report"], results["memory"]
+    rows = [
+        f"`python benchmarks/bench_inspect.py`, {results['created']}, on {machine_line(results['machine'])}: "
+        f"{results['model']} on {results['data']}, batch {results['batch_size']}.",
+        "",
+        f"Overhead: the hooks-based report took {ms['inspect']:.0f} ms, one plain float32 training step "
+        f"{ms['train_step']:.0f} ms (medians of 7, alternating): **{results['overhead_ratio']:.2f}x**.",
+        "",
+        "| module | type | max abs activation | activations > 65504 | max abs gradient | gradients fp16-subnormal "
+        "| gradients flushed to 0 in fp16 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in report["modules"]:
+        g = m["gradient"]
+        rows.append(
+            f"| {m['name']} | {m['type']} | {m['activation']['max_abs']:.3g} "
+            f"| {100 * m['activation']['fp16_overflow']:.2f}% | {'-' if g is None else format(g['max_abs'], '.3g')} "
+            f"| {'-' if g is None else format(100 * g['fp16_subnormal'], '.2f') + '%'} "
+            f"| {'-' if g is None else format(100 * g['fp16_zero'], '.2f') + '%'} |"
+        )
+    rows += ["", "Recommendations:"] + [f"- {reason}" for reason in report["reasons"]]
+    rows += ["", "| memory | weights | gradients | master weights | optimizer states | activations |",
+             "|---|---|---|---|---|---|"]
+    for row in (memory["float32"], memory["mixed"]):
+        rows.append(f"| {row['label']} | " + " | ".join(
+            f"{row[k] / MIB:.1f} MiB" for k in ("weights", "gradients", "master_weights", "optimizer_states",
+                                                "activations")) + " |")
+    rows += ["", "![activation gradients against float16's range](benchmarks/results/inspect_grad_histogram.png)"]
+    return "\n".join(rows)
+
+
 def load(name: str) -> dict[str, Any] | None:
     path = RESULTS / name
     return json.loads(path.read_text()) if path.exists() else None
@@ -153,6 +186,9 @@ def main() -> None:
     scaler = load("scaler.json")
     if scaler:
         sections += ["## Loss scaler overhead", "", scaler_table(scaler), ""]
+    inspect = load("inspect.json")
+    if inspect:
+        sections += ["## Numerics report (`ampkit inspect`)", "", inspect_section(inspect), ""]
     distributed = load("distributed.json")
     if distributed:
         sections += ["## Distributed gradient compression", "", distributed_table(distributed), ""]

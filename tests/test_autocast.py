@@ -13,6 +13,7 @@ from torch import nn
 
 import ampkit
 from ampkit import Policy, autocast
+from conftest import requires_cuda
 autocast_mod = importlib.import_module("ampkit.autocast")  # the module; ampkit.autocast is the class
 
 CPU = Policy.default("cpu", torch.bfloat16)
@@ -266,3 +267,23 @@ def test_fp16_on_cpu_without_native_fp16_warns_once(monkeypatch: pytest.MonkeyPa
 def test_not_a_policy_is_rejected() -> None:
     with pytest.raises(ValueError, match="takes an ampkit.Policy, got str"):
         autocast("bf16")  # type: ignore[arg-type]
+
+
+@requires_cuda
+def test_cuda_bce_runs_in_float32_with_a_warning_instead_of_raising() -> None:
+    autocast_mod._warned.discard("banned:binary_cross_entropy")
+    p = torch.rand(8, device="cuda")
+    with pytest.warns(UserWarning, match="torch.autocast raises here, ampkit runs it in float32"):
+        with autocast(Policy.default("cuda", torch.float16)):
+            loss = nn.BCELoss()(torch.sigmoid(torch.nn.functional.linear(p[None], torch.eye(8, device="cuda"))), p[None])
+    assert loss.dtype == torch.float32
+
+
+@requires_cuda
+def test_cuda_default_policy_matches_torch_autocast() -> None:
+    model, x = _mlp().cuda(), torch.randn(4, 8, device="cuda")
+    with torch.autocast("cuda", torch.float16):
+        expected = model(x)
+    with autocast(Policy.default("cuda", torch.float16)):
+        got = model(x)
+    assert got.dtype == torch.float16 and torch.equal(got, expected)

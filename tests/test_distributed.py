@@ -124,7 +124,7 @@ def test_predivide_by_world_size_loses_small_values_a_smaller_factor_keeps() -> 
 def _skip_worker(rank: int, world: int) -> dict:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = ampkit.DynamicLossScaler(init_scale=2.0**8, process_group=True)
+    scaler = ampkit.DynamicLossScaler(init_scale=2.0**8, process_group=dist.group.WORLD)
     stepped = []
     for step in range(4):
         opt.zero_grad()

@@ -11,6 +11,7 @@ from torch import nn
 
 import ampkit
 from ampkit import DynamicLossScaler, NonFiniteError, StaticLossScaler
+from conftest import requires_cuda
 
 
 def _model() -> nn.Module:
@@ -282,3 +283,18 @@ def test_init_scale_outside_bounds() -> None:
     with pytest.raises(ValueError, match=r"init_scale=0.5 is outside \[min_scale, max_scale\]"):
         DynamicLossScaler(init_scale=0.5)
     assert isinstance(ampkit.StaticLossScaler(4.0), DynamicLossScaler)
+
+
+@requires_cuda
+def test_cuda_float16_gradients_and_grad_scaler_trajectory() -> None:
+    model = _model().cuda().half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**20)  # overflows float16 gradients at first
+    stepped = []
+    for i in range(8):
+        x, y = _batch(i)
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x.cuda().half()).float(), y.cuda())).backward()
+        stepped.append(scaler.step(opt))
+        scaler.update()
+    assert stepped.count(False) == scaler.stats.skipped and stepped[-1]

@@ -11,6 +11,12 @@ from ampkit.policy import ModuleOverride, Policy
 from ampkit.master import MasterWeightOptimizer, initialize
 from ampkit.scaler import DynamicLossScaler, NonFiniteError, ScalerStats, StaticLossScaler
 
+# Measurement
+from ampkit.alignment import check_alignment, pad_vocab
+from ampkit.hardware import recommend
+from ampkit.memory import estimate_memory
+from ampkit.numerics import find_nonfinite, inspect_numerics
+
 # Distributed: ampkit.distributed (imported on use: it needs torch.distributed)
 
 __version__ = "0.1.0"
@@ -31,4 +37,11 @@ __all__ = [
     "NonFiniteError",
     "MasterWeightOptimizer",
     "initialize",
+    # Measurement
+    "inspect_numerics",
+    "find_nonfinite",
+    "estimate_memory",
+    "check_alignment",
+    "pad_vocab",
+    "recommend",
 ]

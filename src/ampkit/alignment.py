@@ -77,19 +77,19 @@ def pad_vocab(module: nn.Embedding | nn.Linear, multiple: int = 8) -> nn.Embeddi
     """
     if isinstance(module, nn.Embedding):
         vocab = padded_size(module.num_embeddings, multiple)
-        padded = nn.Embedding(vocab, module.embedding_dim, padding_idx=module.padding_idx,
-                              device=module.weight.device, dtype=module.weight.dtype)
-        padded.weight.zero_()
-        padded.weight[: module.num_embeddings] = module.weight
-        return padded
+        embedding = nn.Embedding(vocab, module.embedding_dim, padding_idx=module.padding_idx,
+                                 device=module.weight.device, dtype=module.weight.dtype)
+        embedding.weight.zero_()
+        embedding.weight[: module.num_embeddings] = module.weight
+        return embedding
     if isinstance(module, nn.Linear):
         vocab = padded_size(module.out_features, multiple)
-        padded = nn.Linear(module.in_features, vocab, bias=module.bias is not None,
-                           device=module.weight.device, dtype=module.weight.dtype)
-        padded.weight.zero_()
-        padded.weight[: module.out_features] = module.weight
+        head = nn.Linear(module.in_features, vocab, bias=module.bias is not None,
+                         device=module.weight.device, dtype=module.weight.dtype)
+        head.weight.zero_()
+        head.weight[: module.out_features] = module.weight
         if module.bias is not None:
-            padded.bias.fill_(torch.finfo(module.bias.dtype).min)
-            padded.bias[: module.out_features] = module.bias
-        return padded
+            head.bias.fill_(torch.finfo(module.bias.dtype).min)
+            head.bias[: module.out_features] = module.bias
+        return head
     raise ValueError(f"pad_vocab takes an nn.Embedding or an nn.Linear head, got {type(module).__name__}.")

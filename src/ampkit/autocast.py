@@ -43,7 +43,7 @@ class _ThreadState(threading.local):
         # Innermost last: (policy or None when disabled, torch.autocast ctx, hooks held).
         self.stack: list[tuple[Policy | None, torch.autocast, bool]] = []
         # Modules whose forward entered an override: (module, torch.autocast ctx).
-        self.module_stack: list[tuple[nn.Module, torch.autocast, Policy | None]] = []
+        self.module_stack: list[tuple[nn.Module, torch.autocast]] = []
         # Leaf float32 tensor id -> (tensor, cast copy), dropped when the outermost region exits.
         self.weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -247,16 +247,16 @@ def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
         args = _cast_tree(args, lambda t: t.float() if _eligible(t, policy.device_type) else t)
     else:
         ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
-        pushed = policy.all_low()
+        pushed = policy.all_low
     ctx.__enter__()
     _state.stack.append((pushed, ctx, False))
-    _state.module_stack.append((module, ctx, pushed))
+    _state.module_stack.append((module, ctx))
     return args
 
 
 def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
     if _state.module_stack and _state.module_stack[-1][0] is module:
-        _, ctx, _ = _state.module_stack.pop()
+        _, ctx = _state.module_stack.pop()
         _state.stack.pop()
         ctx.__exit__(None, None, None)
 
@@ -267,7 +267,7 @@ def _acquire_hooks() -> None:
         if _hooks_count == 0:
             from torch.nn.modules import module as module_mod
 
-            _hook_handles.append(module_mod.register_module_forward_pre_hook(_pre_hook))
+            _hook_handles.append(module_mod.register_module_forward_pre_hook(_pre_hook))  # type: ignore[arg-type]
             _hook_handles.append(
                 module_mod.register_module_forward_hook(_post_hook, with_kwargs=True, always_call=True)
             )
@@ -287,7 +287,7 @@ def _kernel_ops(policy: Policy) -> frozenset[str]:
     """The ops that need ampkit kernels for ``policy`` and its module overrides."""
     ops = policy.edits
     if any(o.dtype != torch.float32 for o in policy.overrides):
-        ops = ops | policy.all_low().edits
+        ops = ops | policy.all_low.edits
     return ops
 
 

@@ -47,7 +47,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if isinstance(optimizer, MasterWeightOptimizer):
             raise ValueError("The optimizer already keeps master weights; wrap the inner optimizer once.")
         self.optimizer = optimizer
-        self.model_params: list[nn.Parameter] = []
+        self.model_params: list[torch.Tensor] = []
         for group in optimizer.param_groups:
             masters = []
             for param in group["params"]:
@@ -58,12 +58,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._grads_synced = False
 
     # torch.optim.Optimizer's own attributes, delegated so schedulers and hooks work.
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property  # type: ignore[misc]
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optimizer.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property  # type: ignore[misc]
+    def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
 
     @property

@@ -45,24 +45,52 @@ class RangeStats:
 
     @classmethod
     def of(cls, values: torch.Tensor) -> RangeStats:
-        a = values.detach().float().abs().flatten()
-        a = a[a > 0]
-        if a.numel() == 0:
-            return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        n = a.numel()
+        return measure(values)[0]
 
-        def frac(mask: torch.Tensor) -> float:
-            return mask.sum().item() / n
 
-        return cls(
-            max_abs=a.max().item(),
-            fp16_overflow=frac(a > FP16_MAX),
-            fp16_subnormal=frac((a >= FP16_MIN_SUBNORMAL) & (a < FP16_MIN_NORMAL)),
-            fp16_zero=frac(a < FP16_MIN_SUBNORMAL),
-            bf16_overflow=frac(a > BF16_MAX),
-            bf16_subnormal=frac((a >= BF16_MIN_SUBNORMAL) & (a < BF16_MIN_NORMAL)),
-            bf16_zero=frac(a < BF16_MIN_SUBNORMAL),
-        )
+_EXP_OFFSET = 160  # float32 exponents span -148..128
+
+
+def _exp_sum(hist: list[float], low: int, high: int) -> float:
+    """Values with frexp exponent e in [low, high], i.e. |x| in [2^(low-1), 2^high)."""
+    return sum(hist[max(low, -_EXP_OFFSET) + _EXP_OFFSET : high + _EXP_OFFSET + 1])
+
+
+def measure(values: torch.Tensor) -> tuple[RangeStats, list[float]]:
+    """RangeStats of ``values`` and the histogram of their binary exponents.
+
+    A few passes over the tensor and one sync: the exponent histogram (``torch.frexp``
+    then ``bincount``) answers every power-of-two threshold at once; only the two
+    overflow limits, which are not powers of two, are compared directly.
+    ``hist[e + 160]`` counts the nonzero finite values with 2^(e-1) <= |x| < 2^e.
+    """
+    a = values.detach().abs().flatten()
+    if a.dtype != torch.float32:
+        a = a.float()
+    if a.numel() == 0:
+        return RangeStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), [0.0] * (2 * _EXP_OFFSET + 1)
+    exponents = torch.frexp(a).exponent.clamp_(-_EXP_OFFSET, _EXP_OFFSET).add_(_EXP_OFFSET)
+    hist = torch.bincount(exponents.long(), minlength=2 * _EXP_OFFSET + 1).double()
+    zero = (a == 0).sum()
+    nonfinite = (~torch.isfinite(a)).sum()  # frexp puts 0, inf and NaN at exponent 0
+    summary = torch.stack([a.max().double(), zero.double(), nonfinite.double(),
+                           (a > FP16_MAX).sum().double(), (a > BF16_MAX).sum().double()])
+    numbers = torch.cat([hist, summary]).tolist()  # the one sync
+    hist_list, (max_abs, zeros, nonfinites, over16, overbf16) = numbers[:-5], numbers[-5:]
+    hist_list[_EXP_OFFSET] -= zeros + nonfinites
+    nonzero = a.numel() - zeros
+    if nonzero == 0:
+        return RangeStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0), hist_list
+    stats = RangeStats(
+        max_abs=max_abs,
+        fp16_overflow=over16 / nonzero,
+        fp16_subnormal=_exp_sum(hist_list, -23, -14) / nonzero,  # 2^-24 <= |x| < 2^-14
+        fp16_zero=_exp_sum(hist_list, -_EXP_OFFSET, -24) / nonzero,  # |x| < 2^-24
+        bf16_overflow=overbf16 / nonzero,
+        bf16_subnormal=_exp_sum(hist_list, -132, -126) / nonzero,  # 2^-133 <= |x| < 2^-126
+        bf16_zero=_exp_sum(hist_list, -_EXP_OFFSET, -133) / nonzero,
+    )
+    return stats, hist_list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +140,13 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
+def _output_tensor(output: Any) -> torch.Tensor:
+    tensor = _first_tensor(output)
+    if tensor is None:
+        raise ValueError(f"The model returned {type(output).__name__} with no floating tensor; pass loss_fn=.")
+    return tensor
+
+
 def _default_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
     if target is None:
         return output.float().pow(2).mean()
@@ -147,8 +182,11 @@ def inspect_numerics(
     names = {module: name or "(model)" for name, module in model.named_modules()}
     activations: dict[str, RangeStats] = {}
     gradients: dict[str, RangeStats] = {}
-    grad_values: list[torch.Tensor] = []
+    grad_hist = [0.0] * (2 * _EXP_OFFSET + 1)
     order: list[nn.Module] = []
+    # A container returns its last child's output: the same tensor is measured once
+    # and its gradient hook registered once, for every module that returned it.
+    measured: dict[int, tuple[torch.Tensor, RangeStats, list[str]]] = {}
 
     def forward_hook(module: nn.Module, _: Any, output: Any) -> None:
         tensor = _first_tensor(output)
@@ -156,19 +194,28 @@ def inspect_numerics(
             return
         name = names[module]
         order.append(module)
-        activations[name] = RangeStats.of(tensor)
+        if id(tensor) in measured and measured[id(tensor)][0] is tensor:
+            activations[name] = measured[id(tensor)][1]
+            measured[id(tensor)][2].append(name)
+            return
+        stats = measure(tensor)[0]
+        activations[name] = stats
+        sharing = [name]
+        measured[id(tensor)] = (tensor, stats, sharing)
         if tensor.requires_grad:
-            def grad_hook(grad: torch.Tensor, name: str = name) -> None:
-                gradients[name] = RangeStats.of(grad)
-                grad_values.append(grad.detach().float().flatten())
+            def grad_hook(grad: torch.Tensor, sharing: list[str] = sharing) -> None:
+                grad_stats, hist = measure(grad)
+                for i, count in enumerate(hist):
+                    grad_hist[i] += count
+                for shared_name in sharing:
+                    gradients[shared_name] = grad_stats
             tensor.register_hook(grad_hook)
 
     saved_grads = {p: p.grad for p in model.parameters()}
     handles = [m.register_forward_hook(forward_hook) for m in model.modules()]
     try:
         with autocast(policy) if policy is not None else torch.autocast("cpu", enabled=False):
-            output = model(*args)
-            loss = loss_fn(_first_tensor(output), target)
+            loss = loss_fn(_output_tensor(model(*args)), target)
         loss.backward()
     finally:
         for handle in handles:
@@ -178,31 +225,29 @@ def inspect_numerics(
 
     once = {names[m]: type(m).__name__ for m in order}  # forward order; a module called twice shows once
     modules = [ModuleNumerics(name, kind, activations[name], gradients.get(name)) for name, kind in once.items()]
-    return _recommend(modules, torch.cat(grad_values) if grad_values else None)
+    return _recommend(modules, grad_hist)
 
 
-def _recommend(modules: list[ModuleNumerics], grads: torch.Tensor | None) -> NumericsReport:
+def _recommend(modules: list[ModuleNumerics], grad_hist: list[float]) -> NumericsReport:
     keep = [m.name for m in modules if m.activation.fp16_overflow > 0]
     reasons = [f"{name}: activations exceed float16's 65504; keep it in float32" for name in keep]
     scale = None
     zero_before = zero_after = 0.0
-    hist: dict[int, int] = {}
-    if grads is not None:
-        nonzero = grads.abs()[grads != 0]
-        if nonzero.numel():
-            largest = nonzero.max().item()
-            # The largest power of two that keeps the largest gradient under half of 65504
-            # (headroom for growth during training), but never below 1.
-            scale = float(2 ** max(0, math.floor(math.log2(FP16_MAX / 2 / largest)))) if largest > 0 else 1.0
-            zero_before = (nonzero < FP16_MIN_SUBNORMAL).float().mean().item()
-            zero_after = (nonzero * scale < FP16_MIN_SUBNORMAL).float().mean().item()
-            bins = torch.floor(torch.log2(nonzero)).long()
-            values, counts = torch.unique(bins, return_counts=True)
-            hist = {int(v): int(c) for v, c in zip(values, counts)}
-            reasons.append(
-                f"loss scale 2^{math.log2(scale):.0f} = {scale:g}: largest activation gradient {largest:.3g} stays under 32752; values "
-                f"flushed to zero in float16 go from {100 * zero_before:.2f}% to {100 * zero_after:.2f}%"
-            )
+    # log2 bins: frexp exponent e holds 2^(e-1) <= |g| < 2^e, so floor(log2 |g|) = e - 1.
+    hist = {i - _EXP_OFFSET - 1: int(c) for i, c in enumerate(grad_hist) if c}
+    total = sum(hist.values())
+    largest = max((m.gradient.max_abs for m in modules if m.gradient is not None), default=0.0)
+    if total and 0 < largest < math.inf:
+        # The largest power of two that keeps the largest gradient under half of 65504
+        # (headroom for growth during training), but never below 1.
+        shift = max(0, math.floor(math.log2(FP16_MAX / 2 / largest)))
+        scale = float(2**shift)
+        zero_before = sum(c for b, c in hist.items() if b < -24) / total
+        zero_after = sum(c for b, c in hist.items() if b + shift < -24) / total
+        reasons.append(
+            f"loss scale 2^{shift} = {scale:g}: largest activation gradient {largest:.3g} stays under 32752; values "
+            f"flushed to zero in float16 go from {100 * zero_before:.2f}% to {100 * zero_after:.2f}%"
+        )
     fp16_trouble = bool(keep) or zero_after > 0.01
     bf16_trouble = any(m.activation.bf16_overflow > 0 for m in modules)
     prefer_bf16 = fp16_trouble and not bf16_trouble
@@ -283,8 +328,7 @@ def find_nonfinite(
     try:
         with mode:
             with autocast(policy) if policy is not None else torch.autocast("cpu", enabled=False):
-                output = model(*args)
-                loss = loss_fn(_first_tensor(output), target)
+                loss = loss_fn(_output_tensor(model(*args)), target)
             if backward and mode.finding is None and loss.requires_grad:
                 phase[0] = "backward"
                 loss.backward()

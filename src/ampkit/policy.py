@@ -189,7 +189,9 @@ class Policy:
         for op, category in target.items():
             if category != "none":
                 lists[category].add(op)
-        return dataclasses.replace(self, **{c: frozenset(ops) for c, ops in lists.items()})
+        return dataclasses.replace(
+            self, allow=frozenset(lists[ALLOW]), deny=frozenset(lists[DENY]), infer=frozenset(lists[INFER])
+        )
 
     def with_modules(self, *patterns: ModulePattern, dtype: torch.dtype | str) -> Policy:
         """Return a policy that runs the matching modules wholly in ``dtype``.
@@ -229,6 +231,7 @@ class Policy:
         ops |= torch_lists[ALLOW] | torch_lists[DENY] | torch_lists[INFER]
         return frozenset(op for op in ops if self.category(op) != op_lists.torch_category(self.device_type, op))
 
+    @functools.cached_property
     def all_low(self) -> Policy:
         """This policy with every deny op moved to allow (for modules overridden to ``dtype``)."""
         return dataclasses.replace(self, allow=self.allow | self.deny, deny=frozenset(), overrides=())

@@ -76,8 +76,10 @@ class DynamicLossScaler:
             raising NonFiniteError (default 10).
         enabled: False makes every method a pass-through (``scale`` returns its input,
             ``step`` just steps).
-        process_group: with torch.distributed, the overflow finding is all-reduced over
-            this group before deciding, so every rank skips the same steps.
+        process_group: with torch.distributed, a process group (``dist.group.WORLD`` for
+            all ranks): the overflow finding is all-reduced over it (one scalar) before
+            deciding, so every rank skips the same steps even when ranks check different
+            gradients. None (default): decide locally.
 
     Raises:
         ValueError: a constant out of range.
@@ -108,6 +110,7 @@ class DynamicLossScaler:
         self.enabled = enabled
         self.max_min_scale_overflows = max_min_scale_overflows
         self.process_group = process_group
+        self._last_loss: torch.Tensor | None = None
         self._state = ScaleState(float(init_scale), 0, hysteresis)
         self._steps = self._skipped = self._overflows = self._updates = 0
         self._min_scale_overflows = 0
@@ -166,7 +169,9 @@ class DynamicLossScaler:
             RuntimeError: ``step`` twice for one optimizer since the last update, or
                 gradients that were never scaled.
         """
-        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        optimizers: list[torch.optim.Optimizer] = (
+            list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]  # type: ignore[list-item]
+        )
         if not self.enabled:
             for opt in optimizers:
                 opt.step(*args, **kwargs)
@@ -320,7 +325,7 @@ class DynamicLossScaler:
         self._unscaled_ids: set[int] = set()
         self._iteration_overflow = False
         self._scaled = False
-        self._last_loss: torch.Tensor | None = None
+        self._last_loss = None
 
     def _unscale_grads(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
         grads = []
@@ -336,8 +341,7 @@ class DynamicLossScaler:
             import torch.distributed as dist
 
             found = found.detach().clone()
-            group = None if self.process_group is True else self.process_group
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
         return bool(found.item() > 0)
 
     def _diagnose(self, last_loss: torch.Tensor | None) -> str:

@@ -168,7 +168,11 @@ def compare(configs: list[RunConfig], progress: Progress | None = None) -> Compa
     """
     runs = []
     for config in configs:
-        report = (lambda step, loss, c=config: progress(c.label, step, c.steps, loss)) if progress else (lambda s, l: None)
+
+        def report(step: int, loss: float, config: RunConfig = config) -> None:
+            if progress is not None:
+                progress(config.label, step, config.steps, loss)
+
         runs.append(run_in_subprocess(config, report))
     first = dataclasses.asdict(configs[0])
     shared = {k: v for k, v in first.items() if k not in ("precision", "opt_level")}

@@ -16,7 +16,7 @@ from ampkit.experiment.comparison import Comparison
 MIB = 2**20
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Write ``path`` through a temporary file in its directory, then rename it into place,
     so a crash never leaves a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
