@@ -56,8 +56,6 @@ def run(args: argparse.Namespace) -> int:
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     console = Console(stderr=args.json)
-    if not console.is_terminal:
-        console = Console(stderr=args.json, width=160)  # logs: one line per run, not wrapped at 80
     if args.quiet or args.json or not console.is_terminal:
         result = comparison_mod.compare(configs)
     else:

@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from rich import box
 from rich.table import Table
 
 from ampkit.experiment.comparison import Comparison
@@ -36,35 +37,39 @@ def write_json(comparison: Comparison, path: Path) -> None:
 
 
 def _ratio(value: float) -> str:
-    return "" if math.isnan(value) else f" ({value:.2f}x)"
+    return "" if math.isnan(value) else f"\n{value:.2f}x"
 
 
 def table(comparison: Comparison) -> Table:
-    """The comparison as a rich table, each figure with its ratio to float32."""
+    """The comparison as a rich table; each figure has its ratio to float32 below it,
+    so the table fits an 80-column terminal."""
     machine = comparison.machine
     config = comparison.config
     title = (
         f"ampkit compare: {config['model']} on {config['data']}, batch {config['batch_size']}, "
         f"{config['steps']} steps, {machine['device_name']} (torch {machine['torch']})"
     )
-    out = Table(title=title)
-    for header in ("dtype", "level", "ms/step", "samples/s", "peak mem", "saved (bwd)", "loss", "test acc", "skip",
-                   "scale"):
-        out.add_column(header, justify="left" if header in ("dtype", "level") else "right", no_wrap=True)
+    out = Table(title=title, box=box.SIMPLE_HEAD, caption="memory in MiB; below each figure, its ratio to float32")
+    scaled = any(run.final_loss_scale is not None for run in comparison.runs)
+    # Headers with spaces wrap, so the table fits an 80-column terminal.
+    headers = ["run", "ms per step", "samples per s", "peak memory", "saved for backward", "train loss", "test acc"]
+    headers += ["skipped steps", "loss scale"] if scaled else []
+    for header in headers:
+        out.add_column(header, justify="left" if header == "run" else "right")
     for run in comparison.runs:
         r = lambda field: _ratio(comparison.ratio(run, field)) if run is not comparison.baseline else ""  # noqa: E731
-        out.add_row(
-            run.precision,
-            run.opt_level,
+        row = [
+            run.label,
             f"{run.ms_per_step:.1f}{r('ms_per_step')}",
-            f"{run.samples_per_s:.1f}{r('samples_per_s')}",
-            f"{run.peak_memory_bytes / MIB:.0f} MiB{r('peak_memory_bytes')}",
-            f"{run.saved_for_backward_bytes / MIB:.1f} MiB{r('saved_for_backward_bytes')}",
-            f"{run.final_train_loss:.4f}",
+            f"{run.samples_per_s:.1f}",
+            f"{run.peak_memory_bytes / MIB:.0f}M{r('peak_memory_bytes')}",
+            f"{run.saved_for_backward_bytes / MIB:.1f}M{r('saved_for_backward_bytes')}",
+            f"{run.final_train_loss:.3f}",
             f"{100 * run.test_accuracy:.1f}%",
-            str(run.skipped_steps),
-            "-" if run.final_loss_scale is None else f"{run.final_loss_scale:g}",
-        )
+        ]
+        if scaled:
+            row += [str(run.skipped_steps), "-" if run.final_loss_scale is None else f"{run.final_loss_scale:g}"]
+        out.add_row(*row)
     return out
 
 
