@@ -83,6 +83,30 @@ def test_keyword_tensor_arguments_are_cast_too() -> None:
     bias, a, b = torch.randn(2, 2, dtype=torch.bfloat16), torch.randn(2, 2), torch.randn(2, 2)
     with autocast(policy):
         assert torch.ops.aten.addmm(bias, a.bfloat16(), mat2=b.bfloat16()).dtype == torch.float32
+    with autocast(CPU.with_ops(infer=["add"])):  # the widest dtype counts keyword tensors too
+        assert torch.ops.aten.add.Tensor(a.bfloat16(), other=b).dtype == torch.float32
+
+
+def test_thread_with_plain_torch_autocast_keeps_torch_behaviour_while_kernels_are_registered() -> None:
+    seen: dict[str, torch.dtype] = {}
+    entered, done = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        entered.wait(timeout=30)
+        x = torch.randn(4, dtype=torch.bfloat16)
+        with torch.autocast("cpu", torch.bfloat16):
+            seen["gelu"] = F.gelu(x).dtype  # torch leaves gelu alone
+            seen["mse_loss"] = F.mse_loss(x, x).dtype  # torch runs mse_loss in float32
+        done.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with autocast(CPU.with_ops(deny=["gelu"], allow=["mse_loss"])):
+        assert autocast_mod._registry.active() == {("cpu", "gelu"), ("cpu", "mse_loss")}
+        entered.set()
+        assert done.wait(timeout=30)
+    thread.join(timeout=30)
+    assert seen == {"gelu": torch.bfloat16, "mse_loss": torch.float32}
 
 
 def test_edited_policy_gradients_flow_through_casts() -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,9 +28,8 @@ def test_ops_rejects_unknown_choices(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_console_script_is_installed() -> None:
-    done = subprocess.run(
-        [sys.executable, "-m", "ampkit.cli.main", "ops"], capture_output=True, text=True, timeout=120
-    )
+    script = shutil.which("ampkit") or str(Path(sys.executable).parent / "ampkit")
+    done = subprocess.run([script, "ops"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "conv2d" in done.stdout
 

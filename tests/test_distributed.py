@@ -80,14 +80,18 @@ def test_compressed_average_matches_float32() -> None:
         assert all(torch.equal(results[0]["fp16"][0], r["fp16"][0]) for r in results)
 
 
-def _overflow_worker(rank: int, world: int) -> dict:
-    values = torch.full((4,), 30000.0)
-    out = {}
-    for label, factor in (("sum_then_divide", 1.0), ("predivided", float(world)), ("sqrt", math.sqrt(world))):
+def _reduce_with_factors(values: torch.Tensor, factors: dict[str, float]) -> dict[str, torch.Tensor]:
+    out = {"exact": values.clone()}
+    for label, factor in factors.items():
         t = values.clone()
         reduce_(t, Compression.fp16, factor)
         out[label] = t
     return out
+
+
+def _overflow_worker(rank: int, world: int) -> dict:
+    factors = {"sum_then_divide": 1.0, "predivided": float(world), "sqrt": math.sqrt(world)}
+    return _reduce_with_factors(torch.full((4,), 30000.0), factors)
 
 
 def test_predivision_prevents_float16_overflow_of_the_sum() -> None:
@@ -100,12 +104,7 @@ def test_predivision_prevents_float16_overflow_of_the_sum() -> None:
 
 def _underflow_worker(rank: int, world: int) -> dict:
     tiny = torch.full((64,), 3e-7) * (1 + torch.arange(64) / 64)  # float16 subnormals (< 6.1e-5)
-    out = {"exact": tiny.clone()}
-    for label, factor in (("factor_1", 1.0), ("factor_world", float(world))):
-        t = tiny.clone()
-        reduce_(t, Compression.fp16, factor)
-        out[label] = t
-    return out
+    return _reduce_with_factors(tiny, {"factor_1": 1.0, "factor_world": float(world)})
 
 
 def test_predivide_by_world_size_loses_small_values_a_smaller_factor_keeps() -> None:

@@ -76,11 +76,12 @@ def weight_cache_size() -> int:
 
 
 def _eligible(t: object, device_type: str) -> bool:
+    """torch's rule: floating tensors on the region's device, float64 excepted."""
     return (
         isinstance(t, torch.Tensor)
         and t.is_floating_point()
-        and t.dtype != torch.float64
-        and t.device.type == device_type
+        and t.dtype is not torch.float64
+        and (t.is_cuda if device_type == "cuda" else t.is_cpu)
     )
 
 
@@ -94,7 +95,7 @@ def _cast_tree(value: Any, cast: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return value
 
 
-def _widest(values: Any, device_type: str, low: torch.dtype) -> torch.dtype | None:
+def _widest(values: Any, device_type: str) -> torch.dtype | None:
     """torch's promote rule: float32 if any input is float32 or two 16-bit types mix."""
     found: set[torch.dtype] = set()
 
@@ -104,6 +105,8 @@ def _widest(values: Any, device_type: str, low: torch.dtype) -> torch.dtype | No
         elif isinstance(v, (list, tuple)):
             for item in v:
                 visit(item)
+        elif isinstance(v, dict):
+            visit(list(v.values()))
 
     visit(values)
     if not found:
@@ -111,9 +114,28 @@ def _widest(values: Any, device_type: str, low: torch.dtype) -> torch.dtype | No
     return found.pop() if len(found) == 1 else torch.float32
 
 
+def _caster(device_type: str, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Cast eligible tensors to ``dtype``; 16-bit casts of weights are cached per region."""
+    cache_weights = dtype is not torch.float32
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype is dtype or not _eligible(t, device_type):
+            return t
+        if cache_weights and t.is_leaf and t.requires_grad:  # weights: cast once per region
+            hit = _state.weight_cache.get(id(t))
+            if hit is None or hit[0] is not t:
+                hit = (t, t.to(dtype))
+                _state.weight_cache[id(t)] = hit
+            return hit[1]
+        return t.to(dtype)
+
+    return cast
+
+
 def _make_kernel(device_type: str, op: str, overload: torch._ops.OpOverload) -> Callable[..., Any]:
     keyset = torch._C.DispatchKeySet(_AUTOCAST_KEYS[device_type])
     banned_message = op_lists.BANNED[device_type].get(op)
+    casters = {dtype: _caster(device_type, dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)}
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         policy = current_policy(device_type)
@@ -122,35 +144,22 @@ def _make_kernel(device_type: str, op: str, overload: torch._ops.OpOverload) -> 
         else:  # a thread using plain torch.autocast while another holds these kernels
             category = op_lists.torch_category(device_type, op)
             category = DENY if category == "banned" else category
-        low = torch.get_autocast_dtype(device_type)
-
-        def to_low(t: torch.Tensor) -> torch.Tensor:
-            if not _eligible(t, device_type) or t.dtype == low:
-                return t
-            if t.is_leaf and t.requires_grad:  # weights: cast once per region
-                hit = _state.weight_cache.get(id(t))
-                if hit is None or hit[0] is not t:
-                    hit = (t, t.to(low))
-                    _state.weight_cache[id(t)] = hit
-                return hit[1]
-            return t.to(low)
-
-        def to_dtype(dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-            return lambda t: t.to(dtype) if _eligible(t, device_type) else t
-
+        if category == ALLOW:
+            cast: Callable[[torch.Tensor], torch.Tensor] | None = casters[torch.get_autocast_dtype(device_type)]
+        elif category == DENY:
+            if banned_message:
+                _warn_once(f"banned:{op}", banned_message)
+            cast = casters[torch.float32]
+        elif category == INFER:
+            widest = _widest((args, kwargs), device_type)
+            cast = casters[widest] if widest is not None else None
+        else:
+            cast = None
         with torch._C._ExcludeDispatchKeyGuard(keyset):
-            if category == ALLOW:
-                args, kwargs = _cast_tree(args, to_low), _cast_tree(kwargs, to_low)
-            elif category == DENY:
-                if banned_message:
-                    _warn_once(f"banned:{op}", banned_message)
-                cast = to_dtype(torch.float32)
-                args, kwargs = _cast_tree(args, cast), _cast_tree(kwargs, cast)
-            elif category == INFER:
-                widest = _widest((args, kwargs), device_type, low)
-                if widest is not None:
-                    cast = to_dtype(widest)
-                    args, kwargs = _cast_tree(args, cast), _cast_tree(kwargs, cast)
+            if cast is not None:
+                args = _cast_tree(args, cast)
+                if kwargs:
+                    kwargs = _cast_tree(kwargs, cast)
             return overload(*args, **kwargs)
 
     return kernel
