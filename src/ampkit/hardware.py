@@ -9,9 +9,11 @@ from pathlib import Path
 import torch
 
 # Measured with benchmarks/bench_autocast.py (512x512 matmul, median of 7) on the
-# project's 2-core AVX-512 CPU with avx512_bf16 and no avx512_fp16:
-# float32 1.6 ms, bfloat16 0.68 ms, float16 114 ms.
-CPU_FP16_SLOWDOWN_NOTE = "about 70x slower than float32 (a 512x512 matmul: 114 ms vs 1.6 ms on a 2-core AVX-512 CPU)"
+# project's 2-core AVX-512 CPU with avx512_bf16 and no avx512_fp16, over five runs:
+# float32 1.5-2.0 ms, bfloat16 0.8-1.1 ms, float16 97-119 ms (54x to 68x float32).
+CPU_FP16_SLOWDOWN_NOTE = (
+    "50-70x slower than float32 (a 512x512 matmul: 97-119 ms against 1.5-2.0 ms on a 2-core AVX-512 CPU)"
+)
 
 
 class SlowPrecisionWarning(UserWarning):
