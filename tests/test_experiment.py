@@ -207,3 +207,13 @@ def test_mnist_missing_directory(tmp_path: Path) -> None:
 def test_digits_split_is_fixed() -> None:
     a, b = data.load("digits"), data.load("digits")
     assert torch.equal(a.test_y, b.test_y) and a.train_x.shape == (1437, 1, 28, 28)
+
+
+def test_a_failing_run_reports_its_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "broken_models.py").write_text(
+        "import sys\nprint('hello from the factory')\n"
+        "def make(**kwargs):\n    sys.stderr.write('x' * 200_000)\n    raise RuntimeError('factory exploded')\n"
+    )
+    monkeypatch.chdir(tmp_path)  # the run's process imports the factory from its working directory
+    with pytest.raises(RuntimeError, match=r"(?s)The fp32 run failed \(exit code 1\).*factory exploded"):
+        comparison.compare([RunConfig(model="broken_models:make", steps=1)])

@@ -192,6 +192,7 @@ class DistributedOptimizer:
         self.named_parameters = [(name, p) for name, p in named_parameters if p.requires_grad]
         self.bucket_bytes = bucket_bytes
         self.bytes_sent = 0
+        self.overflowed = False  # whether the last reduction produced inf/NaN
         self._reduced = False
         self._check_same_parameters()
 

@@ -14,7 +14,9 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,7 @@ from torch import nn
 
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.models import load_factory
+from ampkit.hardware import SlowPrecisionWarning
 from ampkit.master import initialize
 from ampkit.memory import saved_bytes_of_step
 from ampkit.policy import resolve_dtype
@@ -197,30 +200,48 @@ def run_in_subprocess(config: RunConfig, progress: Callable[[int, float], None])
     Raises:
         RuntimeError: the run failed; the message carries its error output.
     """
-    process = subprocess.Popen(
-        [sys.executable, "-m", "ampkit.experiment.run", json.dumps(dataclasses.asdict(config))],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    result = None
-    assert process.stdout is not None and process.stderr is not None
-    for line in process.stdout:
-        message = json.loads(line)
-        if "step" in message:
-            progress(message["step"], message["loss"])
-        elif "result" in message:
-            result = RunResult(**message["result"])
-    stderr = process.stderr.read()
-    if process.wait() != 0 or result is None:
+    # stderr goes to a file, not a pipe: a chatty run must not block on a full pipe
+    # while this process reads its stdout.
+    with tempfile.TemporaryFile("w+") as errors:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "ampkit.experiment.run", json.dumps(dataclasses.asdict(config))],
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            text=True,
+        )
+        result = _follow(process, progress)
+        errors.seek(0)
+        stderr = errors.read()
+    if result is None:
         raise RuntimeError(f"The {config.label} run failed (exit code {process.returncode}):\n{stderr[-4000:]}")
     if stderr.strip():
         print(stderr, file=sys.stderr, end="")  # the run's warnings, shown once
     return result
 
 
+def _follow(process: subprocess.Popen, progress: Callable[[int, float], None]) -> RunResult | None:
+    """Read a run's JSON lines until it exits; its result, or None when it failed."""
+    result = None
+    assert process.stdout is not None
+    for line in process.stdout:
+        try:
+            message = json.loads(line)
+        except json.JSONDecodeError:  # something the model's own code printed
+            print(line, file=sys.stderr, end="")
+            continue
+        if not isinstance(message, dict):
+            print(line, file=sys.stderr, end="")
+        elif "step" in message:
+            progress(message["step"], message["loss"])
+        elif "result" in message:
+            result = RunResult(**message["result"])
+    return result if process.wait() == 0 else None
+
+
 def _main(argv: list[str]) -> int:
     config = RunConfig(**json.loads(argv[0]))
+    # The parent warned once about fp16 on this CPU; each run would repeat it.
+    warnings.filterwarnings("ignore", category=SlowPrecisionWarning)
 
     def report(step: int, loss: float) -> None:
         print(json.dumps({"step": step, "loss": loss}), flush=True)
