@@ -311,3 +311,20 @@ def test_cuda_default_policy_matches_torch_autocast() -> None:
     with autocast(Policy.default("cuda", torch.float16)):
         got = model(x)
     assert got.dtype == torch.float16 and torch.equal(got, expected)
+
+
+def test_default_policy_casts_a_weight_used_twice_once() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCasts(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.overloadpacket is torch.ops.aten._to_copy and args[0].shape == (8, 8):
+                CountCasts.casts += 1
+            return func(*args, **(kwargs or {}))
+
+    layer = nn.Linear(8, 8, bias=False)
+    with CountCasts(), autocast(CPU):
+        layer(layer(torch.randn(2, 8)))  # the weight is used twice
+    assert CountCasts.casts == 1
