@@ -170,7 +170,18 @@ def _training_worker(rank: int, world: int) -> dict:
     full_y = torch.cat([_rank_batch(r + 10 * 29, n=16)[1] for r in range(world)])
     with torch.no_grad():
         final = nn.functional.mse_loss(model(full_x.half()).float(), full_y).item()
-    return {"final": final, "bytes": opt.bytes_sent, "weights": [p.clone() for p in model.parameters()]}
+    state = opt.state_dict()
+    fresh = DistributedOptimizer(ampkit.MasterWeightOptimizer(torch.optim.SGD(_model().parameters(), lr=0.2)),
+                                 _model().named_parameters())
+    fresh.load_state_dict(state)
+    try:
+        fresh.load_state_dict({})
+        bad_dict_error = ""
+    except RuntimeError as error:
+        bad_dict_error = str(error)
+    return {"final": final, "bytes": opt.bytes_sent, "weights": [p.clone() for p in model.parameters()],
+            "state_keys": sorted(state), "restored_masters": fresh.optimizer.master_params,
+            "masters": opt.optimizer.master_params, "bad_dict_error": bad_dict_error}
 
 
 def _single_process_final(world: int) -> float:
@@ -193,6 +204,11 @@ def test_data_parallel_fp16_training_matches_single_process() -> None:
         assert r["final"] == pytest.approx(reference, rel=0.03)
         for a, b in zip(r["weights"], results[0]["weights"]):
             assert torch.equal(a, b)
+        # The checkpoint carries the float32 masters through the wrappers.
+        assert r["state_keys"] == ["bytes_sent", "optimizer", "version"]
+        for a, b in zip(r["restored_masters"], r["masters"]):
+            assert torch.equal(a, b)
+        assert "missing keys ['optimizer', 'version']" in r["bad_dict_error"]
 
 
 def _mismatch_worker(rank: int, world: int) -> str:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 BUCKET_BYTES = 25 * 2**20
+STATE_VERSION = 1
 
 
 class ReductionOverflowWarning(RuntimeWarning):
@@ -268,10 +269,23 @@ class DistributedOptimizer:
         self._reduced = False
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        """Keys: ``version``, ``optimizer`` (the wrapped optimizer's state dict), ``bytes_sent``."""
+        return {"version": STATE_VERSION, "optimizer": self.optimizer.state_dict(), "bytes_sent": self.bytes_sent}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        """Resume from ``state_dict()``.
+
+        Raises:
+            RuntimeError: the dict misses ``version`` or ``optimizer``.
+        """
+        missing = sorted({"version", "optimizer"} - set(state_dict))
+        if missing:
+            raise RuntimeError(
+                f"Cannot load DistributedOptimizer state: missing keys {missing}. Pass the dict from "
+                "DistributedOptimizer.state_dict(), or load the wrapped optimizer's own dict into .optimizer."
+            )
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.bytes_sent = int(state_dict.get("bytes_sent", 0))
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:

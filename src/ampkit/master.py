@@ -83,13 +83,17 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """
         if self._grads_synced:
             return
+        targets, sources = [], []
         for param, master in zip(self.model_params, self.master_params):
             if param.grad is None:
                 master.grad = None
             elif master.grad is None or master.grad.shape != param.grad.shape:
                 master.grad = param.grad.detach().float()
             else:
-                master.grad.copy_(param.grad)
+                targets.append(master.grad)
+                sources.append(param.grad)
+        if targets:
+            torch._foreach_copy_(targets, sources)  # one fused, converting copy
         self._grads_synced = True
 
     @torch.no_grad()

@@ -61,7 +61,7 @@ def table(comparison: Comparison) -> Table:
         row = [
             run.label,
             f"{run.ms_per_step:.1f}{r('ms_per_step')}",
-            f"{run.samples_per_s:.1f}",
+            f"{run.samples_per_s:.0f}" if run.samples_per_s >= 100 else f"{run.samples_per_s:.1f}",
             f"{run.peak_memory_bytes / MIB:.0f}M{r('peak_memory_bytes')}",
             f"{run.saved_for_backward_bytes / MIB:.1f}M{r('saved_for_backward_bytes')}",
             f"{run.final_train_loss:.3f}",
