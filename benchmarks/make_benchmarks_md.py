@@ -51,6 +51,8 @@ def compare_table(results: dict[str, Any]) -> str:
             f"| {run['saved_for_backward_bytes'] / MIB:.1f} MiB{r('saved_for_backward_bytes')} "
             f"| {run['final_train_loss']:.4f} | {100 * run['test_accuracy']:.1f}% | {run['skipped_steps']} | {scale} |"
         )
+    wall_s = sum(run["wall_s"] for run in results["runs"])
+    rows += ["", f"The {len(results['runs'])} runs took {wall_s:.0f} s of wall time in all (each in its own process)."]
     by_label = {run["label"]: run for run in results["runs"]}
     for precision in ("bf16", "fp16"):
         o1, o2 = by_label.get(f"{precision} O1"), by_label.get(f"{precision} O2")

@@ -40,8 +40,8 @@ _AUTOCAST_KEYS = {
 
 class _ThreadState(threading.local):
     def __init__(self) -> None:
-        # Innermost last: (policy or None when disabled, torch.autocast ctx, hooks held).
-        self.stack: list[tuple[Policy | None, torch.autocast, bool]] = []
+        # Innermost last: (policy, or None where autocast is off; the torch.autocast ctx).
+        self.stack: list[tuple[Policy | None, torch.autocast]] = []
         # Modules whose forward entered an override: (module, torch.autocast ctx).
         self.module_stack: list[tuple[nn.Module, torch.autocast]] = []
         # Leaf float32 tensor id -> (tensor, cast copy), dropped when the outermost region exits.
@@ -60,7 +60,7 @@ def _warn_once(key: str, message: str, category: type[Warning] = UserWarning) ->
 
 def current_policy(device_type: str) -> Policy | None:
     """The calling thread's innermost enabled ampkit policy for ``device_type``, if any."""
-    for policy, _, _ in reversed(_state.stack):
+    for policy, _ in reversed(_state.stack):
         if policy is not None and policy.device_type == device_type:
             return policy
     return None
@@ -253,17 +253,17 @@ def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
         ctx = torch.autocast(policy.device_type, enabled=False)
         pushed = None
         # Positional inputs only: torch's global pre-hooks do not see keyword arguments.
-        args = _cast_tree(args, lambda t: t.float() if _eligible(t, policy.device_type) else t)
+        args = _cast_tree(args, _caster(policy.device_type, torch.float32))
     else:
         ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
         pushed = policy.all_low
     ctx.__enter__()
-    _state.stack.append((pushed, ctx, False))
+    _state.stack.append((pushed, ctx))
     _state.module_stack.append((module, ctx))
     return args
 
 
-def _post_hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+def _post_hook(module: nn.Module, args: tuple, output: Any) -> None:
     if _state.module_stack and _state.module_stack[-1][0] is module:
         _, ctx = _state.module_stack.pop()
         _state.stack.pop()
@@ -278,7 +278,7 @@ def _acquire_hooks() -> None:
 
             _hook_handles.append(module_mod.register_module_forward_pre_hook(_pre_hook))  # type: ignore[arg-type]
             _hook_handles.append(
-                module_mod.register_module_forward_hook(_post_hook, with_kwargs=True, always_call=True)
+                module_mod.register_module_forward_hook(_post_hook, always_call=True)
             )
         _hooks_count += 1
 
@@ -324,8 +324,8 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
 
     Note:
         An edited policy registers process-wide dispatcher kernels on entry of
-        the first region that needs them (about 15 us per op overload) and
-        removes them when the last such region exits.
+        the first region that needs them and removes them when the last such
+        region exits: open the region around a whole forward, not per op.
     """
 
     def __init__(self, policy: Policy | None = None, *, enabled: bool = True) -> None:
@@ -337,14 +337,10 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             )
         self.policy = policy if enabled else policy.disabled()
         self._kernel_ops = _kernel_ops(self.policy) if self.policy.enabled else frozenset()
+        self._hooks = bool(self.policy.enabled and self.policy.overrides)  # module overrides need the global hooks
         if self.policy.enabled and self.policy.device_type == "cpu" and self.policy.dtype == torch.float16:
             if not hardware.cpu_has_native_fp16():
-                _warn_once(
-                    "cpu-fp16",
-                    "float16 on a CPU without native float16 arithmetic (no avx512_fp16 / amx_fp16): "
-                    f"matmuls run {hardware.CPU_FP16_SLOWDOWN_NOTE}. Use torch.bfloat16 on CPUs.",
-                    hardware.SlowPrecisionWarning,
-                )
+                _warn_once("cpu-fp16", hardware.slow_fp16_message(), hardware.SlowPrecisionWarning)
 
     def __enter__(self) -> autocast:
         policy = self.policy
@@ -352,19 +348,18 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
         else:
             ctx = torch.autocast(policy.device_type, enabled=False)
-        hooks = bool(policy.enabled and policy.overrides)
-        if hooks:
+        if self._hooks:
             _acquire_hooks()
         if self._kernel_ops:
             _registry.acquire(policy.device_type, self._kernel_ops)
         ctx.__enter__()
-        _state.stack.append((policy if policy.enabled else None, ctx, hooks))
+        _state.stack.append((policy if policy.enabled else None, ctx))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _, ctx, hooks = _state.stack.pop()
+        _, ctx = _state.stack.pop()
         ctx.__exit__(*exc)
-        if hooks:
+        if self._hooks:
             _release_hooks()
         if self._kernel_ops:
             _registry.release(self.policy.device_type, self._kernel_ops)

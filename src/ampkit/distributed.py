@@ -85,17 +85,28 @@ def _overflow_message(dtype: torch.dtype, factor: float, world_size: int) -> str
     )
 
 
+def _to_wire(tensor: torch.Tensor, compressor: Compressor, factor: float) -> tuple[torch.Tensor, torch.dtype]:
+    """Pre-divide by ``factor`` and compress: what goes into the sum."""
+    return compressor.compress(tensor.div(factor) if factor != 1.0 else tensor)
+
+
+def _from_wire(wire: torch.Tensor, ctx: torch.dtype, compressor: Compressor, factor: float,
+               world_size: int) -> torch.Tensor:
+    """Decompress the sum and divide by ``world_size / factor``: the average."""
+    return compressor.decompress(wire, ctx).mul_(factor / world_size)
+
+
 def reduce_(tensor: torch.Tensor, compressor: Compressor, factor: float, group: Any = None) -> tuple[torch.Tensor, int]:
     """Average ``tensor`` over the group in place, through ``compressor``.
 
     Returns:
         The averaged tensor and the bytes this rank handed to the collective.
     """
-    world_size = dist.get_world_size(group)
-    wire, ctx = compressor.compress(tensor.div(factor) if factor != 1.0 else tensor)
+    wire, ctx = _to_wire(tensor, compressor, factor)
     dist.all_reduce(wire, group=group)
-    result = compressor.decompress(wire, ctx).mul_(factor / world_size)
-    tensor.copy_(result)
+    result = _from_wire(wire, ctx, compressor, factor, dist.get_world_size(group))
+    if result is not tensor:  # no compression and no pre-division: reduced in place already
+        tensor.copy_(result)
     return tensor, wire.numel() * wire.element_size()
 
 
@@ -132,14 +143,13 @@ def compression_hook(dtype: torch.dtype | None = torch.float16, predivide_factor
         group = state.process_group if state is not None else None
         world_size = _require_process_group(group)
         factor = predivide(world_size, predivide_factor)
-        buffer = bucket.buffer()
-        wire, ctx = compressor.compress(buffer.div(factor))
+        wire, ctx = _to_wire(bucket.buffer(), compressor, factor)
         if state is not None:
             state.bytes_sent += wire.numel() * wire.element_size()
         future = dist.all_reduce(wire, group=group, async_op=True).get_future()
 
         def finish(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
-            result = compressor.decompress(fut.value()[0], ctx).mul_(factor / world_size)
+            result = _from_wire(fut.value()[0], ctx, compressor, factor, world_size)
             if not bool(torch.isfinite(result).all()):
                 if state is not None:
                     state.overflows += 1
@@ -224,29 +234,34 @@ class DistributedOptimizer:
 
     def _buckets(self) -> list[list[torch.Tensor]]:
         groups: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+        filled: dict[tuple[torch.device, torch.dtype], int] = {}  # bytes in each group's last bucket
         for _, p in self.named_parameters:
             grad = p.grad if p.grad is not None else torch.zeros_like(p)
             p.grad = grad  # every rank reduces the same tensors, even where one had no gradient
-            buckets = groups.setdefault((grad.device, grad.dtype), [[]])
-            if buckets[-1] and sum(g.numel() * g.element_size() for g in buckets[-1]) >= self.bucket_bytes:
+            key = (grad.device, grad.dtype)
+            buckets = groups.setdefault(key, [[]])
+            if filled.get(key, 0) >= self.bucket_bytes:
                 buckets.append([])
+                filled[key] = 0
             buckets[-1].append(grad)
+            filled[key] = filled.get(key, 0) + grad.numel() * grad.element_size()
         return [bucket for buckets in groups.values() for bucket in buckets]
 
     @torch.no_grad()
     def prepare_grads_(self) -> None:
         """Average the gradients over the ranks (once per step), then the inner optimizer's preparation."""
         if not self._reduced:
-            finite = True
+            finite: list[torch.Tensor] = []
             for bucket in self._buckets():
                 flat = _flatten_dense_tensors(bucket)
                 flat, sent = reduce_(flat, self.compression, self.factor, self.process_group)
                 self.bytes_sent += sent
-                finite &= bool(torch.isfinite(flat).all())
-                for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                    grad.copy_(reduced)
+                finite.append(torch.isfinite(flat).all())
+                torch._foreach_copy_(bucket, _unflatten_dense_tensors(flat, bucket))
             self._reduced = True
-            self.overflowed = not finite
+            device = finite[0].device if finite else torch.device("cpu")
+            # One read from the device per step, however many buckets.
+            self.overflowed = bool(finite) and not bool(torch.stack([f.to(device) for f in finite]).all())
             if self.overflowed:
                 dtype = self.compression.dtype or torch.float32
                 warnings.warn(_overflow_message(dtype, self.factor, self.world_size), ReductionOverflowWarning,

@@ -20,6 +20,15 @@ class SlowPrecisionWarning(UserWarning):
     """The chosen precision is likely slower than float32 on this hardware."""
 
 
+def slow_fp16_message() -> str:
+    """What to tell someone who asks for float16 on a CPU without float16 arithmetic."""
+    return (
+        "float16 on a CPU without native float16 arithmetic (no avx512_fp16 / amx_fp16): matmuls run "
+        f"{CPU_FP16_SLOWDOWN_NOTE}. Use torch.bfloat16 (`--precision bf16` in ampkit compare); "
+        "float16 here is only useful to study its numerics."
+    )
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
@@ -170,7 +179,7 @@ def recommend(device: torch.device | str | None = None, batch_size: int | None =
         else:
             cautions.append("this CPU has no native bfloat16: mixed precision saves memory but may be slower")
         if not cpu_has_native_fp16():
-            cautions.append(f"float16 on this CPU is emulated: matmuls run {CPU_FP16_SLOWDOWN_NOTE}")
+            cautions.append(f"float16 on this CPU is emulated: {slow_fp16_message()}")
     if batch_size is not None and batch_size < 16:
         cautions.append(f"batch size {batch_size} is small: per-op casts may outweigh the faster matmuls")
     opt_level = "O2" if dtype == torch.bfloat16 else "O1"

@@ -8,9 +8,10 @@ first module and op whose output is inf/NaN.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -147,6 +148,27 @@ def _output_tensor(output: Any) -> torch.Tensor:
     return tensor
 
 
+def _region(model: nn.Module, policy: Policy | None) -> contextlib.AbstractContextManager:
+    """Under ``policy``, or in float32 (autocast off on the model's device) without one."""
+    if policy is not None:
+        return autocast(policy)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return torch.autocast(device.type, enabled=False)
+
+
+@contextlib.contextmanager
+def _probing(model: nn.Module, handles: list[Any]) -> Iterator[None]:
+    """Leave the model as it was found: probe hooks removed, gradients untouched."""
+    saved_grads = {p: p.grad for p in model.parameters()}
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for p, grad in saved_grads.items():
+            p.grad = grad
+
+
 def _default_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
     if target is None:
         return output.float().pow(2).mean()
@@ -211,17 +233,11 @@ def inspect_numerics(
                     gradients[shared_name] = grad_stats
             tensor.register_hook(grad_hook)
 
-    saved_grads = {p: p.grad for p in model.parameters()}
     handles = [m.register_forward_hook(forward_hook) for m in model.modules()]
-    try:
-        with autocast(policy) if policy is not None else torch.autocast("cpu", enabled=False):
+    with _probing(model, handles):
+        with _region(model, policy):
             loss = loss_fn(_output_tensor(model(*args)), target)
         loss.backward()
-    finally:
-        for handle in handles:
-            handle.remove()
-        for p, grad in saved_grads.items():
-            p.grad = grad
 
     once = {names[m]: type(m).__name__ for m in order}  # forward order; a module called twice shows once
     modules = [ModuleNumerics(name, kind, activations[name], gradients.get(name)) for name, kind in once.items()]
@@ -324,19 +340,12 @@ def find_nonfinite(
     pre = [m.register_forward_pre_hook(enter) for m in model.modules()]
     post = [m.register_forward_hook(leave, always_call=True) for m in model.modules()]
     mode = _FirstNonFinite(lambda: stack[-1] if stack else "(model)", lambda: phase[0])
-    saved_grads = {p: p.grad for p in model.parameters()}
-    try:
-        with mode:
-            with autocast(policy) if policy is not None else torch.autocast("cpu", enabled=False):
-                loss = loss_fn(_output_tensor(model(*args)), target)
-            if backward and mode.finding is None and loss.requires_grad:
-                phase[0] = "backward"
-                loss.backward()
-    finally:
-        for handle in pre + post:
-            handle.remove()
-        for p, grad in saved_grads.items():
-            p.grad = grad
+    with _probing(model, pre + post), mode:
+        with _region(model, policy):
+            loss = loss_fn(_output_tensor(model(*args)), target)
+        if backward and mode.finding is None and loss.requires_grad:
+            phase[0] = "backward"
+            loss.backward()
     return mode.finding
 
 

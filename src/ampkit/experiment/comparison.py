@@ -115,8 +115,7 @@ def plan(
     load_factory(model)  # fail fast on an unknown model
     defaults = MODEL_DEFAULTS.get(model, IMAGE_DEFAULTS)
     data = data or defaults["data"]
-    if data not in ("digits", "text", "synthetic") and not data.startswith("mnist:"):
-        raise ValueError(f"Unknown data {data!r}. Choose one of {list(data_mod.DATASETS)}.")
+    data_mod.check_spec(data)
     for precision in precisions or ():
         if precision not in PRECISIONS:
             raise ValueError(f"Unknown precision {precision!r}. Choose from {list(PRECISIONS)}.")
@@ -129,12 +128,7 @@ def plan(
         mixed = [p for p in (precisions or ("bf16" if parsed_device.type == "cpu" else "fp16",)) if p != "fp32"]
         settings = [(p, level) for p in mixed for level in (opt_levels or ("O1", "O2"))]
     if parsed_device.type == "cpu" and any(p == "fp16" for p, _ in settings) and not hardware.cpu_has_native_fp16():
-        warnings.warn(
-            f"fp16 on this CPU (no native float16 arithmetic): matmuls run {hardware.CPU_FP16_SLOWDOWN_NOTE}. "
-            "Use --precision bf16 for speed; fp16 here is only useful to study its numerics.",
-            hardware.SlowPrecisionWarning,
-            stacklevel=2,
-        )
+        warnings.warn(hardware.slow_fp16_message(), hardware.SlowPrecisionWarning, stacklevel=2)
     if steps is None:
         if data == "text":
             steps = defaults.get("steps", 30)

@@ -49,21 +49,27 @@ class Dataset:
         return {"num_classes": self.num_classes}
 
 
+def check_spec(spec: str) -> str:
+    """Return ``spec`` if it names a dataset (without loading it), else raise ValueError."""
+    if spec in ("digits", "text", "synthetic") or spec.startswith("mnist:"):
+        return spec
+    raise ValueError(f"Unknown data {spec!r}. Choose one of {list(DATASETS)}.")
+
+
 def load(spec: str) -> Dataset:
     """Load a dataset by its ``--data`` name.
 
     Raises:
         ValueError: an unknown name, or MNIST files that are missing, truncated or corrupt.
     """
+    check_spec(spec)
     if spec == "digits":
         return _digits()
     if spec == "text":
         return _text()
     if spec == "synthetic":
         return _synthetic()
-    if spec.startswith("mnist:"):
-        return load_mnist(Path(spec[len("mnist:") :]))
-    raise ValueError(f"Unknown data {spec!r}. Choose one of {list(DATASETS)}.")
+    return load_mnist(Path(spec[len("mnist:") :]))
 
 
 def _standardize(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
