@@ -1,10 +1,13 @@
-"""Autocast overhead: ampkit's policies against torch.autocast, measured in one run.
+"""ampkit's policies against float32 and torch.autocast, measured in one run.
 
 Training steps of ResNet-18 (1x28x28, batch 64) and a small GPT (4 layers, d=384,
 context 256, batch 8) on the CPU in float32, torch.autocast bf16, ampkit's default
-bf16 policy and an edited policy; ms/step (median after warm-up, variants timed in
-alternation), bytes saved for backward and ratios to torch.autocast. Then the
-per-op overhead over 10,000 small linears, and float16 vs float32 matmul speed.
+bf16 policy with ``compute="auto"`` (native 16-bit kernels where this machine runs
+them faster than float32, else float32 compute on bf16 values), the same with
+``compute="native"`` (what torch.autocast runs) and an edited policy; ms/step
+(median after warm-up, variants timed in alternation), bytes saved for backward and
+ratios to float32 and to torch.autocast. Then the per-op overhead over 10,000 small
+linears, and 16-bit against float32 matmul speed.
 
     python benchmarks/bench_autocast.py   # writes benchmarks/results/autocast.json
 """
@@ -20,10 +23,12 @@ from rich.console import Console
 from rich.table import Table
 
 import ampkit
+from ampkit import compute
 from ampkit.experiment.models import GPT, ResNet18
 from ampkit.memory import saved_bytes_of_step
 from common import interleaved_medians, save
 
+WARMUP, REPEATS = 1, 7
 EDITS = {
     "resnet18": {"infer": ["add"], "deny": ["adaptive_avg_pool2d"]},
     "gpt": {"infer": ["add"], "deny": ["layer_norm", "gelu"]},
@@ -62,26 +67,33 @@ def bench_models() -> list[dict]:
     rows = []
     for name in ("resnet18", "gpt"):
         model, x, y = workload(name)
-        default = ampkit.Policy.default("cpu", torch.bfloat16)
-        edited = default.with_ops(**EDITS[name])
+        auto = ampkit.Policy.default("cpu", torch.bfloat16)  # compute="auto"
+        native = auto.with_compute("native")
+        edited = auto.with_ops(**EDITS[name])
         regions = {
             "float32": contextlib.nullcontext,
             "torch.autocast bf16": lambda: torch.autocast("cpu", torch.bfloat16),
-            "ampkit default bf16": lambda: ampkit.autocast(default),
-            "ampkit edited bf16": lambda: ampkit.autocast(edited),
+            "ampkit default bf16, native": lambda: ampkit.autocast(native),
+            "ampkit default bf16, auto": lambda: ampkit.autocast(auto),
+            "ampkit edited bf16, auto": lambda: ampkit.autocast(edited),
         }
         steps = {label: step_fn(model, x, y, region) for label, region in regions.items()}
-        medians = interleaved_medians(steps, warmup=2, repeats=11)
+        medians = interleaved_medians(steps, warmup=WARMUP, repeats=REPEATS)
         saved = {label: saved_bytes_of_step(model, step.forward)[1] for label, step in steps.items()}  # type: ignore[attr-defined]
         reference = "torch.autocast bf16"
         for label in regions:
             rows.append({
                 "model": name,
                 "variant": label,
-                "edits": EDITS[name] if label == "ampkit edited bf16" else None,
+                "compute": compute.describe(auto) if label.endswith("auto") else None,
+                "float32_compute": sorted(compute.float32_classes("cpu", torch.bfloat16, "auto"))
+                if label.endswith("auto") else [],
+                "edits": EDITS[name] if label.startswith("ampkit edited") else None,
                 "ms_per_step": medians[label] * 1e3,
+                "ratio_to_float32": medians[label] / medians["float32"],
                 "ratio_to_torch_autocast": medians[label] / medians[reference],
                 "saved_for_backward_bytes": saved[label],
+                "saved_ratio_to_float32": saved[label] / saved["float32"],
                 "saved_equal_to_torch_autocast": saved[label] == saved[reference],
             })
     return rows
@@ -89,7 +101,8 @@ def bench_models() -> list[dict]:
 
 def bench_per_op(n: int = 10_000) -> dict:
     x, w = torch.randn(64, 64), torch.randn(64, 64, requires_grad=True)
-    default = ampkit.Policy.default("cpu", torch.bfloat16)
+    # Native compute: this measures the cost of ampkit's casting kernels, not of the arithmetic.
+    default = ampkit.Policy.default("cpu", torch.bfloat16, compute="native")
     edited = default.with_ops(deny=["linear"])  # every call goes through ampkit's kernel
 
     def loop(region: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], None]:
@@ -119,14 +132,22 @@ def bench_per_op(n: int = 10_000) -> dict:
     }
 
 
-def bench_fp16_matmul() -> dict:
+def bench_matmul() -> dict:
+    """512x512 matmuls: native float32, bfloat16 and float16, and both 16-bit dtypes computed
+    in float32 on their values (ampkit.compute.run_in_float32)."""
     a, b = torch.randn(512, 512), torch.randn(512, 512)
-    pairs = {str(dt).removeprefix("torch."): (a.to(dt), b.to(dt)) for dt in (torch.float32, torch.bfloat16, torch.float16)}
-    medians = interleaved_medians({k: (lambda p=p: p[0] @ p[1]) for k, p in pairs.items()}, warmup=2, repeats=7)
+    variants = {}
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        a16, b16 = a.to(dt), b.to(dt)
+        variants[str(dt).removeprefix("torch.")] = lambda a16=a16, b16=b16: a16 @ b16
+        if dt != torch.float32:
+            variants[f"{str(dt).removeprefix('torch.')} float32-compute"] = (
+                lambda a16=a16, b16=b16: compute.run_in_float32(torch.mm, a16, b16)
+            )
+    medians = interleaved_medians(variants, warmup=1, repeats=7)
     return {
         "ms": {k: v * 1e3 for k, v in medians.items()},
-        "fp16_over_fp32": medians["float16"] / medians["float32"],
-        "bf16_speedup_over_fp32": medians["float32"] / medians["bfloat16"],
+        "speed_over_fp32": {k: medians["float32"] / v for k, v in medians.items()},
     }
 
 
@@ -134,15 +155,17 @@ def main() -> None:
     torch.manual_seed(0)
     rows = bench_models()
     per_op = bench_per_op()
-    matmul = bench_fp16_matmul()
-    path = save("autocast", {"models": rows, "per_op": per_op, "matmul_512": matmul})
-    table = Table(title="Training step on CPU: ampkit vs torch.autocast (same run)")
-    for col in ("model", "variant", "ms/step", "vs torch.autocast", "saved for backward", "same as torch"):
+    matmul = bench_matmul()
+    path = save("autocast", {"models": rows, "per_op": per_op, "matmul_512": matmul,
+                             "warmup": WARMUP, "repeats": REPEATS})
+    table = Table(title="Training step on CPU: ampkit vs float32 and torch.autocast (same run)")
+    for col in ("model", "variant", "ms/step", "vs float32", "vs torch.autocast", "saved for backward",
+                "vs float32"):
         table.add_column(col)
     for row in rows:
-        table.add_row(row["model"], row["variant"], f"{row['ms_per_step']:.1f}",
+        table.add_row(row["model"], row["variant"], f"{row['ms_per_step']:.1f}", f"{row['ratio_to_float32']:.3f}x",
                       f"{row['ratio_to_torch_autocast']:.3f}x", f"{row['saved_for_backward_bytes'] / 2**20:.1f} MiB",
-                      str(row["saved_equal_to_torch_autocast"]))
+                      f"{row['saved_ratio_to_float32']:.2f}x")
     console = Console(width=140)
     console.print(table)
     console.print(f"per-op: {per_op}")

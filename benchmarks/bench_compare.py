@@ -1,8 +1,10 @@
 """The `ampkit compare` records: the default workload and the GPT on stdlib text.
 
-Runs the same library calls as the CLI and keeps each comparison's results.json,
-curves.png and summary.png under benchmarks/results/compare-<name>/ (replaced
-as a whole: this script's job is to refresh them).
+Runs the command line itself, timed from start to exit (what a user waits for:
+start-up, the hardware measurement, the plan's estimate, every run and the
+files), and keeps each comparison's results.json, curves.png and summary.png
+under benchmarks/results/compare-<name>-<device>/ with command.json beside them
+(replaced as a whole: this script's job is to refresh them).
 
     python benchmarks/bench_compare.py [--device cuda] [--only digits|gpt]
 """
@@ -10,14 +12,17 @@ as a whole: this script's job is to refresh them).
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
-from ampkit.experiment import comparison, report
 from common import RESULTS
 
-WORKLOADS = {"digits": {"model": "resnet18"}, "gpt": {"model": "gpt"}}
+WORKLOADS = {"digits": [], "gpt": ["--model", "gpt"]}
 
 
 def main() -> None:
@@ -28,14 +33,25 @@ def main() -> None:
     for name, options in WORKLOADS.items():
         if args.only and name != args.only:
             continue
-        result = comparison.compare(comparison.plan(device=args.device, **options))
         target = RESULTS / f"compare-{name}-{args.device}"
+        RESULTS.mkdir(exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=RESULTS, prefix=".staging-"))
-        report.write_all(result, staging)
+        command = ["ampkit", "compare", *options, *(["--device", args.device] if args.device != "cpu" else [])]
+        start = time.perf_counter()
+        done = subprocess.run(
+            [sys.executable, "-m", "ampkit.cli.main", *command[1:], "--out", str(staging / "run"), "--quiet"],
+            text=True, capture_output=True,
+        )
+        wall_s = time.perf_counter() - start
+        if done.returncode != 0:
+            shutil.rmtree(staging)
+            raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-4000:]}")
+        (staging / "run" / "command.json").write_text(json.dumps({"command": " ".join(command), "wall_s": wall_s}) + "\n")
+        print(done.stdout)
         shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-        report.table(result)
-        print(f"wrote {target}")
+        (staging / "run").rename(target)
+        staging.rmdir()
+        print(f"{' '.join(command)}: {wall_s:.0f} s; wrote {target}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ampkit import hardware
-from ampkit.experiment.report import atomic_write
+from ampkit.files import atomic_write
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -13,11 +13,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ampkit.experiment.report import atomic_write
+from ampkit.files import atomic_write
 from common import RESULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
+ARCHIVE = "avx512-bf16-cpu"  # an earlier machine's records, kept beside this machine's
 
 
 def machine_line(machine: dict[str, Any]) -> str:
@@ -27,57 +28,103 @@ def machine_line(machine: dict[str, Any]) -> str:
     )
     if machine.get("compute_capability"):
         line += f"; CUDA {machine['cuda']}, compute capability {machine['compute_capability']}"
+    speed = machine.get("measured_speedup")
+    if speed:
+        line += (f"; measured native bf16 speed over float32: matmul {speed['matmul']['bfloat16']:.3g}x, "
+                 f"conv {speed['conv']['bfloat16']:.3g}x")
     return line
 
 
+def _x(value: float | None) -> str:
+    return "" if value is None else f" ({value:.2f}x)"
+
+
 def compare_table(results: dict[str, Any]) -> str:
+    """A comparison's table; results.json version 1 (before compute modes) or 2."""
     config = results["config"]
+    v2 = results.get("version", 1) >= 2
+    memory = "memory added" if v2 else "peak memory (RSS)"
     rows = [
         f"`ampkit compare --model {config['model']} --data {config['data']}` (batch {config['batch_size']}, "
         f"{config['steps']} steps, lr {config['lr']}), {results['created']}, on {machine_line(results['machine'])}.",
         "",
-        "| precision | opt level | ms/step | samples/s | peak memory | saved for backward | final train loss "
+        f"| run | compute | ms/step | samples/s | {memory} | saved for backward | final train loss "
         "| test accuracy | skipped | loss scale |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in results["runs"]:
         ratio = run["ratio_to_fp32"]
-        r = (lambda k: "" if run["label"] == "fp32" else f" ({ratio[k]:.2f}x)")  # noqa: E731
+        first = run["label"] == "fp32"
+        r = (lambda k: "" if first else _x(ratio[k]))  # noqa: E731
         scale = "-" if run["final_loss_scale"] is None else f"{run['final_loss_scale']:g}"
+        classes = run.get("float32_compute", [])
+        mode = "float32" if first else ("fp32 on 16-bit: " + ", ".join(classes) if classes else "native")
+        loss = "-" if run["final_train_loss"] is None else f"{run['final_train_loss']:.4f}"
+        accuracy = "-" if run["test_accuracy"] is None else f"{100 * run['test_accuracy']:.1f}%"
         rows.append(
-            f"| {run['precision']} | {run['opt_level']} | {run['ms_per_step']:.1f}{r('ms_per_step')} "
+            f"| {run['label']} | {mode} | {run['ms_per_step']:.1f}{r('ms_per_step')} "
             f"| {run['samples_per_s']:.1f}{r('samples_per_s')} "
             f"| {run['peak_memory_bytes'] / MIB:.0f} MiB{r('peak_memory_bytes')} "
             f"| {run['saved_for_backward_bytes'] / MIB:.1f} MiB{r('saved_for_backward_bytes')} "
-            f"| {run['final_train_loss']:.4f} | {100 * run['test_accuracy']:.1f}% | {run['skipped_steps']} | {scale} |"
+            f"| {loss} | {accuracy} | {run['skipped_steps']} | {scale} |"
         )
     wall_s = sum(run["wall_s"] for run in results["runs"])
-    rows += ["", f"The {len(results['runs'])} runs took {wall_s:.0f} s of wall time in all (each in its own process)."]
-    by_label = {run["label"]: run for run in results["runs"]}
+    rows += ["", f"The {len(results['runs'])} runs took {wall_s:.0f} s of wall time in all (each in its own process)"]
+    if results.get("estimated_s"):
+        rows[-1] += f"; the plan estimated {results['estimated_s']:.0f} s"
+    rows[-1] += "."
+    if results.get("command"):
+        rows[-1] += (f" `{results['command']['command']}` took **{results['command']['wall_s']:.0f} s** from the "
+                     "command line to exit.")
+    trained = [run for run in results["runs"] if not run.get("probe")]
     for precision in ("bf16", "fp16"):
-        o1, o2 = by_label.get(f"{precision} O1"), by_label.get(f"{precision} O2")
+        o1 = next((run for run in trained if run["precision"] == precision and run["opt_level"] == "O1"), None)
+        o2 = next((run for run in trained if run["precision"] == precision and run["opt_level"] == "O2"), None)
         if o1 and o2:
-            rows += ["", f"{precision} O2 vs O1: step time {o2['ms_per_step'] / o1['ms_per_step']:.2f}x, peak memory "
+            rows += ["", f"{precision} O2 vs O1: step time {o2['ms_per_step'] / o1['ms_per_step']:.2f}x, memory "
                      f"{o2['peak_memory_bytes'] / o1['peak_memory_bytes']:.2f}x, saved for backward "
                      f"{o2['saved_for_backward_bytes'] / o1['saved_for_backward_bytes']:.2f}x."]
+    for probe in (run for run in results["runs"] if run.get("probe")):
+        rows += ["", f"Native {probe['precision']} probe ({probe['steps']} steps, the first a warm-up): "
+                 f"{probe['ms_per_step']:.0f} ms/step, **{probe['ratio_to_fp32']['ms_per_step']:.1f}x** float32's step "
+                 "time: what torch.autocast's 16-bit kernels cost on this machine."]
+    if v2:
+        rows += ["", "Memory added: the peak resident memory of the run's process during training minus its "
+                 "resident memory before the model was built (CUDA: peak allocated tensor bytes)."]
     return "\n".join(rows)
 
 
 def autocast_table(results: dict[str, Any]) -> str:
+    v2 = "ratio_to_float32" in results["models"][0]
+    repeats = results.get("repeats", 11)
+    warmup = results.get("warmup", 2)
     rows = [
         f"`python benchmarks/bench_autocast.py`, {results['created']}, on {machine_line(results['machine'])}. "
-        "Training steps, median of 11 after 2 warm-up steps, variants timed in alternation.",
+        f"Training steps, median of {repeats} after {warmup} warm-up step{'s' if warmup > 1 else ''}, variants "
+        "timed in alternation.",
         "",
-        "| model | variant | ms/step | vs torch.autocast | saved for backward | equal to torch.autocast's |",
-        "|---|---|---|---|---|---|",
     ]
+    if v2:
+        rows += ["| model | variant | ms/step | vs float32 | vs torch.autocast | saved for backward | vs float32 |",
+                 "|---|---|---|---|---|---|---|"]
+    else:
+        rows += ["| model | variant | ms/step | vs torch.autocast | saved for backward | equal to torch.autocast's |",
+                 "|---|---|---|---|---|---|"]
     for row in results["models"]:
         edits = f" ({row['edits']})" if row["edits"] else ""
-        rows.append(
-            f"| {row['model']} | {row['variant']}{edits} | {row['ms_per_step']:.1f} "
-            f"| {row['ratio_to_torch_autocast']:.3f}x | {row['saved_for_backward_bytes'] / MIB:.1f} MiB "
-            f"| {'yes' if row['saved_equal_to_torch_autocast'] else 'no'} |"
-        )
+        mode = ""
+        if row.get("float32_compute"):
+            mode = " [fp32 compute: " + ", ".join(row["float32_compute"]) + "]"
+        elif v2 and row["variant"].endswith("auto"):
+            mode = " [native]"
+        cells = [row["model"], f"{row['variant']}{edits}{mode}", f"{row['ms_per_step']:.1f}"]
+        if v2:
+            cells += [f"{row['ratio_to_float32']:.3f}x", f"{row['ratio_to_torch_autocast']:.3f}x",
+                      f"{row['saved_for_backward_bytes'] / MIB:.1f} MiB", f"{row['saved_ratio_to_float32']:.2f}x"]
+        else:
+            cells += [f"{row['ratio_to_torch_autocast']:.3f}x", f"{row['saved_for_backward_bytes'] / MIB:.1f} MiB",
+                      "yes" if row["saved_equal_to_torch_autocast"] else "no"]
+        rows.append("| " + " | ".join(cells) + " |")
     per_op = results["per_op"]
     rows += [
         "",
@@ -87,11 +134,51 @@ def autocast_table(results: dict[str, Any]) -> str:
         f"(the same kernels run: this is the noise floor); an op moved by an edited policy costs "
         f"{per_op['edited_overhead_us_per_op']:.1f} µs more than the same op cast by hand (ampkit's Python kernel).",
         "",
-        "512x512 matmul (ms, median of 7): "
-        + ", ".join(f"{k} {v:.2f}" for k, v in results["matmul_512"]["ms"].items())
-        + f": float16 is {results['matmul_512']['fp16_over_fp32']:.0f}x slower than float32 on this CPU, "
-        f"bfloat16 {results['matmul_512']['bf16_speedup_over_fp32']:.1f}x faster.",
     ]
+    matmul = results["matmul_512"]
+    if "speed_over_fp32" in matmul:
+        rows.append("512x512 matmul (ms, median of 7; in brackets, speed over float32): " + ", ".join(
+            f"{k} {v:.2f} ({matmul['speed_over_fp32'][k]:.3g}x)" for k, v in matmul["ms"].items()) + ".")
+    else:
+        rows.append("512x512 matmul (ms, median of 7): " + ", ".join(f"{k} {v:.2f}" for k, v in matmul["ms"].items())
+                    + f": float16 is {matmul['fp16_over_fp32']:.0f}x slower than float32 on this CPU, "
+                    f"bfloat16 {matmul['bf16_speedup_over_fp32']:.1f}x faster.")
+    return "\n".join(rows)
+
+
+def hardware_section(results: dict[str, Any], compare: dict[str, Any] | None) -> str:
+    """What mixed precision buys on the machine that wrote ``results``: measured kernel speeds,
+    the recommendation made from them, and what the default comparison saw."""
+    measured, advice = results["measured"], results["recommendation"]
+    rows = [
+        f"`python benchmarks/bench_hardware.py`, {results['created']}, on {measured['device_name']} "
+        f"({machine_line(results['machine'])}); measured in {measured['seconds']:.2f} s, best of several calls.",
+        "",
+        "| op class (shape) | float32 time | native bf16 speed | native fp16 speed |",
+        "|---|---|---|---|",
+    ]
+    for op, speeds in results["speedup"].items():
+        shape = "x".join(map(str, measured["shapes"][op]))
+        rows.append(f"| {op} ({shape}) | {measured['time_us'][op]['float32']:.0f} µs | {speeds['bfloat16']:.3g}x "
+                    f"| {speeds['float16']:.3g}x |")
+    rows += ["", f"Why: bfloat16 {results['why']['bfloat16']}; float16 {results['why']['float16']}.", "",
+             f"`ampkit.recommend()` here: {advice['dtype'].removeprefix('torch.')}, compute {advice['compute']}, "
+             f"opt level {advice['opt_level']}; fastest: {advice['fastest']}."]
+    rows += [f"- {reason}" for reason in advice["reasons"]]
+    if compare:
+        by_label = {run["label"]: run for run in compare["runs"]}
+        fp32 = by_label["fp32"]
+        trained = [run for run in compare["runs"][1:] if not run.get("probe")]
+        probes = [run for run in compare["runs"] if run.get("probe")]
+        rows += ["", f"In the default `ampkit compare` above (ResNet-18, batch {compare['config']['batch_size']}):"]
+        for run in trained:
+            ratio = run["ratio_to_fp32"]
+            rows.append(f"- {run['label']}: {ratio['ms_per_step']:.2f}x float32's step time, "
+                        f"{ratio['saved_for_backward_bytes']:.2f}x its activation memory, test accuracy "
+                        f"{100 * run['test_accuracy']:.1f}% against {100 * fp32['test_accuracy']:.1f}%")
+        for probe in probes:
+            rows.append(f"- native {probe['precision']} (what torch.autocast runs): "
+                        f"{probe['ratio_to_fp32']['ms_per_step']:.1f}x float32's step time")
     return "\n".join(rows)
 
 
@@ -157,8 +244,8 @@ def inspect_section(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def load(name: str) -> dict[str, Any] | None:
-    path = RESULTS / name
+def load(directory: Path, name: str) -> dict[str, Any] | None:
+    path = directory / name
     return json.loads(path.read_text()) if path.exists() else None
 
 
@@ -169,34 +256,63 @@ def replace_block(text: str, name: str, body: str) -> str:
     return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
 
 
+def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
+    """The Markdown sections of one machine's records, and the README blocks they fill."""
+    relative = directory.relative_to(ROOT).as_posix()
+    sections: list[str] = []
+    blocks: dict[str, str] = {}
+    digits = None
+    for path in sorted(directory.glob("compare-*/results.json")):
+        results = json.loads(path.read_text())
+        results["command"] = load(path.parent, "command.json")
+        name = path.parent.name
+        sections += [f"{level} `ampkit compare`: {name.removeprefix('compare-')}", "", compare_table(results), "",
+                     f"![loss curves]({relative}/{name}/curves.png)",
+                     f"![time and memory]({relative}/{name}/summary.png)", ""]
+        if name == "compare-digits-cpu":
+            blocks["compare"] = compare_table(results)
+            digits = results
+    hardware = load(directory, "hardware.json")
+    if hardware:
+        blocks["hardware"] = hardware_section(hardware, digits)
+        sections[:0] = [f"{level} What mixed precision buys on this machine", "", blocks["hardware"], ""]
+    autocast = load(directory, "autocast.json")
+    if autocast:
+        blocks["autocast"] = autocast_table(autocast)
+        sections += [f"{level} Autocast: ampkit policies against float32 and torch.autocast", "", blocks["autocast"], ""]
+    scaler = load(directory, "scaler.json")
+    if scaler:
+        sections += [f"{level} Loss scaler overhead", "", scaler_table(scaler), ""]
+    inspect = load(directory, "inspect.json")
+    if inspect:
+        sections += [f"{level} Numerics report (`ampkit inspect`)", "",
+                     inspect_section(inspect).replace("benchmarks/results/", f"{relative}/"), ""]
+    distributed = load(directory, "distributed.json")
+    if distributed:
+        sections += [f"{level} Distributed gradient compression", "", distributed_table(distributed), ""]
+    return sections, blocks
+
+
 def main() -> None:
     sections = ["# Benchmarks", "", "Generated by `python benchmarks/make_benchmarks_md.py` from the JSON files in "
                 "`benchmarks/results/`, which the scripts beside it write. Do not edit by hand.", ""]
+    current, blocks = records(RESULTS, "###")
+    sections += ["## This machine", "", "The records the scripts wrote last, on the machine named in each.", ""]
+    sections += current
+    archive = RESULTS / ARCHIVE
+    if archive.is_dir():
+        earlier, _ = records(archive, "###")
+        sections += ["## Earlier machine: a 2-core CPU with AVX-512 BF16", "",
+                     f"Kept from `{archive.relative_to(ROOT).as_posix()}/`: the same scripts on the project's earlier "
+                     "machine, which computed bfloat16 natively (about 2x float32), before ampkit measured hardware "
+                     "or had float32 compute; peak memory there is the whole process's peak RSS.", ""]
+        sections += earlier
     readme = (ROOT / "README.md").read_text()
-    for path in sorted(RESULTS.glob("compare-*/results.json")):
-        results = json.loads(path.read_text())
-        name = path.parent.name
-        sections += [f"## `ampkit compare`: {name.removeprefix('compare-')}", "", compare_table(results), "",
-                     f"![loss curves](benchmarks/results/{name}/curves.png)",
-                     f"![time and memory](benchmarks/results/{name}/summary.png)", ""]
-        if name == "compare-digits-cpu":
-            readme = replace_block(readme, "compare", compare_table(results))
-    autocast = load("autocast.json")
-    if autocast:
-        sections += ["## Autocast overhead (ampkit policies vs torch.autocast)", "", autocast_table(autocast), ""]
-        readme = replace_block(readme, "autocast", autocast_table(autocast))
-    scaler = load("scaler.json")
-    if scaler:
-        sections += ["## Loss scaler overhead", "", scaler_table(scaler), ""]
-    inspect = load("inspect.json")
-    if inspect:
-        sections += ["## Numerics report (`ampkit inspect`)", "", inspect_section(inspect), ""]
-    distributed = load("distributed.json")
-    if distributed:
-        sections += ["## Distributed gradient compression", "", distributed_table(distributed), ""]
+    for name, body in blocks.items():
+        readme = replace_block(readme, name, body)
     atomic_write(ROOT / "BENCHMARKS.md", lambda tmp: tmp.write_text("\n".join(sections)))
     atomic_write(ROOT / "README.md", lambda tmp: tmp.write_text(readme))
-    print("wrote BENCHMARKS.md and README.md's generated blocks")
+    print(f"wrote BENCHMARKS.md and README.md's generated blocks ({', '.join(blocks)})")
 
 
 if __name__ == "__main__":

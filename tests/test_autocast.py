@@ -16,7 +16,9 @@ from ampkit import Policy, autocast
 from conftest import requires_cuda
 autocast_mod = importlib.import_module("ampkit.autocast")  # the module; ampkit.autocast is the class
 
-CPU = Policy.default("cpu", torch.bfloat16)
+# Native compute: these tests are about what is cast where, which is torch.autocast's
+# business; tests/test_compute.py covers float32 compute and the auto decision.
+CPU = Policy.default("cpu", torch.bfloat16, compute="native")
 
 
 def _mlp() -> nn.Sequential:
@@ -278,14 +280,16 @@ def test_removing_bce_from_the_lists_lets_it_follow_its_input() -> None:
         assert F.binary_cross_entropy(p, p).dtype == torch.bfloat16
 
 
-def test_fp16_on_cpu_without_native_fp16_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ampkit.hardware, "cpu_has_native_fp16", lambda: False)
+def test_slow_native_kernels_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conftest import fake_throughput
+
+    monkeypatch.setattr(ampkit.hardware, "measure", lambda device="cpu": fake_throughput({"matmul": 0.02}))
     monkeypatch.setattr(autocast_mod, "_warned", set())
-    with pytest.warns(ampkit.SlowPrecisionWarning, match="50-70x slower than float32.*Use torch.bfloat16"):
-        autocast(Policy.default("cpu", torch.float16))
+    with pytest.warns(ampkit.SlowPrecisionWarning, match="native float16 kernels run matmul at 0.02x float32's"):
+        autocast(Policy.default("cpu", torch.float16, compute="native"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        autocast(Policy.default("cpu", torch.float16))
+        autocast(Policy.default("cpu", torch.float16, compute="native"))
 
 
 def test_not_a_policy_is_rejected() -> None:

@@ -38,6 +38,7 @@ def test_env_prints_cpu_features_on_a_cpu_only_machine(capsys: pytest.CaptureFix
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "avx512_bf16=" in out and "Recommended on" in out
+    assert "Measured on" in out and "matmul (256)" in out and "compute" in out
 
 
 def test_env_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -64,4 +65,4 @@ def test_inspect_table_with_nonfinite_search(tmp_path, capsys: pytest.CaptureFix
     assert main(["inspect", "--model", "mlp", "--batch-size", "4", "--out", str(tmp_path),
                  "--find-nonfinite", "bf16"]) == 0
     out = capsys.readouterr().out
-    assert "Memory estimate" in out and "First inf/NaN under bf16: none" in out
+    assert "Memory estimate" in out and "First inf/NaN under bf16 (compute: " in out and "): none" in out

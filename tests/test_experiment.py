@@ -32,23 +32,78 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[comparison.Compariso
     return result, out
 
 
-def test_default_plan_is_fp32_then_bf16_o1_o2_on_cpu() -> None:
+@pytest.mark.parametrize(
+    "speedups, labels",
+    [
+        # an AVX2-only CPU: float32 compute, and a native probe so the speed column stays honest
+        ({"matmul": 0.013, "conv": 0.05}, ["fp32", "bf16 O1 fp32-compute", "bf16 O2 fp32-compute",
+                                           "bf16 O1 native probe"]),
+        ({"matmul": 2.0, "conv": 1.8}, ["fp32", "bf16 O1", "bf16 O2"]),  # AVX-512 BF16
+        ({"matmul": 2.0, "conv": 0.5}, ["fp32", "bf16 O1 fp32-conv", "bf16 O2 fp32-conv", "bf16 O1 native probe"]),
+    ],
+)
+def test_default_plan_follows_the_measured_hardware(fake_machine, speedups: dict[str, float],  # type: ignore[no-untyped-def]
+                                                    labels: list[str]) -> None:
+    fake_machine(speedups)
     configs = comparison.plan()
-    assert [c.label for c in configs] == ["fp32", "bf16 O1", "bf16 O2"]
-    assert {c.steps for c in configs} == {2 * (1437 // 64)}  # two epochs of the digits train split
-    assert len({dataclasses.replace(c, precision="", opt_level="") for c in configs}) == 1
+    assert [c.label for c in configs] == labels
+    runs = [c for c in configs if not c.probe]
+    assert {c.steps for c in runs} == {2 * (1437 // 64)}  # two epochs of the digits train split
+    assert len({dataclasses.replace(c, precision="", opt_level="") for c in runs}) == 1
+    for probe in (c for c in configs if c.probe):
+        assert probe.compute == "native" and probe.steps == comparison.PROBE_STEPS and not probe.float32_compute
+
+
+def test_forced_compute_modes_multiply_the_settings_without_a_probe(fake_machine) -> None:  # type: ignore[no-untyped-def]
+    fake_machine({"matmul": 0.013, "conv": 0.05})
+    configs = comparison.plan(opt_levels=["O2"], computes=["native", "float32"], steps=2)
+    assert [c.label for c in configs] == ["fp32", "bf16 O2", "bf16 O2 fp32-compute"]
+    with pytest.raises(ValueError, match=r"Unknown compute mode 'fp8'. Choose from \['auto', 'native', 'float32'\]"):
+        comparison.plan(computes=["fp8"])
 
 
 def test_results_json_has_every_field(tiny: tuple[comparison.Comparison, Path]) -> None:
     result, out = tiny
     saved = json.loads((out / "results.json").read_text())
-    assert [run["label"] for run in saved["runs"]] == ["fp32", "bf16 O1", "bf16 O2"]
+    assert [run["label"] for run in saved["runs"]] == saved["config"]["settings"]
+    assert saved["runs"][0]["label"] == "fp32" and {r["label"][:7] for r in saved["runs"][1:3]} == {"bf16 O1", "bf16 O2"}
     for run in saved["runs"]:
         assert RUN_FIELDS | {"ratio_to_fp32"} <= set(run)
         assert set(run["ratio_to_fp32"]) == set(comparison.RATIO_FIELDS)
-        assert run["steps"] == 3 and len(run["losses"]) == 3 and run["ms_per_step"] > 0
-    assert {"torch", "device_name", "cpu_native_bf16", "cpu_native_fp16"} <= set(saved["machine"])
+        steps = comparison.PROBE_STEPS if run["probe"] else 3
+        assert run["steps"] == steps and len(run["losses"]) == steps and run["ms_per_step"] > 0
+        assert ("fp32-" in run["label"]) == bool(run["float32_compute"])
+        if run["probe"]:
+            assert run["test_accuracy"] is None and run["ratio_to_fp32"]["test_accuracy"] is None
+        else:
+            assert 0 <= run["test_accuracy"] <= 1
+    assert {"torch", "device_name", "cpu_native_bf16", "cpu_native_fp16", "measured_speedup"} <= set(saved["machine"])
     assert saved["runs"][0]["ratio_to_fp32"]["ms_per_step"] == 1.0
+    assert saved["wall_s"] > 0
+
+
+def test_peak_memory_counts_what_training_adds_not_torch_itself() -> None:
+    from ampkit.experiment.run import memory_baseline, peak_memory
+
+    cpu = torch.device("cpu")
+    baseline = memory_baseline(cpu)
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    added = peak_memory(cpu, baseline)
+    del block
+    assert 64 * 2**20 <= added < 96 * 2**20
+    assert peak_memory(cpu, memory_baseline(cpu)) < 32 * 2**20  # a new baseline forgets the old peak
+
+
+def test_estimate_scales_a_measured_float32_step(fake_machine) -> None:  # type: ignore[no-untyped-def]
+    fake_machine({"matmul": 0.05, "conv": 0.05})
+    configs = comparison.plan(model="mlp", steps=4, batch_size=8)
+    estimate = comparison.estimate(configs)
+    assert len(estimate.run_s) == len(configs) == 4 and estimate.float32_step_s > 0
+    assert estimate.native_speedup == {"bf16": pytest.approx(0.05)}
+    fp32, probe = estimate.run_s[0] - estimate.startup_s, estimate.run_s[-1] - estimate.startup_s
+    # the probe: its native steps at 1/0.05 = 20x float32's time each, no evaluation
+    assert probe == pytest.approx(comparison.PROBE_STEPS * 20 * estimate.float32_step_s)
+    assert fp32 > 4 * estimate.float32_step_s  # its steps and its evaluation
 
 
 def test_mixed_runs_save_fewer_bytes_for_backward(tiny: tuple[comparison.Comparison, Path]) -> None:
@@ -100,6 +155,8 @@ def test_console_script_json(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     printed = json.loads(done.stdout)
     assert printed == json.loads((tmp_path / "run" / "results.json").read_text())
+    assert "Plan: fp32, bf16 O1" in done.stderr and "Estimated" in done.stderr
+    assert printed["estimated_s"] > 0
 
 
 def test_existing_results_are_never_overwritten(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -133,12 +190,12 @@ def test_user_model_factory_by_path() -> None:
     assert load_factory("gpt") is GPT
 
 
-def test_fp16_on_cpu_warns_with_the_measured_slowdown(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ampkit import SlowPrecisionWarning, hardware
+def test_forcing_slow_native_fp16_warns_with_the_measured_slowdown(fake_machine) -> None:  # type: ignore[no-untyped-def]
+    from ampkit import SlowPrecisionWarning
 
-    monkeypatch.setattr(hardware, "cpu_has_native_fp16", lambda: False)
-    with pytest.warns(SlowPrecisionWarning, match=r"50-70x slower than float32.*--precision bf16"):
-        comparison.plan(precisions=["fp16"], steps=1)
+    fake_machine({"matmul": 0.016, "conv": 0.05})
+    with pytest.warns(SlowPrecisionWarning, match=r"native float16 kernels run matmul at 0.016x, conv at 0.05x"):
+        comparison.plan(precisions=["fp16"], computes=["native"], steps=1)
 
 
 # -- MNIST IDX files -------------------------------------------------------------------

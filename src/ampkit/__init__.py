@@ -4,6 +4,7 @@ from __future__ import annotations
 
 # Casting
 from ampkit.autocast import autocast, custom_bwd, custom_fwd
+from ampkit.compute import ComputeModeWarning
 from ampkit.hardware import SlowPrecisionWarning, recommend_dtype
 from ampkit.policy import ModuleOverride, Policy
 
@@ -13,7 +14,7 @@ from ampkit.scaler import DynamicLossScaler, NonFiniteError, ScalerStats, Static
 
 # Measurement
 from ampkit.alignment import check_alignment, pad_vocab
-from ampkit.hardware import recommend
+from ampkit.hardware import measure, recommend
 from ampkit.memory import estimate_memory
 from ampkit.numerics import find_nonfinite, inspect_numerics
 
@@ -29,6 +30,7 @@ __all__ = [
     "custom_fwd",
     "custom_bwd",
     "SlowPrecisionWarning",
+    "ComputeModeWarning",
     "recommend_dtype",
     # Loss scaling and master weights
     "DynamicLossScaler",
@@ -44,4 +46,5 @@ __all__ = [
     "check_alignment",
     "pad_vocab",
     "recommend",
+    "measure",
 ]

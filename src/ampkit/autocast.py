@@ -3,14 +3,21 @@
 How it works. torch.autocast does the casting in C++ at the Autocast dispatch
 key. ampkit enters torch.autocast and, for the ops where the policy differs
 from torch's own lists (``Policy.edits``), registers Python kernels at that key
-with ``torch.library`` for as long as any ampkit region needs them. So the
-default policy costs exactly what torch.autocast costs (no Python per op), and
-an edited policy pays a few microseconds only on the ops it moved.
+with ``torch.library``. So the default policy with native compute costs exactly
+what torch.autocast costs (no Python per op), and an edited policy pays a few
+microseconds only on the ops it moved.
 
-The registrations are process-wide (the dispatcher has no per-thread table);
-each kernel reads the calling thread's innermost ampkit policy and, in a
-thread without one, does what torch.autocast would. Per-module overrides use
-global module hooks, installed only while a region with overrides is open.
+Where a policy computes GEMMs and convolutions in float32 on 16-bit values
+(``Policy.compute``; see ``ampkit.compute``), those ops get kernels too: they
+cast as the policy says, then run through ``compute.run_in_float32``.
+
+The registrations are process-wide (the dispatcher has no per-thread table)
+and stay for the life of the process once a region first needed them:
+registering costs about 0.1-0.3 ms per op, too much to pay on every step, and
+removing a kernel while another thread dispatches to it is not safe. Each
+kernel reads the calling thread's innermost ampkit region and, in a thread
+without one, does what torch.autocast would. Per-module overrides use global
+module hooks, installed only while a region with overrides is open.
 """
 
 from __future__ import annotations
@@ -21,12 +28,12 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import nn
 
-from ampkit import hardware, op_lists
+from ampkit import compute, hardware, op_lists
 from ampkit.op_lists import ALLOW, DENY, INFER
 from ampkit.policy import Policy
 
@@ -38,10 +45,16 @@ _AUTOCAST_KEYS = {
 }
 
 
+class _Region(NamedTuple):
+    policy: Policy | None  # None where autocast is off
+    ctx: torch.autocast
+    float32_ops: frozenset[str]  # ops computed in float32 on 16-bit values
+
+
 class _ThreadState(threading.local):
     def __init__(self) -> None:
-        # Innermost last: (policy, or None where autocast is off; the torch.autocast ctx).
-        self.stack: list[tuple[Policy | None, torch.autocast]] = []
+        # Innermost last.
+        self.stack: list[_Region] = []
         # Modules whose forward entered an override: (module, torch.autocast ctx).
         self.module_stack: list[tuple[nn.Module, torch.autocast]] = []
         # Leaf float32 tensor id -> (tensor, cast copy), dropped when the outermost region exits.
@@ -58,12 +71,17 @@ def _warn_once(key: str, message: str, category: type[Warning] = UserWarning) ->
         warnings.warn(message, category, stacklevel=3)
 
 
+def _current_region(device_type: str) -> _Region | None:
+    for region in reversed(_state.stack):
+        if region.policy is not None and region.policy.device_type == device_type:
+            return region
+    return None
+
+
 def current_policy(device_type: str) -> Policy | None:
     """The calling thread's innermost enabled ampkit policy for ``device_type``, if any."""
-    for policy, _ in reversed(_state.stack):
-        if policy is not None and policy.device_type == device_type:
-            return policy
-    return None
+    region = _current_region(device_type)
+    return region.policy if region is not None else None
 
 
 def weight_cache_size() -> int:
@@ -121,7 +139,9 @@ def _caster(device_type: str, dtype: torch.dtype) -> Callable[[torch.Tensor], to
     def cast(t: torch.Tensor) -> torch.Tensor:
         if t.dtype is dtype or not _eligible(t, device_type):
             return t
-        if cache_weights and t.is_leaf and t.requires_grad:  # weights: cast once per region
+        # Weights: cast once per region (a thread without an ampkit region, which reaches
+        # these kernels through plain torch.autocast, has no region to drop a cache with).
+        if cache_weights and _state.stack and t.is_leaf and t.requires_grad:
             hit = _state.weight_cache.get(id(t))
             if hit is None or hit[0] is not t:
                 hit = (t, t.to(dtype))
@@ -138,12 +158,14 @@ def _make_kernel(device_type: str, op: str, overload: torch._ops.OpOverload) -> 
     casters = {dtype: _caster(device_type, dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)}
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        policy = current_policy(device_type)
-        if policy is not None:
-            category = policy.category(op)
-        else:  # a thread using plain torch.autocast while another holds these kernels
+        region = _current_region(device_type)
+        if region is not None:
+            category = region.policy.category(op)  # type: ignore[union-attr]
+            in_float32 = op in region.float32_ops
+        else:  # a thread using plain torch.autocast
             category = op_lists.torch_category(device_type, op)
             category = DENY if category == "banned" else category
+            in_float32 = False
         if category == ALLOW:
             cast: Callable[[torch.Tensor], torch.Tensor] | None = casters[torch.get_autocast_dtype(device_type)]
         elif category == DENY:
@@ -160,13 +182,16 @@ def _make_kernel(device_type: str, op: str, overload: torch._ops.OpOverload) -> 
                 args = _cast_tree(args, cast)
                 if kwargs:
                     kwargs = _cast_tree(kwargs, cast)
+            if in_float32:
+                return compute.run_in_float32(overload, *args, **kwargs)
             return overload(*args, **kwargs)
 
     return kernel
 
 
 class _Registry:
-    """Refcounted torch.library registrations: one Library per (device, op)."""
+    """torch.library registrations, one Library per (device, op), registered on first
+    need and kept; counts say which are needed by an open region now."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -177,22 +202,24 @@ class _Registry:
         with self._lock:
             for op in ops:
                 key = (device_type, op)
-                if self._counts.get(key, 0) == 0:
+                if key not in self._libs:
                     self._libs[key] = self._register(device_type, op)
                 self._counts[key] = self._counts.get(key, 0) + 1
 
     def release(self, device_type: str, ops: frozenset[str]) -> None:
         with self._lock:
             for op in ops:
-                key = (device_type, op)
-                self._counts[key] -= 1
-                if self._counts[key] == 0:
-                    self._libs.pop(key)._destroy()
+                self._counts[(device_type, op)] -= 1
 
     def active(self) -> set[tuple[str, str]]:
-        """(device_type, op) pairs that hold ampkit kernels now."""
+        """(device_type, op) pairs whose ampkit kernels an open region needs now."""
         with self._lock:
             return {key for key, count in self._counts.items() if count}
+
+    def registered(self) -> set[tuple[str, str]]:
+        """(device_type, op) pairs that hold ampkit kernels (for the rest of the process)."""
+        with self._lock:
+            return set(self._libs)
 
     @staticmethod
     def _register(device_type: str, op: str) -> torch.library.Library:
@@ -242,9 +269,10 @@ def _name_modules(root: nn.Module) -> None:
 
 
 def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
-    if not _state.stack or _state.stack[-1][0] is None or not _state.stack[-1][0].overrides:
+    top = _state.stack[-1] if _state.stack else None
+    if top is None or top.policy is None or not top.policy.overrides:
         return None
-    policy = _state.stack[-1][0]
+    policy = top.policy
     _name_modules(module)
     dtype = _override_for(module, policy)
     if dtype is None:
@@ -258,7 +286,7 @@ def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
         ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
         pushed = policy.all_low
     ctx.__enter__()
-    _state.stack.append((pushed, ctx))
+    _state.stack.append(_Region(pushed, ctx, top.float32_ops))
     _state.module_stack.append((module, ctx))
     return args
 
@@ -292,9 +320,10 @@ def _release_hooks() -> None:
                 _hook_handles.pop().remove()
 
 
-def _kernel_ops(policy: Policy) -> frozenset[str]:
-    """The ops that need ampkit kernels for ``policy`` and its module overrides."""
-    ops = policy.edits
+def _kernel_ops(policy: Policy, float32_ops: frozenset[str]) -> frozenset[str]:
+    """The ops that need ampkit kernels for ``policy``, its module overrides and its
+    float32-computed ops."""
+    ops = policy.edits | float32_ops
     if any(o.dtype != torch.float32 for o in policy.overrides):
         ops = ops | policy.all_low.edits
     return ops
@@ -323,9 +352,12 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         >>> loss.backward()  # outside the region, as with torch.autocast
 
     Note:
-        An edited policy registers process-wide dispatcher kernels on entry of
-        the first region that needs them and removes them when the last such
-        region exits: open the region around a whole forward, not per op.
+        An edited policy, or float32 compute, registers process-wide dispatcher
+        kernels on entry of the first region that needs them (0.1-0.3 ms per op,
+        once per process); they stay, and do what torch.autocast does in threads
+        without an ampkit region. ``"auto"`` compute reads ``hardware.measure()``,
+        which times this machine's kernels for about a second the first time it
+        ever runs here (then it is cached on disk).
     """
 
     def __init__(self, policy: Policy | None = None, *, enabled: bool = True) -> None:
@@ -336,11 +368,16 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
                 "build one with ampkit.Policy.default(device_type, dtype)."
             )
         self.policy = policy if enabled else policy.disabled()
-        self._kernel_ops = _kernel_ops(self.policy) if self.policy.enabled else frozenset()
+        self.float32_ops = compute.float32_ops(self.policy) if self.policy.enabled else frozenset()
+        self._kernel_ops = _kernel_ops(self.policy, self.float32_ops) if self.policy.enabled else frozenset()
         self._hooks = bool(self.policy.enabled and self.policy.overrides)  # module overrides need the global hooks
-        if self.policy.enabled and self.policy.device_type == "cpu" and self.policy.dtype == torch.float16:
-            if not hardware.cpu_has_native_fp16():
-                _warn_once("cpu-fp16", hardware.slow_fp16_message(), hardware.SlowPrecisionWarning)
+        if self.float32_ops:
+            key = f"compute:{self.policy.device_type}:{self.policy.dtype}:{self.policy.compute}"
+            _warn_once(key, compute.describe(self.policy), compute.ComputeModeWarning)
+        elif self.policy.enabled and self.policy.compute == "native":
+            slow = hardware.slow_native_message(self.policy.device_type, self.policy.dtype)
+            if slow:
+                _warn_once(f"slow:{self.policy.device_type}:{self.policy.dtype}", slow, hardware.SlowPrecisionWarning)
 
     def __enter__(self) -> autocast:
         policy = self.policy
@@ -353,11 +390,11 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         if self._kernel_ops:
             _registry.acquire(policy.device_type, self._kernel_ops)
         ctx.__enter__()
-        _state.stack.append((policy if policy.enabled else None, ctx))
+        _state.stack.append(_Region(policy if policy.enabled else None, ctx, self.float32_ops))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _, ctx = _state.stack.pop()
+        ctx = _state.stack.pop().ctx
         ctx.__exit__(*exc)
         if self._hooks:
             _release_hooks()

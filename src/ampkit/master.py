@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit import compute as compute_mod
 from ampkit import hardware
 from ampkit.autocast import autocast
 from ampkit.policy import LOW_DTYPES, Policy, resolve_dtype
@@ -210,6 +211,7 @@ def initialize(
     optimizer: torch.optim.Optimizer | None = None,
     opt_level: str = "O1",
     dtype: torch.dtype | str | None = None,
+    compute: str = "auto",
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Prepare a float32 model and its optimizer for mixed precision (Apex's levels).
 
@@ -222,26 +224,31 @@ def initialize(
             the model boundary; ``"O3"`` everything in ``dtype`` (no masters).
         dtype: torch.float16 or torch.bfloat16; None picks bfloat16 on CPUs and on
             GPUs of compute capability >= 8.0, float16 on older GPUs.
+        compute: how GEMMs and convolutions compute (``Policy.compute``): ``"auto"``
+            (default: native 16-bit kernels where measured faster than float32 here,
+            else float32 arithmetic on the 16-bit values), ``"native"`` or ``"float32"``.
+            At O2/O3 float32 compute wraps the model's forward in an ampkit region
+            that casts nothing.
 
     Returns:
         (model, optimizer): the model is changed in place; the optimizer is wrapped
         in ``MasterWeightOptimizer`` for O2.
 
     Raises:
-        ValueError: an unknown ``opt_level`` or dtype.
+        ValueError: an unknown ``opt_level``, dtype or compute mode.
 
     Example:
         >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
     """
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
+    compute_mod.check_compute(compute)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = resolve_dtype(dtype) if dtype is not None else hardware.recommend_dtype(device)
     if opt_level == "O0":
         return model, optimizer
     if opt_level == "O1":
-        region = autocast(Policy.default(device.type, dtype))
-        model.forward = types.MethodType(region(type(model).forward), model)  # type: ignore[method-assign]
+        _wrap_forward(model, autocast(Policy.default(device.type, dtype, compute=compute)))
         return model, optimizer
     if opt_level == "O2" and optimizer is not None:
         optimizer = MasterWeightOptimizer(optimizer)  # before the cast: masters are exact
@@ -251,7 +258,14 @@ def initialize(
         _cast_own(module, dtype)
     model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
     model.register_forward_hook(_cast_output)
+    model16 = Policy.for_16bit_model(device.type, dtype, compute)
+    if compute_mod.float32_ops(model16):
+        _wrap_forward(model, autocast(model16))
     return model, optimizer
+
+
+def _wrap_forward(model: nn.Module, region: autocast) -> None:
+    model.forward = types.MethodType(region(type(model).forward), model)  # type: ignore[method-assign]
 
 
 def _cast_own(module: nn.Module, dtype: torch.dtype) -> None:

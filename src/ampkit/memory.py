@@ -15,19 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit import compute
 from ampkit.policy import resolve_dtype
 
 # Optimizer states per parameter, in the dtype of the parameters the optimizer updates.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-nomomentum": 0, "adagrad": 1, "rmsprop": 1}
-
-
-def _is_weight_copy(t: torch.Tensor) -> bool:
-    """A 16-bit copy of a parameter made by autocast (its only input is a leaf)."""
-    fn = t.grad_fn
-    if fn is None or fn.name() != "ToCopyBackward0":
-        return False
-    inputs = [next_fn for next_fn, _ in fn.next_functions if next_fn is not None]
-    return bool(inputs) and all(next_fn.name().endswith("AccumulateGrad") for next_fn in inputs)
 
 
 def saved_bytes_of_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
@@ -45,13 +37,15 @@ def saved_bytes_of_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> t
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params and not _is_weight_copy(t):
+        if storage.data_ptr() not in params and not compute.is_weight_copy(t):
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = step()
-    return loss, sum(seen.values())
+        # Read before the step's graph can go: float32-compute ops save aliases of weights.
+        weights = compute.weight_storages()
+    return loss, sum(n for ptr, n in seen.items() if ptr not in weights)
 
 
 @dataclasses.dataclass(frozen=True)

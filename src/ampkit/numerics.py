@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampkit.autocast import autocast
+from ampkit.files import atomic_write
 from ampkit.policy import Policy
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
@@ -283,25 +284,38 @@ class NonFiniteFinding:
     finite_inputs: bool  # False: a weight, buffer or model input was already inf/NaN
 
 
+# Ops whose output is allocated but not yet written (autograd's gradient buffers):
+# whatever bits they hold are not a finding.
+_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+
+
 class _FirstNonFinite(TorchDispatchMode):
     def __init__(self, current_module: Callable[[], str], phase: Callable[[], str]) -> None:
         super().__init__()
         self.current_module, self.phase = current_module, phase
         self.finding: NonFiniteFinding | None = None
+        # The previous op: (name, tensor inputs, first output).
+        self._previous: tuple[str, list[torch.Tensor], torch.Tensor | None] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if self.finding is None:
+        name = str(func.overloadpacket.__name__)
+        if self.finding is None and name not in _UNINITIALIZED:
             tensor = _first_tensor(out)
             inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
             if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                previous = self._previous
+                if name in ("to", "_to_copy") and previous is not None and args and args[0] is previous[2]:
+                    # float32 compute (ampkit.compute): a GEMM's float32 result overflowed when rounded
+                    # to 16 bits, where a native 16-bit kernel overflows in the GEMM itself.
+                    name, inputs = previous[0], previous[1]
                 ranges = [
                     (t.float().min().item(), t.float().max().item()) if t.is_floating_point() and t.numel() else None
                     for t in inputs
                 ]
                 finite_inputs = all(bool(torch.isfinite(t).all()) for t in inputs if t.is_floating_point())
-                self.finding = NonFiniteFinding(self.current_module(), str(func.overloadpacket.__name__),
-                                                self.phase(), ranges, finite_inputs)
+                self.finding = NonFiniteFinding(self.current_module(), name, self.phase(), ranges, finite_inputs)
+            self._previous = (name, inputs, tensor)
         return out
 
 
@@ -357,7 +371,6 @@ def write_histogram(report: NumericsReport, path: Any) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ampkit.experiment.report import atomic_write
 
     fig, ax = plt.subplots(figsize=(8, 3.6), dpi=120)
     if report.log2_grad_hist:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ampkit import op_lists
+from ampkit.compute import check_compute
 from ampkit.op_lists import ALLOW, DENY, INFER
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -105,9 +106,15 @@ class Policy:
         infer: ops that run in the widest floating dtype among their inputs.
         overrides: per-module dtypes, applied in order (the last match wins).
         enabled: False makes ``ampkit.autocast`` a pass-through.
+        compute: how GEMMs and convolutions on 16-bit values compute: ``"native"``
+            (16-bit kernels, as torch.autocast), ``"float32"`` (float32 arithmetic on
+            the 16-bit values, output rounded to 16 bits; see ``ampkit.compute``) or
+            ``"auto"`` (default: per op class, native where this machine's measured
+            16-bit kernels beat float32, else float32).
 
     Ops in no list run in the dtype of their inputs. Build one with
-    ``Policy.default()`` and edit it with ``with_ops`` / ``with_modules``.
+    ``Policy.default()`` and edit it with ``with_ops`` / ``with_modules`` /
+    ``with_compute``.
 
     Example:
         >>> policy = Policy.default("cpu", torch.bfloat16).with_ops(deny=["gelu"])
@@ -122,11 +129,13 @@ class Policy:
     infer: frozenset[str]
     overrides: tuple[ModuleOverride, ...] = ()
     enabled: bool = True
+    compute: str = "auto"
     # op -> category for every listed op; derived, so not compared or shown.
     _table: dict[str, str] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         check_device_type(self.device_type)
+        check_compute(self.compute)
         object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
         table: dict[str, str] = {}
         for category in (ALLOW, DENY, INFER):
@@ -142,20 +151,32 @@ class Policy:
         object.__setattr__(self, "_table", table)
 
     @classmethod
-    def default(cls, device_type: str = "cpu", dtype: torch.dtype | str | None = None) -> Policy:
+    def default(
+        cls, device_type: str = "cpu", dtype: torch.dtype | str | None = None, compute: str = "auto"
+    ) -> Policy:
         """The default policy: torch.autocast's decisions for ``device_type``.
 
         Args:
             device_type: ``"cpu"`` (default) or ``"cuda"``.
             dtype: defaults to bfloat16 on CPU and float16 on CUDA, as torch.autocast.
+            compute: ``"auto"`` (default), ``"native"`` or ``"float32"``; see the class.
 
-        The one difference from torch.autocast: ops torch refuses under autocast
-        (``binary_cross_entropy`` on CUDA) run in float32 with a one-time warning.
+        Two differences from torch.autocast: ops torch refuses under autocast
+        (``binary_cross_entropy`` on CUDA) run in float32 with a one-time warning;
+        and where this machine computes 16-bit GEMMs slower than float32 (measured),
+        ``"auto"`` computes them in float32 on the 16-bit values.
         """
         lists = op_lists.DEFAULT_LISTS[check_device_type(device_type)]
         if dtype is None:
             dtype = torch.bfloat16 if device_type == "cpu" else torch.float16
-        return cls(device_type, resolve_dtype(dtype), lists[ALLOW], lists[DENY], lists[INFER])
+        return cls(device_type, resolve_dtype(dtype), lists[ALLOW], lists[DENY], lists[INFER], compute=compute)
+
+    @classmethod
+    def for_16bit_model(cls, device_type: str, dtype: torch.dtype | str, compute: str = "auto") -> Policy:
+        """A policy that casts nothing (every op follows its inputs) and only decides how
+        GEMMs and convolutions compute: for models already in 16 bits (O2, O3)."""
+        empty: frozenset[str] = frozenset()
+        return cls(check_device_type(device_type), resolve_dtype(dtype), empty, empty, empty, compute=compute)
 
     def category(self, op: str) -> str | None:
         """``"allow"``, ``"deny"``, ``"infer"`` or None (the op follows its inputs)."""
@@ -218,6 +239,10 @@ class Policy:
                 )
         added = tuple(ModuleOverride(p, dtype) for p in patterns)
         return dataclasses.replace(self, overrides=self.overrides + added)
+
+    def with_compute(self, compute: str) -> Policy:
+        """This policy with another compute mode (``"auto"``, ``"native"``, ``"float32"``)."""
+        return dataclasses.replace(self, compute=check_compute(compute))
 
     def disabled(self) -> Policy:
         """This policy with ``enabled=False``: autocast becomes a pass-through."""

@@ -5,18 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ampkit import compute as compute_mod
+from ampkit import hardware
 from ampkit.experiment import comparison as comparison_mod
 from ampkit.experiment import report
 from ampkit.experiment.data import DATASETS
 from ampkit.experiment.models import MODELS
-from ampkit.experiment.run import PRECISIONS
+from ampkit.experiment.run import PRECISIONS, RunConfig
 from ampkit.master import OPT_LEVELS
+from ampkit.policy import resolve_dtype
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,6 +34,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", default=None, help=f"{' | '.join(DATASETS)} (default: digits; text for gpt)")
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, help="mixed precisions to run")
     parser.add_argument("--opt-level", nargs="+", choices=OPT_LEVELS[1:], help="opt levels of the mixed runs")
+    parser.add_argument("--compute", nargs="+", choices=compute_mod.COMPUTE_MODES,
+                        help="how the mixed runs' GEMMs compute (default: auto, native where measured faster here)")
+    parser.add_argument("--no-probe", action="store_true",
+                        help="skip the short native 16-bit probe run added where auto computes in float32")
     parser.add_argument("--batch-size", type=int)
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--epochs", type=int)
@@ -44,6 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
     out = args.out or comparison_mod.default_out_dir()
     comparison_mod.check_out_dir(out)
     with warnings.catch_warnings(record=True) as caught:
@@ -51,13 +60,15 @@ def run(args: argparse.Namespace) -> int:
         configs = comparison_mod.plan(
             model=args.model, data=args.data, precisions=args.precision, opt_levels=args.opt_level,
             batch_size=args.batch_size, epochs=args.epochs, steps=args.steps, lr=args.lr, device=args.device,
-            seed=args.seed,
+            seed=args.seed, computes=args.compute, probe=False if args.no_probe else None,
         )
+        estimate = comparison_mod.estimate(configs)
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     console = Console(stderr=args.json)
+    print_plan(console, configs, estimate)
     if args.quiet or args.json or not console.is_terminal:
-        result = comparison_mod.compare(configs)
+        result = comparison_mod.compare(configs, estimated_s=estimate.total_s)
     else:
         with Progress(
             TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
@@ -65,12 +76,32 @@ def run(args: argparse.Namespace) -> int:
         ) as bars:
             tasks = {c.label: bars.add_task(c.label, total=c.steps, loss="-") for c in configs}
             result = comparison_mod.compare(
-                configs, lambda label, step, total, loss: bars.update(tasks[label], completed=step, loss=f"{loss:.4f}")
+                configs, lambda label, step, total, loss: bars.update(tasks[label], completed=step, loss=f"{loss:.4f}"),
+                estimated_s=estimate.total_s,
             )
     paths = report.write_all(result, out)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
     console.print(report.table(result))
-    console.print("Wrote " + ", ".join(str(p) for p in paths))
+    console.print(f"Took {time.perf_counter() - start:.0f} s (estimated {estimate.total_s:.0f} s). "
+                  "Wrote " + ", ".join(str(p) for p in paths))
     return 0
+
+
+def print_plan(console: Console, configs: list[RunConfig], estimate: comparison_mod.Estimate) -> None:
+    """The runs about to start, why their compute mode is what it is, and the time they will take."""
+    first = configs[0]
+    console.print(
+        f"Plan: {', '.join(c.label for c in configs)}; {first.model} on {first.data}, batch {first.batch_size}, "
+        f"{first.steps} steps per run. Estimated {estimate.total_s:.0f} s "
+        f"(a float32 step measured here: {estimate.float32_step_s * 1e3:.0f} ms)."
+    )
+    measured = hardware.measure(first.device)
+    for precision, speedup in sorted(estimate.native_speedup.items()):
+        dtype = resolve_dtype(precision)
+        line = ", ".join(f"{c} {measured.speedup(c, dtype):.3g}x" for c in compute_mod.GEMM_OPS)
+        console.print(f"  native {precision} kernels here run at {line} float32's speed "
+                      f"(this model: {speedup:.3g}x), measured on {measured.device_name}.")
+    if any(c.float32_compute for c in configs):
+        console.print("  fp32-compute runs keep tensors in 16 bits and compute GEMMs and convolutions in float32.")

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 
+import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -15,10 +16,16 @@ from ampkit import hardware
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("env", help="show 16-bit support of this CPU/GPU and the recommended settings")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--remeasure", action="store_true",
+                        help="time the 16-bit kernels again instead of reading this machine's cached figures")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.remeasure:
+        hardware.measure("cpu", refresh=True)
+        if torch.cuda.is_available():
+            hardware.measure("cuda", refresh=True)
     hw = hardware.report()
     advice = hardware.recommend()
     if args.json:
@@ -41,10 +48,33 @@ def run(args: argparse.Namespace) -> int:
     if not hw.gpus:
         table.add_row("GPU", "none visible")
     console.print(table)
-    console.print(f"Recommended on {advice.device}: dtype {advice.dtype}, opt level {advice.opt_level}, "
-                  f"loss scaling {'on' if advice.loss_scaling else 'off'}")
+    for measured in hw.measured:
+        console.print(speed_table(measured))
+    console.print(f"Recommended on {advice.device}: dtype {advice.dtype}, compute {advice.compute}, "
+                  f"opt level {advice.opt_level}, loss scaling {'on' if advice.loss_scaling else 'off'}; "
+                  f"fastest here: {advice.fastest}")
     for reason in advice.reasons:
         console.print(f"  - {reason}")
     for caution in advice.warnings:
         console.print(f"  ! {caution}")
     return 0
+
+
+def speed_table(measured: hardware.Throughput) -> Table:
+    """Measured speed of native 16-bit kernels against float32, with the flags that explain it."""
+    device = measured.device.split(":")[0]
+    table = Table(title=f"Measured on {measured.device_name} ({measured.device}), {measured.measured_at}",
+                  caption="speed of the native 16-bit kernel over float32's (above 1: faster); "
+                  f"best of several calls, cached in {hardware.cache_path()}")
+    table.add_column("op class")
+    for dtype in (torch.bfloat16, torch.float16):
+        table.add_column(str(dtype).removeprefix("torch."), justify="right")
+    table.add_column("float32 time", justify="right")
+    for op in hardware.OP_CLASSES:
+        shape = "x".join(map(str, measured.shapes[op]))
+        cells = [f"{measured.speedup(op, dtype):.3g}x" for dtype in (torch.bfloat16, torch.float16)]
+        table.add_row(f"{op} ({shape})", *cells, f"{measured.time_us[op]['float32']:.0f} us")
+    table.add_row(
+        "why", *(hardware.native_support(device, dtype) for dtype in (torch.bfloat16, torch.float16)), ""
+    )
+    return table

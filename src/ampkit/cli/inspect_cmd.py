@@ -12,6 +12,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ampkit import compute
 from ampkit.alignment import check_alignment
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.models import MODELS, load_factory
@@ -57,14 +58,17 @@ def run(args: argparse.Namespace) -> int:
     memory = estimate_memory(model, x, args.opt_level)
     alignment = check_alignment(model)
     nonfinite = None
+    policy = Policy.default("cpu", args.find_nonfinite or "bf16")
     if args.find_nonfinite:
-        nonfinite = find_nonfinite(model, x, Policy.default("cpu", args.find_nonfinite), target=y)
+        nonfinite = find_nonfinite(model, x, policy, target=y)
     write_histogram(report, histogram)
 
     if args.json:
         payload = {"numerics": dataclasses.asdict(report), "memory": dataclasses.asdict(memory),
                    "alignment": [dataclasses.asdict(a) for a in alignment],
-                   "nonfinite": dataclasses.asdict(nonfinite) if nonfinite else None, "histogram": str(histogram)}
+                   "nonfinite": dataclasses.asdict(nonfinite) if nonfinite else None,
+                   "nonfinite_compute": compute.label(policy) if args.find_nonfinite else None,
+                   "histogram": str(histogram)}
         print(json.dumps(payload, indent=2))
         return 0
     console = Console(width=max(Console().width, 120))
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         console.print("Tensor-core alignment: every Linear/Conv/Embedding dimension is a multiple of 8.")
     if args.find_nonfinite:
-        console.print(f"First inf/NaN under {args.find_nonfinite}: " + (
+        console.print(f"First inf/NaN under {args.find_nonfinite} (compute: {compute.label(policy)}): " + (
             "none" if nonfinite is None else
             f"{nonfinite.op} in {nonfinite.module} ({nonfinite.phase}), input ranges {nonfinite.input_ranges}"))
     console.print(f"Wrote {histogram}")

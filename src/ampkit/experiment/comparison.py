@@ -5,18 +5,24 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
+import os
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
+from ampkit import compute as compute_mod
 from ampkit import hardware
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.models import load_factory
-from ampkit.experiment.run import PRECISIONS, RunConfig, RunResult, run_in_subprocess
+from ampkit.experiment.run import CONTEXT, PRECISIONS, PRECISE_BN_BATCHES, RunConfig, RunResult, run_in_subprocess
 from ampkit.master import OPT_LEVELS
+from ampkit.policy import resolve_dtype
 
 RESULT_FILES = ("results.json", "curves.png", "summary.png")
 # Figures compared against float32, and whether lower is better.
@@ -32,6 +38,7 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt": {"data": "text", "batch_size": 16, "steps": 30, "lr": 1e-3},
 }
 IMAGE_DEFAULTS = {"data": "digits", "batch_size": 64, "epochs": 2, "lr": 2e-3}
+PROBE_STEPS = 2  # one warm-up step, then one timed: native 16-bit steps can take tens of seconds
 
 Progress = Callable[[str, int, int, float], None]
 
@@ -44,15 +51,19 @@ class Comparison:
     config: dict[str, Any]
     machine: dict[str, Any]
     created: str
+    estimated_s: float | None = None  # the plan's estimate of the total wall time
+    wall_s: float | None = None  # the total wall time, measured
 
     @property
     def baseline(self) -> RunResult:
         return self.runs[0]
 
-    def ratio(self, run: RunResult, field: str) -> float:
-        """``run``'s figure divided by float32's (nan where float32's is 0)."""
-        base = getattr(self.baseline, field)
-        return getattr(run, field) / base if base else math.nan
+    def ratio(self, run: RunResult, field: str) -> float | None:
+        """``run``'s figure divided by float32's (None where either is missing or float32's is 0)."""
+        value, base = getattr(run, field), getattr(self.baseline, field)
+        if value is None or not base or base is None:
+            return None
+        return value / base
 
     def to_dict(self) -> dict[str, Any]:
         runs = []
@@ -60,7 +71,15 @@ class Comparison:
             entry = dataclasses.asdict(run)
             entry["ratio_to_fp32"] = {field: self.ratio(run, field) for field in RATIO_FIELDS}
             runs.append(entry)
-        return {"version": 1, "created": self.created, "machine": self.machine, "config": self.config, "runs": runs}
+        return {
+            "version": 2, "created": self.created, "machine": self.machine, "config": self.config,
+            "estimated_s": self.estimated_s, "wall_s": self.wall_s, "runs": runs,
+        }
+
+
+def _check_choice(value: str, choices: Sequence[str], what: str) -> None:
+    if value not in choices:
+        raise ValueError(f"Unknown {what} {value!r}. Choose from {list(choices)}.")
 
 
 def default_settings(device: torch.device) -> list[tuple[str, str]]:
@@ -100,13 +119,22 @@ def plan(
     lr: float | None = None,
     device: str = "cpu",
     seed: int = 0,
+    computes: Sequence[str] | None = None,
+    probe: bool | None = None,
 ) -> list[RunConfig]:
-    """The runs of a comparison: float32 first, then the mixed settings.
+    """The runs of a comparison: float32 first, then the mixed settings, then a probe.
 
     Unset options take the model's defaults (ResNet-18 and MLP: digits, batch 64,
     2 epochs, lr 2e-3; GPT: text, batch 16, 30 steps, lr 1e-3). ``precisions`` and
     ``opt_levels`` default to what the hardware supports (on a CPU: bf16 with O1
     and O2; on CUDA: fp16 with O1 and O2, and bf16 too from compute capability 8.0).
+    ``computes`` (default ``["auto"]``: native where the measured 16-bit kernels
+    beat float32, else float32 GEMMs on 16-bit values) multiplies the settings.
+
+    ``probe`` (default: where an ``auto`` setting computes in float32) adds a short
+    run of the first mixed precision at O1 with native 16-bit kernels,
+    ``PROBE_STEPS`` steps with no evaluation, so the table also says how fast
+    native 16-bit compute is here.
 
     Raises:
         ValueError: unknown choices (listed in the message), or CUDA without CUDA.
@@ -117,25 +145,23 @@ def plan(
     data = data or defaults["data"]
     data_mod.check_spec(data)
     for precision in precisions or ():
-        if precision not in PRECISIONS:
-            raise ValueError(f"Unknown precision {precision!r}. Choose from {list(PRECISIONS)}.")
+        _check_choice(precision, PRECISIONS, "precision")
     for level in opt_levels or ():
-        if level not in OPT_LEVELS[1:]:
-            raise ValueError(f"Unknown opt level {level!r} for a mixed run. Choose from {list(OPT_LEVELS[1:])}.")
+        _check_choice(level, OPT_LEVELS[1:], "opt level for a mixed run:")
+    for compute in computes or ():
+        _check_choice(compute, compute_mod.COMPUTE_MODES, "compute mode")
     if precisions is None and opt_levels is None:
         settings = default_settings(parsed_device)
     else:
         mixed = [p for p in (precisions or ("bf16" if parsed_device.type == "cpu" else "fp16",)) if p != "fp32"]
         settings = [(p, level) for p in mixed for level in (opt_levels or ("O1", "O2"))]
-    if parsed_device.type == "cpu" and any(p == "fp16" for p, _ in settings) and not hardware.cpu_has_native_fp16():
-        warnings.warn(hardware.slow_fp16_message(), hardware.SlowPrecisionWarning, stacklevel=2)
     if steps is None:
         if data == "text":
             steps = defaults.get("steps", 30)
         else:
             per_epoch = _train_size(data) // (batch_size or defaults["batch_size"])
             steps = per_epoch * (epochs or defaults.get("epochs", 2))
-    common = dict(
+    common: dict[str, Any] = dict(
         model=model,
         data=data,
         batch_size=batch_size or defaults["batch_size"],
@@ -144,22 +170,136 @@ def plan(
         device=device,
         seed=seed,
     )
-    return [RunConfig(precision="fp32", opt_level="O0", **common)] + [  # type: ignore[arg-type]
-        RunConfig(precision=p, opt_level=level, **common) for p, level in settings  # type: ignore[arg-type]
+    configs = [RunConfig(precision="fp32", opt_level="O0", **common)]
+    configs += [
+        RunConfig(precision=p, opt_level=level, compute=c, **common)
+        for p, level in settings
+        for c in (computes or ("auto",))
     ]
+    for precision in sorted({c.precision for c in configs if c.compute == "native"}):
+        slow = hardware.slow_native_message(parsed_device, resolve_dtype(precision))
+        if slow:
+            warnings.warn(slow, hardware.SlowPrecisionWarning, stacklevel=2)
+    auto_in_float32 = [c for c in configs[1:] if c.compute == "auto" and c.float32_compute]
+    if probe or (probe is None and auto_in_float32):
+        first = (auto_in_float32 or configs[1:])[0] if len(configs) > 1 else None
+        if first is not None:
+            configs.append(dataclasses.replace(first, opt_level="O1", compute="native", steps=PROBE_STEPS, probe=True))
+    return configs
 
 
 def _train_size(data: str) -> int:
     return len(data_mod.load(data).train_y)
 
 
-def compare(configs: list[RunConfig], progress: Progress | None = None) -> Comparison:
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """How long a comparison will take, from one measured float32 step.
+
+    Attributes:
+        float32_step_s: one float32 training step of the model, timed here.
+        startup_s: starting a run (Python, torch, the data), taken as this process's age.
+        run_s: per configuration, in plan order.
+        native_speedup: per mixed precision, float32's time over native 16-bit's for
+            this model's GEMMs (measured kernel speeds weighted by the model's FLOPs).
+    """
+
+    float32_step_s: float
+    startup_s: float
+    run_s: list[float]
+    native_speedup: dict[str, float]
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.run_s)
+
+
+def estimate(configs: list[RunConfig]) -> Estimate:
+    """Estimate the wall time of ``compare(configs)``: time one float32 training step of
+    the model in this process (after one warm-up step), then scale by steps, evaluation,
+    start-up and the measured speed of native 16-bit kernels where a run uses them.
+
+    Runs that compute GEMMs in float32 are estimated at float32's step time.
+    """
+    first = configs[0]
+    device = torch.device(first.device)
+    dataset = data_mod.load(first.data)
+    torch.manual_seed(first.seed)
+    model = load_factory(first.model)(**dataset.model_kwargs(CONTEXT)).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    index = torch.arange(first.batch_size) % len(dataset.train_x if dataset.kind == "text" else dataset.train_y)
+    if dataset.kind == "text":
+        x, y = data_mod.windows(dataset.train_x, index % (len(dataset.train_x) - CONTEXT - 1), CONTEXT)
+    else:
+        x, y = dataset.train_x[index], dataset.train_y[index]
+    x, y = x.to(device), y.to(device)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(x)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    with FlopCounterMode(display=False) as flops:
+        step()  # also the warm-up
+    t0 = time.perf_counter()
+    step()
+    step_s = time.perf_counter() - t0
+    share: dict[str, float] = {}  # op class -> its part of the step's GEMM arithmetic
+    for op, count in flops.get_flop_counts()["Global"].items():
+        name = "conv" if "convolution" in str(op) else "matmul"
+        share[name] = share.get(name, 0) + count
+    total = sum(share.values()) or 1
+    share = {c: n / total for c, n in share.items()}
+    measured = hardware.measure(device)
+
+    def time_factor(precision: str, native: Sequence[str]) -> float:
+        """A step's time over float32's: native classes at their measured speed, the rest at float32's.
+        A rough model: all of a step's time is taken as GEMM time."""
+        dtype = resolve_dtype(precision)
+        return sum(f / measured.speedup(c, dtype) if c in native else f for c, f in share.items()) or 1.0
+
+    precisions = sorted({c.precision for c in configs if c.precision != "fp32"})
+    speedups = {p: 1 / time_factor(p, list(compute_mod.GEMM_OPS)) for p in precisions}
+    startup = _process_age_s()
+    n_eval = len(dataset.test_y) if dataset.kind == "image" else 64
+    forward_s = step_s / 3  # a forward is about a third of a training step
+    runs = []
+    for config in configs:
+        factor = 1.0
+        if config.precision != "fp32":
+            factor = time_factor(config.precision, [c for c in compute_mod.GEMM_OPS if c not in config.float32_compute])
+        train = config.steps * step_s * factor
+        evaluation = 0.0 if config.probe else (n_eval / config.batch_size + PRECISE_BN_BATCHES) * forward_s * factor
+        runs.append(startup + train + evaluation)
+    return Estimate(step_s, startup, runs, speedups)
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (Linux), else 0."""
+    try:
+        with open("/proc/self/stat") as stat:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as uptime:
+            up_s = float(uptime.read().split()[0])
+        return max(up_s - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def compare(
+    configs: list[RunConfig], progress: Progress | None = None, estimated_s: float | None = None
+) -> Comparison:
     """Run every configuration in its own subprocess and collect the results.
 
     Args:
         configs: from ``plan()``; the first is the float32 baseline.
         progress: called as ``progress(label, step, total_steps, loss)`` after each step.
+        estimated_s: the plan's estimate (``estimate(configs).total_s``), kept in the record.
     """
+    start = time.perf_counter()
     runs = []
     for config in configs:
 
@@ -169,13 +309,15 @@ def compare(configs: list[RunConfig], progress: Progress | None = None) -> Compa
 
         runs.append(run_in_subprocess(config, report))
     first = dataclasses.asdict(configs[0])
-    shared = {k: v for k, v in first.items() if k not in ("precision", "opt_level")}
+    shared = {k: v for k, v in first.items() if k not in ("precision", "opt_level", "compute", "probe")}
     shared["settings"] = [c.label for c in configs]
     return Comparison(
         runs=runs,
         config=shared,
         machine=hardware.machine_summary(configs[0].device),
         created=datetime.datetime.now().isoformat(timespec="seconds"),
+        estimated_s=estimated_s,
+        wall_s=time.perf_counter() - start,
     )
 
 

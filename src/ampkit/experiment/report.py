@@ -4,31 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from rich import box
 from rich.table import Table
 
 from ampkit.experiment.comparison import Comparison
+from ampkit.files import atomic_write
 
 MIB = 2**20
-
-
-def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Write ``path`` through a temporary file in its directory, then rename it into place,
-    so a crash never leaves a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_json(comparison: Comparison, path: Path) -> None:
@@ -36,8 +20,8 @@ def write_json(comparison: Comparison, path: Path) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
 
 
-def _ratio(value: float) -> str:
-    return "" if math.isnan(value) else f"\n{value:.2f}x"
+def _ratio(value: float | None) -> str:
+    return "" if value is None or math.isnan(value) else f"\n{value:.2f}x"
 
 
 def table(comparison: Comparison) -> Table:
@@ -49,23 +33,31 @@ def table(comparison: Comparison) -> Table:
         f"ampkit compare: {config['model']} on {config['data']}, batch {config['batch_size']}, "
         f"{config['steps']} steps, {machine['device_name']} (torch {machine['torch']})"
     )
-    out = Table(title=title, box=box.SIMPLE_HEAD, caption="memory in MiB; below each figure, its ratio to float32")
+    caption = "memory in MiB; below each figure, its ratio to float32"
+    if any(run.float32_compute for run in comparison.runs):
+        caption += "; fp32-compute: GEMMs and convolutions computed in float32 on 16-bit values"
+    if any(run.probe for run in comparison.runs):
+        caption += "; probe: a few steps, timed only"
+    out = Table(title=title, box=box.SIMPLE_HEAD, caption=caption, pad_edge=False)
     scaled = any(run.final_loss_scale is not None for run in comparison.runs)
-    # Headers with spaces wrap, so the table fits an 80-column terminal.
-    headers = ["run", "ms per step", "samples per s", "peak memory", "saved for backward", "train loss", "test acc"]
-    headers += ["skipped steps", "loss scale"] if scaled else []
+    # Headers on two lines and figures above their ratios, so the table fits an 80-column terminal.
+    headers = ["run", "ms/step", "samples/s", "memory\nadded", "saved for\nbackward", "train\nloss", "test\nacc"]
+    headers += ["skipped\nsteps", "loss\nscale"] if scaled else []
     for header in headers:
-        out.add_column(header, justify="left" if header == "run" else "right")
+        if header == "run":
+            out.add_column(header, min_width=len("fp32-compute"))
+        else:
+            out.add_column(header, justify="right")
     for run in comparison.runs:
         r = lambda field: _ratio(comparison.ratio(run, field)) if run is not comparison.baseline else ""  # noqa: E731
         row = [
-            run.label,
+            run.label.replace(" fp32-", "\nfp32-").replace(" native", "\nnative"),  # narrow: wraps at the mode
             f"{run.ms_per_step:.1f}{r('ms_per_step')}",
             f"{run.samples_per_s:.0f}" if run.samples_per_s >= 100 else f"{run.samples_per_s:.1f}",
             f"{run.peak_memory_bytes / MIB:.0f}M{r('peak_memory_bytes')}",
             f"{run.saved_for_backward_bytes / MIB:.1f}M{r('saved_for_backward_bytes')}",
-            f"{run.final_train_loss:.3f}",
-            f"{100 * run.test_accuracy:.1f}%",
+            "-" if run.final_train_loss is None else f"{run.final_train_loss:.3f}",
+            "-" if run.test_accuracy is None else f"{100 * run.test_accuracy:.1f}%",
         ]
         if scaled:
             row += [str(run.skipped_steps), "-" if run.final_loss_scale is None else f"{run.final_loss_scale:g}"]
@@ -82,7 +74,8 @@ def write_curves(comparison: Comparison, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     for run in comparison.runs:
-        ax.plot(range(1, len(run.losses) + 1), run.losses, label=run.label, linewidth=1.4)
+        if not run.probe:  # a probe's few steps say nothing of convergence
+            ax.plot(range(1, len(run.losses) + 1), run.losses, label=run.label, linewidth=1.4)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")
@@ -107,7 +100,7 @@ def write_summary(comparison: Comparison, path: Path) -> None:
         ("peak memory (MiB)", [run.peak_memory_bytes / MIB for run in comparison.runs]),
         ("saved for backward (MiB)", [run.saved_for_backward_bytes / MIB for run in comparison.runs]),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(11, 3.6), dpi=120)
+    fig, axes = plt.subplots(1, len(panels), figsize=(12, 4), dpi=120)
     for ax, (name, values) in zip(axes, panels):
         bars = ax.bar(labels, values, color=["#888888"] + ["#3b75af"] * (len(values) - 1))
         ax.axhline(values[0], color="black", linestyle="--", linewidth=1, label="fp32")
@@ -116,7 +109,7 @@ def write_summary(comparison: Comparison, path: Path) -> None:
             ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
                         fontsize=8)
         ax.set_title(name)
-        ax.tick_params(axis="x", labelrotation=20)
+        ax.tick_params(axis="x", labelrotation=25, labelsize=7)
     axes[0].legend(loc="lower left")
     fig.suptitle(f"{comparison.config['model']} on {comparison.config['data']}, {comparison.machine['device_name']}",
                  fontsize=9)

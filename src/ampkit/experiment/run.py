@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ampkit import compute as compute_mod
+from ampkit.compute import ComputeModeWarning
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.models import load_factory
 from ampkit.hardware import SlowPrecisionWarning
@@ -35,6 +37,7 @@ from ampkit.scaler import DynamicLossScaler
 PRECISIONS = ("fp32", "bf16", "fp16")
 CONTEXT = 256
 WARMUP_STEPS = 2
+PROBE_WARMUP_STEPS = 1
 PRECISE_BN_BATCHES = 8
 
 
@@ -51,10 +54,30 @@ class RunConfig:
     lr: float = 2e-3
     device: str = "cpu"
     seed: int = 0
+    compute: str = "auto"  # how 16-bit GEMMs compute: auto, native or float32 (Policy.compute)
+    probe: bool = False  # a few timed steps only: no evaluation, no accuracy
+
+    @property
+    def float32_compute(self) -> list[str]:
+        """The op classes this run computes in float32 on 16-bit values (resolved here)."""
+        if self.precision == "fp32":
+            return []
+        device_type = torch.device(self.device).type
+        return sorted(compute_mod.float32_classes(device_type, resolve_dtype(self.precision), self.compute))
 
     @property
     def label(self) -> str:
-        return "fp32" if self.precision == "fp32" else f"{self.precision} {self.opt_level}"
+        """``fp32``, ``bf16 O1``; ``bf16 O1 fp32-compute`` where GEMMs compute in float32;
+        ``bf16 O1 native probe`` for a probe."""
+        if self.precision == "fp32":
+            return "fp32"
+        label = f"{self.precision} {self.opt_level}"
+        classes = self.float32_compute
+        if classes:
+            label += " fp32-compute" if len(classes) == len(compute_mod.GEMM_OPS) else f" fp32-{classes[0]}"
+        elif self.compute == "native" and self.probe:
+            label += " native"
+        return label + (" probe" if self.probe else "")
 
 
 @dataclasses.dataclass
@@ -64,12 +87,16 @@ class RunResult:
     label: str
     precision: str
     opt_level: str
+    float32_compute: list[str]  # op classes computed in float32 on 16-bit values ([] = native)
+    probe: bool  # a speed probe: no accuracy, loss or evaluation
     ms_per_step: float  # median over the steps after warm-up
     samples_per_s: float
-    peak_memory_bytes: int  # CUDA: max_memory_allocated; CPU: peak RSS of the run's process
+    # What training added to memory. CUDA: max_memory_allocated; CPU: peak resident
+    # memory during training minus the resident memory before the model was built.
+    peak_memory_bytes: int
     saved_for_backward_bytes: int  # activation memory of one step, exact on any device
-    final_train_loss: float  # mean of the last 5 steps
-    test_accuracy: float  # images: class accuracy; text: next-byte accuracy
+    final_train_loss: float | None  # mean of the last 5 steps (None for a probe)
+    test_accuracy: float | None  # images: class accuracy; text: next-byte accuracy (None for a probe)
     skipped_steps: int
     final_loss_scale: float | None  # None without loss scaling
     steps: int
@@ -82,15 +109,16 @@ def execute(config: RunConfig, progress: Callable[[int, float], None] = lambda i
     start = time.perf_counter()
     device = torch.device(config.device)
     dataset = data_mod.load(config.data)
+    baseline = memory_baseline(device)
     torch.manual_seed(config.seed)
     model = load_factory(config.model)(**dataset.model_kwargs(CONTEXT)).to(device)
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     if config.precision != "fp32":
         dtype = resolve_dtype(config.precision)
-        model, optimizer = initialize(model, optimizer, config.opt_level, dtype)  # type: ignore[assignment]
+        model, optimizer = initialize(  # type: ignore[assignment]
+            model, optimizer, config.opt_level, dtype, compute=config.compute
+        )
     scaler = DynamicLossScaler(enabled=config.precision == "fp16")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
 
     def batch(index: torch.Tensor, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         xs = dataset.train_x if split == "train" else dataset.test_x
@@ -126,19 +154,24 @@ def execute(config: RunConfig, progress: Callable[[int, float], None] = lambda i
         losses.append(loss_value)
         progress(i + 1, loss_value)
 
-    recalibrate_batchnorm(model, [batch(index)[0] for index in plan[-PRECISE_BN_BATCHES:]])
-    accuracy = evaluate(model, dataset, batch)
-    median_s = statistics.median(times[WARMUP_STEPS:] or times)
+    peak = peak_memory(device, baseline)
+    accuracy = None
+    if not config.probe:
+        recalibrate_batchnorm(model, [batch(index)[0] for index in plan[-PRECISE_BN_BATCHES:]])
+        accuracy = evaluate(model, dataset, batch)
+    median_s = statistics.median(times[PROBE_WARMUP_STEPS if config.probe else WARMUP_STEPS :] or times)
     stats = scaler.stats
     return RunResult(
         label=config.label,
         precision=config.precision,
         opt_level=config.opt_level,
+        float32_compute=config.float32_compute,
+        probe=config.probe,
         ms_per_step=median_s * 1e3,
         samples_per_s=config.batch_size / median_s,
-        peak_memory_bytes=peak_memory(device),
+        peak_memory_bytes=peak,
         saved_for_backward_bytes=saved,
-        final_train_loss=statistics.fmean(losses[-5:]),
+        final_train_loss=None if config.probe else statistics.fmean(losses[-5:]),
         test_accuracy=accuracy,
         skipped_steps=stats.skipped,
         final_loss_scale=stats.scale if scaler.enabled else None,
@@ -188,10 +221,46 @@ def evaluate(model: nn.Module, dataset: data_mod.Dataset, batch: Callable[..., A
     return correct / total
 
 
-def peak_memory(device: torch.device) -> int:
+_STATUS = "/proc/self/status"
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open(_STATUS) as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def memory_baseline(device: torch.device) -> int:
+    """Start measuring training's memory; returns the baseline to pass to ``peak_memory``.
+
+    CUDA: resets the peak statistics (baseline 0: the allocator counts tensors only).
+    CPU: the resident memory now (torch, data and Python are already loaded), after
+    resetting the kernel's peak-RSS mark where Linux allows it (``/proc/self/clear_refs``).
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return 0
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets VmHWM, the peak RSS
+    except OSError:
+        pass
+    rss = _status_kib("VmRSS")
+    return rss * 1024 if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_memory(device: torch.device, baseline: int) -> int:
+    """What training added at its peak, above ``memory_baseline``'s figure."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = _status_kib("VmHWM")
+    peak_bytes = peak * 1024 if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(peak_bytes - baseline, 0)
 
 
 def run_in_subprocess(config: RunConfig, progress: Callable[[int, float], None]) -> RunResult:
@@ -240,8 +309,9 @@ def _follow(process: subprocess.Popen, progress: Callable[[int, float], None]) -
 
 def _main(argv: list[str]) -> int:
     config = RunConfig(**json.loads(argv[0]))
-    # The parent warned once about fp16 on this CPU; each run would repeat it.
+    # The parent states these once; each run would repeat them.
     warnings.filterwarnings("ignore", category=SlowPrecisionWarning)
+    warnings.filterwarnings("ignore", category=ComputeModeWarning)
 
     def report(step: int, loss: float) -> None:
         print(json.dumps({"step": step, "loss": loss}), flush=True)

@@ -1,0 +1,40 @@
+"""This machine's measured 16-bit speed and ampkit's recommendation from it.
+
+Measures afresh (``ampkit.hardware.measure(refresh=True)``, as `ampkit env` does on a
+new machine) and keeps the figures, the flags that explain them and ``recommend()``
+for the "What mixed precision buys on your hardware" section of the README.
+
+    python benchmarks/bench_hardware.py   # writes benchmarks/results/hardware.json
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from rich.console import Console
+
+from ampkit import hardware
+from common import save
+
+
+def main() -> None:
+    measured = hardware.measure("cpu", refresh=True)
+    advice = hardware.recommend("cpu")
+    why = {str(d).removeprefix("torch."): hardware.native_support("cpu", d) for d in (torch.bfloat16, torch.float16)}
+    payload = {
+        "measured": measured.to_dict(),
+        "speedup": {op: {d: measured.speedup(op, d) for d in hardware.DTYPES} for op in hardware.OP_CLASSES},
+        "why": why,
+        "recommendation": {**dataclasses.asdict(advice), "dtype": str(advice.dtype)},
+    }
+    path = save("hardware", payload)
+    console = Console()
+    for op, speeds in payload["speedup"].items():
+        console.print(f"{op}: " + ", ".join(f"{d} {s:.3g}x" for d, s in speeds.items()))
+    console.print(f"measured in {measured.seconds:.2f} s; recommendation: {advice.dtype}, compute {advice.compute}")
+    console.print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,451 @@
+"""How allow-list ops compute: natively in 16 bits, or in float32 on 16-bit values.
+
+A mixed precision policy decides two things that torch.autocast ties together:
+the 16-bit format values are *rounded to and stored in*, and the arithmetic
+its GEMMs and convolutions *compute* in. Tensor cores and CPUs with AVX-512
+BF16 compute 16-bit GEMMs natively and fast. A CPU without them (AVX2 only)
+emulates them in software, many times slower than float32 (as
+``ampkit.hardware.measure`` finds; never assumed). There ampkit computes those
+ops in float32 on the 16-bit values and rounds the result back to 16 bits,
+forward and backward:
+
+- memory is a native run's: autograd saves the 16-bit tensors;
+- the numerics are a tensor core's (16-bit inputs, float32 accumulation,
+  output rounded once), so the same mode emulates GPU numerics on any CPU,
+  float16 overflow to inf and subnormals included;
+- elementwise ops stay in 16 bits, where halving the bytes makes them faster.
+
+How. An allow-list op with ``float32`` compute runs inside
+``_Float32Compute`` (an autograd Function) under ``_UpcastGemms`` (a
+TorchDispatchMode below autograd): the op's own decomposition is recorded in
+a nested graph whose GEMM/convolution kernels (``BACKEND_OPS``) receive the
+16-bit tensors, compute on float32 copies and round their outputs to the
+dtype the native kernel would return. The Function's backward replays that
+graph under the same mode, so backward GEMMs compute in float32 too, although
+``loss.backward()`` runs outside the autocast region.
+
+This module imports nothing of ampkit but ``hardware``.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from ampkit import hardware
+
+if TYPE_CHECKING:
+    from ampkit.policy import Policy
+
+COMPUTE_MODES = ("auto", "native", "float32")
+
+# The op classes a measurement distinguishes, and the autocast-level (ATen) ops of
+# each whose work is GEMMs or convolutions: with float32 compute for a class,
+# these ops run through _Float32Compute. Other allow-list ops (prelu) are
+# elementwise and stay native.
+GEMM_OPS: dict[str, frozenset[str]] = {
+    "conv": frozenset(
+        """
+        conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d
+        _convolution convolution cudnn_convolution cudnn_convolution_transpose
+        """.split()
+    ),
+    "matmul": frozenset(
+        """
+        mm bmm addmm baddbmm addbmm _addmm_activation addmv addr mv matmul linear einsum
+        chain_matmul linalg_multi_dot linalg_vecdot mkldnn_rnn_layer _thnn_fused_lstm_cell
+        _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
+        scaled_dot_product_attention _scaled_dot_product_flash_attention _native_multi_head_attention
+        """.split()
+    ),
+}
+
+# Kernels below autograd that do the arithmetic of those ops, forward and backward
+# (names as TorchDispatchMode sees them: torch.ops.aten.<name>). CUDA's flash and
+# cuDNN attention kernels take no float32 inputs, so they are not here: attention that
+# torch routes to them stays native (fast where they exist: on tensor-core GPUs).
+BACKEND_OPS = frozenset(
+    """
+    mm bmm addmm baddbmm addbmm _addmm_activation addmv addr mv dot vdot
+    convolution convolution_backward _convolution mkldnn_rnn_layer mkldnn_rnn_layer_backward
+    _scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_flash_attention_for_cpu_backward
+    _scaled_dot_product_efficient_attention _scaled_dot_product_efficient_attention_backward
+    _native_multi_head_attention _thnn_fused_lstm_cell _thnn_fused_gru_cell
+    """.split()
+)
+_LOW = (torch.float16, torch.bfloat16)
+
+
+class ComputeModeWarning(UserWarning):
+    """Says, once per device, dtype and mode, that GEMMs compute in float32 on 16-bit values."""
+
+
+def check_compute(compute: str) -> str:
+    """Return ``compute`` if it is a compute mode, else raise ValueError."""
+    if compute not in COMPUTE_MODES:
+        raise ValueError(
+            f"Unknown compute mode: {compute!r}. Choose one of {list(COMPUTE_MODES)}: 'native' runs 16-bit "
+            "kernels, 'float32' computes GEMMs and convolutions in float32 on the 16-bit values, 'auto' "
+            "picks per op class what the measured hardware runs faster."
+        )
+    return compute
+
+
+def float32_classes(device_type: str, dtype: torch.dtype, compute: str) -> frozenset[str]:
+    """The op classes (``"conv"``, ``"matmul"``) that compute in float32 under ``compute``.
+
+    ``"auto"`` reads ``hardware.measure(device_type)`` (measured once per machine,
+    then cached): float32 for each class whose native ``dtype`` kernel is slower
+    than float32 here.
+    """
+    check_compute(compute)
+    if compute == "native":
+        return frozenset()
+    if compute == "float32":
+        return frozenset(GEMM_OPS)
+    measured = hardware.measure(device_type)
+    return frozenset(c for c in GEMM_OPS if not measured.native_is_faster(c, dtype))
+
+
+@functools.cache
+def _existing(ops: frozenset[str]) -> frozenset[str]:
+    names = {n[len("aten::") :].split(".")[0] for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
+    return ops & names
+
+
+def float32_ops(policy: Policy) -> frozenset[str]:
+    """The autocast-level ops that ``policy`` runs through ``run_in_float32``."""
+    classes = float32_classes(policy.device_type, policy.dtype, policy.compute)
+    return _existing(frozenset().union(*(GEMM_OPS[c] for c in classes)))
+
+
+def label(policy: Policy) -> str:
+    """How ``policy`` computes here, in a few words: ``"native"`` or ``"float32 (conv, matmul)"``."""
+    classes = float32_classes(policy.device_type, policy.dtype, policy.compute)
+    return f"float32 ({', '.join(sorted(classes))})" if classes else "native"
+
+
+def describe(policy: Policy) -> str:
+    """One sentence on how ``policy``'s GEMMs and convolutions compute here, with the
+    measured figures behind an ``"auto"`` decision."""
+    dtype = str(policy.dtype).removeprefix("torch.")
+    classes = float32_classes(policy.device_type, policy.dtype, policy.compute)
+    if not classes:
+        return f"{dtype} GEMMs and convolutions on {policy.device_type} run natively in {dtype}."
+    names = " and ".join(sorted(classes))
+    text = f"ampkit computes {names} in float32 on {dtype} values on {policy.device_type}"
+    if policy.compute == "auto":
+        measured = hardware.measure(policy.device_type)
+        speeds = ", ".join(f"{c} {measured.speedup(c, policy.dtype):.3g}x" for c in sorted(classes))
+        text += (
+            f": measured on {measured.device_name}, native {dtype} kernels run at {speeds} float32's speed. "
+            f"Tensors stay {dtype} (memory as a native run) and results are rounded as a tensor core rounds "
+            "them; Policy(compute='native') forces the 16-bit kernels."
+        )
+    else:
+        text += f" (compute='float32': emulating a tensor core's {dtype} numerics at float32 speed)."
+    return text
+
+
+# ---------------------------------------------------------------------------
+# The dispatch mode: GEMM kernels on 16-bit tensors compute in float32
+
+
+def _map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``fn`` over the tensors of an op's argument (a tensor, or a list/tuple of them);
+    a lighter pytree.tree_map for the arguments ATen kernels take."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(fn, v) for v in value)
+    return value
+
+
+def _has_low(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype in _LOW
+    if isinstance(value, (list, tuple)):
+        return any(_has_low(v) for v in value)
+    return False
+
+
+_handled: dict[torch._ops.OpOverload, bool] = {}
+_out_dtypes: dict[tuple, tuple[torch.dtype | None, ...]] = {}
+
+
+def _is_backend_op(func: torch._ops.OpOverload) -> bool:
+    found = _handled.get(func)
+    if found is None:
+        found = _handled[func] = func.overloadpacket.__name__ in BACKEND_OPS and not func._schema.is_mutable
+    return found
+
+
+def _native_out_dtypes(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> tuple[torch.dtype | None, ...]:
+    """The dtypes of ``func``'s outputs when run natively, found once per input-dtype
+    signature on meta tensors (no arithmetic)."""
+    leaves = pytree.tree_leaves((args, kwargs))
+    key = (func, tuple(t.dtype if isinstance(t, torch.Tensor) else type(t) for t in leaves))
+    found = _out_dtypes.get(key)
+    if found is None:
+        def to_meta(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+        meta_args = _map_tensors(to_meta, args)
+        meta_kwargs = {k: _map_tensors(to_meta, v) for k, v in kwargs.items()}
+        with _disable_current_modes():  # modes below ours need not see this dry run
+            out = func(*meta_args, **meta_kwargs)
+        found = tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(out))
+        _out_dtypes[key] = found
+    return found
+
+
+class _UpcastGemms(TorchDispatchMode):
+    """Run BACKEND_OPS that receive 16-bit tensors on float32 copies and round their
+    outputs to the dtypes the native kernel returns; every other op runs untouched.
+
+    One instance serves one nested forward or backward: its upcasts are memoized per
+    storage, so a weight or gradient that several GEMMs read (a linear's backward reads
+    its output gradient twice; attention's q, k and v share a storage) is converted once.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._upcasts: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+
+    def _upcast(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype not in _LOW:
+            return t
+        storage = t.untyped_storage()
+        if storage.nbytes() > 4 * max(t.numel() * t.element_size(), 1) or storage.nbytes() % t.element_size():
+            return t.float()  # a small view of a big storage: convert just the view
+        key = (storage.data_ptr(), t._version, t.dtype)
+        whole = self._upcasts.get(key)
+        if whole is None:
+            whole = self._upcasts[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage).float()
+        return whole.as_strided(t.shape, t.stride(), t.storage_offset())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if not _is_backend_op(func) or not (_has_low(args) or _has_low(list(kwargs.values()))):
+            return func(*args, **kwargs)
+        dtypes = _native_out_dtypes(func, args, kwargs)
+        with _disable_current_modes():  # the conversions are ours: modes below see the float32 kernel
+            args = _map_tensors(self._upcast, args)
+            kwargs = {k: _map_tensors(self._upcast, v) for k, v in kwargs.items()}
+        out = func(*args, **kwargs)
+        flat, spec = pytree.tree_flatten(out)
+        rounded = [
+            t.to(dtype) if isinstance(t, torch.Tensor) and dtype is not None and t.dtype != dtype else t
+            for t, dtype in zip(flat, dtypes)
+        ]
+        return pytree.tree_unflatten(rounded, spec)
+
+
+# ---------------------------------------------------------------------------
+# The autograd Function: a nested graph, replayed under the mode in backward
+
+# The nested graph's aliases of weights (parameters, and 16-bit copies of them made by
+# autocast): memory accounting counts what the nested graph saves of these storages as
+# weights, as it does for a native op, which saves the weight copy itself.
+_weight_aliases: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
+
+
+def is_weight(t: torch.Tensor) -> bool:
+    """A parameter (a leaf that requires grad) or a copy of one (``is_weight_copy``)."""
+    return t.requires_grad if t.is_leaf else is_weight_copy(t)
+
+
+def is_weight_copy(t: torch.Tensor) -> bool:
+    """A copy of a parameter cast by autocast, or a view of one (a linear saves the
+    transposed weight): its only autograd input is a leaf's gradient accumulator."""
+    fn = (t._base if t._base is not None else t).grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    inputs = [next_fn for next_fn, _ in fn.next_functions if next_fn is not None]
+    return bool(inputs) and all(next_fn.name().endswith("AccumulateGrad") for next_fn in inputs)
+
+
+def weight_storages() -> set[int]:
+    """Storage addresses of the weights that live float32-compute ops hold (see ``is_weight``)."""
+    return {t.untyped_storage().data_ptr() for t in list(_weight_aliases)}
+
+
+
+class _Float32Compute(torch.autograd.Function):
+    """``fn`` on float32-computing kernels; its backward replays the nested graph
+    under the same mode. Inputs are the flattened call (tensors and constants)."""
+
+    @staticmethod
+    def forward(ctx: Any, fn: Callable[[list[Any]], Any], *flat: Any) -> Any:  # type: ignore[override]
+        inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in flat]
+        for outer, inner in zip(flat, inputs):
+            if isinstance(outer, torch.Tensor) and is_weight(outer):
+                _weight_aliases.add(inner)
+        with torch.enable_grad(), _UpcastGemms():
+            outs = fn(inputs)
+        ctx.inputs, ctx.outputs = inputs, outs
+        ctx.set_materialize_grads(False)  # outputs nobody used get None, not zeros to multiply
+        detached = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in outs)
+        ctx.mark_non_differentiable(
+            *(d for t, d in zip(outs, detached) if isinstance(t, torch.Tensor) and t.grad_fn is None)
+        )
+        return detached
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: Any) -> Any:
+        if ctx.outputs is None:
+            raise RuntimeError(
+                "Trying to backward through a float32-compute op a second time: these ops support one "
+                "backward per forward (their nested graph is freed by the first, as a native op's saved "
+                "tensors are). For retain_graph=True or double backward, use Policy(compute='native')."
+            )
+        pairs = [
+            (o, g) for o, g in zip(ctx.outputs, grads)
+            if g is not None and isinstance(o, torch.Tensor) and o.grad_fn is not None
+        ]
+        wanted = [i for i, t in enumerate(ctx.inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        found: dict[int, torch.Tensor | None] = {}
+        if pairs and wanted:
+            with _UpcastGemms():
+                grads_in = torch.autograd.grad(
+                    [o for o, _ in pairs], [ctx.inputs[i] for i in wanted], [g for _, g in pairs], allow_unused=True
+                )
+            found = dict(zip(wanted, grads_in))
+        count = len(ctx.inputs)
+        ctx.inputs = ctx.outputs = None  # the nested graph and its saved tensors go now
+        return (None, *(found.get(i) for i in range(count)))
+
+
+# ---------------------------------------------------------------------------
+# Fast paths: the ops that carry most of a network's arithmetic, as explicit autograd
+# Functions. The generic path above costs a millisecond or more of Python per op and
+# step (a dispatch mode, a nested graph, its replay); these compute the same kernels
+# on the same values for a fraction of that.
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear`` in float32 on 16-bit ``x``, ``w`` (and ``b``), each GEMM's result rounded
+    once, as torch's own linear (addmm) and its backward (two mm, a sum) are."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        x, w = ctx.saved_tensors
+        grad32 = grad.float()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.matmul(grad32, w.float()).to(x.dtype)
+        flat = grad32.reshape(-1, grad32.shape[-1])
+        if ctx.needs_input_grad[1]:
+            grad_w = (flat.t() @ x.float().reshape(-1, x.shape[-1])).to(w.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_b = flat.sum(0).to(w.dtype)
+        return grad_x, grad_w, grad_b
+
+
+class _Convolution(torch.autograd.Function):
+    """``aten.convolution`` in float32 on 16-bit tensors; backward through
+    ``aten.convolution_backward``, each result rounded once."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *params: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        ctx.params, ctx.bias_sizes = params, None if b is None else list(b.shape)
+        out = torch.ops.aten.convolution(x.float(), w.float(), None if b is None else b.float(), *params)
+        return out.to(x.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        x, w = ctx.saved_tensors
+        mask = list(ctx.needs_input_grad[:3])
+        grads = torch.ops.aten.convolution_backward(
+            grad.float(), x.float(), w.float(), ctx.bias_sizes, *ctx.params, mask
+        )
+        rounded = [g.to(x.dtype) if wanted else None for g, wanted in zip(grads, mask)]
+        return (*rounded, *(None for _ in ctx.params))
+
+
+def _same_low_dtype(*tensors: torch.Tensor | None) -> bool:
+    dtypes = {t.dtype for t in tensors if t is not None}
+    return len(dtypes) == 1 and dtypes.pop() in _LOW
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> Any:
+    if not _same_low_dtype(x, w, b):
+        return NotImplemented
+    return _Linear.apply(x, w, b)
+
+
+def _convnd(dims: int) -> Callable[..., Any]:
+    def conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, stride: Any = 1, padding: Any = 0,
+             dilation: Any = 1, groups: int = 1) -> Any:
+        if not _same_low_dtype(x, w, b) or isinstance(padding, str) or x.dim() != dims + 2:
+            return NotImplemented  # unbatched input, padding="same": the generic path
+
+        def expand(v: Any) -> list[int]:
+            return [v] * dims if isinstance(v, int) else list(v)
+
+        params = (expand(stride), expand(padding), expand(dilation), False, [0] * dims, groups)
+        return _Convolution.apply(x, w, b, *params)
+
+    return conv
+
+
+def _convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *params: Any) -> Any:
+    if not _same_low_dtype(x, w, b):
+        return NotImplemented
+    return _Convolution.apply(x, w, b, *params)
+
+
+_FAST: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.linear.default: _linear,
+    torch.ops.aten.conv1d.default: _convnd(1),
+    torch.ops.aten.conv2d.default: _convnd(2),
+    torch.ops.aten.conv3d.default: _convnd(3),
+    torch.ops.aten.convolution.default: _convolution,
+}
+
+
+def run_in_float32(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn(*args, **kwargs)`` with its GEMMs and convolutions computed in float32.
+
+    16-bit inputs stay 16-bit (autograd saves them as they are); each GEMM
+    kernel, forward and backward, computes on float32 copies and rounds its
+    output to the dtype the native kernel would return.
+    """
+    fast = _FAST.get(fn)
+    if fast is not None:
+        result = fast(*args, **kwargs)
+        if result is not NotImplemented:
+            return result
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    if not any(isinstance(t, torch.Tensor) and t.dtype in _LOW for t in flat):
+        return fn(*args, **kwargs)
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
+    if not grad:
+        with _UpcastGemms():
+            return fn(*args, **kwargs)
+    out_spec: list[pytree.TreeSpec] = []
+
+    def call(inputs: list[Any]) -> list[torch.Tensor]:
+        call_args, call_kwargs = pytree.tree_unflatten(inputs, spec)
+        leaves, tree = pytree.tree_flatten(fn(*call_args, **call_kwargs))
+        out_spec.append(tree)
+        return leaves
+
+    outs = _Float32Compute.apply(call, *flat)
+    return pytree.tree_unflatten(list(outs), out_spec[0])
