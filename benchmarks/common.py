@@ -15,14 +15,22 @@ from ampkit.files import atomic_write
 RESULTS = Path(__file__).parent / "results"
 
 
-def interleaved_medians(variants: dict[str, Callable[[], Any]], warmup: int, repeats: int) -> dict[str, float]:
+def interleaved_medians(
+    variants: dict[str, Callable[[], Any]], warmup: int, repeats: int, budget_s: float | None = None,
+    counts: dict[str, int] | None = None,
+) -> dict[str, float]:
     """Median seconds per call of each variant, timed in alternation.
 
     Alternating rather than running each variant in a block spreads the machine's
     slow moments over all of them, so the ratios hold on a noisy machine. The order
-    is reversed every other round (A B C, C B A, ...): on this machine the variant
+    is reversed every other round (A B C, C B A, ...): on one machine the variant
     that runs right after another was measured 1-2% slower (torch.autocast against
     itself: 1.014x), a position effect that a fixed order would book to one variant.
+
+    With ``budget_s``, a variant leaves the rotation once its timed calls add up to
+    that many seconds and it has been timed 3 times (a 16-bit kernel emulated in
+    software can take tens of seconds a call); ``counts`` receives how many times
+    each variant was timed.
     """
     for fn in variants.values():
         for _ in range(warmup):
@@ -31,10 +39,15 @@ def interleaved_medians(variants: dict[str, Callable[[], Any]], warmup: int, rep
     names = list(variants)
     for round_ in range(repeats):
         for name in names if round_ % 2 == 0 else reversed(names):
+            spent = sum(times[name])
+            if budget_s is not None and len(times[name]) >= 3 and spent >= budget_s:
+                continue
             fn = variants[name]
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
+    if counts is not None:
+        counts.update({name: len(ts) for name, ts in times.items()})
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

@@ -98,14 +98,15 @@ def autocast_table(results: dict[str, Any]) -> str:
     v2 = "ratio_to_float32" in results["models"][0]
     repeats = results.get("repeats", 11)
     warmup = results.get("warmup", 2)
+    timed = "median of the steps timed (in brackets)" if v2 else f"median of {repeats}"
     rows = [
         f"`python benchmarks/bench_autocast.py`, {results['created']}, on {machine_line(results['machine'])}. "
-        f"Training steps, median of {repeats} after {warmup} warm-up step{'s' if warmup > 1 else ''}, variants "
+        f"Training steps, {timed} after {warmup} warm-up step{'s' if warmup > 1 else ''}, variants "
         "timed in alternation.",
         "",
     ]
     if v2:
-        rows += ["| model | variant | ms/step | vs float32 | vs torch.autocast | saved for backward | vs float32 |",
+        rows += ["| model | variant | ms/step (steps) | vs float32 | vs torch.autocast | saved for backward | vs float32 |",
                  "|---|---|---|---|---|---|---|"]
     else:
         rows += ["| model | variant | ms/step | vs torch.autocast | saved for backward | equal to torch.autocast's |",
@@ -117,7 +118,8 @@ def autocast_table(results: dict[str, Any]) -> str:
             mode = " [fp32 compute: " + ", ".join(row["float32_compute"]) + "]"
         elif v2 and row["variant"].endswith("auto"):
             mode = " [native]"
-        cells = [row["model"], f"{row['variant']}{edits}{mode}", f"{row['ms_per_step']:.1f}"]
+        steps = f" ({row['timed_steps']})" if "timed_steps" in row else ""
+        cells = [row["model"], f"{row['variant']}{edits}{mode}", f"{row['ms_per_step']:.1f}{steps}"]
         if v2:
             cells += [f"{row['ratio_to_float32']:.3f}x", f"{row['ratio_to_torch_autocast']:.3f}x",
                       f"{row['saved_for_backward_bytes'] / MIB:.1f} MiB", f"{row['saved_ratio_to_float32']:.2f}x"]

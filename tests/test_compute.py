@@ -36,25 +36,29 @@ def ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
     return float(((got - want).abs() / ulp.clamp(min=smallest)).max()) if want.numel() else 0.0
 
 
-# op -> (function, input shapes); small, so the native 16-bit run is quick on any CPU.
-OPS: dict[str, tuple[Callable[..., torch.Tensor], list[tuple[int, ...]]]] = {
-    "mm": (torch.mm, [(16, 32), (32, 8)]),
-    "bmm": (torch.bmm, [(3, 16, 32), (3, 32, 8)]),
-    "linear": (F.linear, [(4, 5, 32), (8, 32), (8,)]),
-    "conv2d": (lambda x, w: F.conv2d(x, w, padding=1), [(2, 8, 6, 6), (4, 8, 3, 3)]),
+# op -> (function, input shapes, constant arguments); small, so the native 16-bit run is
+# quick on any CPU. A Python function takes the generic path (a dispatch mode over the
+# op's decomposition); the ATen overloads that autocast hands over take the fast paths.
+OPS: dict[str, tuple[Callable[..., torch.Tensor], list[tuple[int, ...]], tuple]] = {
+    "mm": (torch.mm, [(16, 32), (32, 8)], ()),
+    "bmm": (torch.bmm, [(3, 16, 32), (3, 32, 8)], ()),
+    "linear": (F.linear, [(4, 5, 32), (8, 32), (8,)], ()),
+    "conv2d": (lambda x, w: F.conv2d(x, w, padding=1), [(2, 8, 6, 6), (4, 8, 3, 3)], ()),
+    "linear-fast": (torch.ops.aten.linear.default, [(4, 5, 32), (8, 32), (8,)], ()),
+    "conv2d-fast": (torch.ops.aten.conv2d.default, [(2, 8, 6, 6), (4, 8, 3, 3), (4,)], ([2, 1], [1, 0])),
 }
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_emulated_ops_match_native_kernels_within_one_ulp(op: str, dtype: torch.dtype) -> None:
-    fn, shapes = OPS[op]
+    fn, shapes, constants = OPS[op]
     for _ in range(5):
         inputs = [torch.randn(*shape).to(dtype).requires_grad_() for shape in shapes]
-        out, native = compute.run_in_float32(fn, *inputs), fn(*inputs)
+        out, native = compute.run_in_float32(fn, *inputs, *constants), fn(*inputs, *constants)
         assert out.dtype == native.dtype == dtype
         assert ulps(out, native, dtype) <= 1
-        if op != "conv2d":  # see the next test for convolution's backward
+        if not op.startswith("conv2d"):  # see the next test for convolution's backward
             g = torch.randn_like(out)
             for e, n in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(native, inputs, g)):
                 assert e.dtype == n.dtype and ulps(e, n, dtype) <= 1
@@ -67,13 +71,13 @@ def test_emulated_forward_and_backward_are_correctly_rounded(op: str, dtype: tor
     core computes (float32 accumulation). torch's native 16-bit convolution backward on
     CPUs without 16-bit arithmetic is further off (8-99 ulps measured on AVX2): that is
     why the convolution's backward is checked here and not against native."""
-    fn, shapes = OPS[op]
+    fn, shapes, constants = OPS[op]
     inputs = [torch.randn(*shape).to(dtype).requires_grad_() for shape in shapes]
-    out = compute.run_in_float32(fn, *inputs)
+    out = compute.run_in_float32(fn, *inputs, *constants)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, inputs, g)
     exact_inputs = [t.detach().double().requires_grad_() for t in inputs]
-    exact = fn(*exact_inputs)
+    exact = fn(*exact_inputs, *constants)
     exact_grads = torch.autograd.grad(exact, exact_inputs, g.double())
     assert ulps(out, exact.to(dtype), dtype) <= 1
     for got, want in zip(grads, exact_grads):
@@ -104,7 +108,8 @@ class _Spy(TorchDispatchMode):
         self.dtypes: list[torch.dtype] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func.overloadpacket.__name__ in ("mm", "addmm", "bmm", "convolution", "convolution_backward"):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "bmm", "convolution", "convolution_backward") or "flash_attention" in name:
             self.dtypes.append(args[0].dtype if args[0] is not None else args[1].dtype)
         return func(*args, **(kwargs or {}))
 
@@ -283,3 +288,30 @@ def test_cuda_float32_compute_matches_tensor_cores_and_auto_picks_native(dtype: 
     for e, n in zip(torch.autograd.grad(out, (a, b), g), torch.autograd.grad(native, (a, b), g)):
         assert ulps(e, n, dtype) <= 1
     assert compute.float32_classes("cuda", dtype, "auto") == set()  # tensor cores beat float32
+
+
+def test_linear_and_convolutions_take_the_fast_paths_and_the_rest_the_generic_one() -> None:
+    x, w = torch.randn(2, 4, dtype=torch.bfloat16, requires_grad=True), torch.randn(3, 4, dtype=torch.bfloat16)
+    assert compute.run_in_float32(torch.ops.aten.linear.default, x, w).grad_fn.name() == "_LinearBackward"
+    image, kernel = torch.randn(1, 2, 5, 5, dtype=torch.bfloat16, requires_grad=True), torch.randn(3, 2, 3, 3)
+    conv = compute.run_in_float32(torch.ops.aten.conv2d.default, image, kernel.bfloat16())
+    assert conv.grad_fn.name() == "_ConvolutionBackward"
+    same = compute.run_in_float32(torch.ops.aten.conv2d.padding, image, kernel.bfloat16(), None, [1, 1], "same")
+    assert same.grad_fn.name() == "_Float32ComputeBackward" and same.shape == (1, 3, 5, 5)
+    with pytest.raises(RuntimeError, match="same dtype"):  # as native: mixed dtypes are refused, not upcast
+        compute.run_in_float32(torch.ops.aten.linear.default, x, w.float())
+
+
+@pytest.mark.parametrize("mode", ["float32", "native"])
+def test_attention_forward_and_backward_compute_as_the_mode_says(mode: str) -> None:
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+    policy = ampkit.Policy.default("cpu", torch.bfloat16, compute=mode)
+    spy = _Spy()
+    with spy, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with ampkit.autocast(policy):
+            out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        out.float().sum().backward()
+    assert out.dtype == torch.bfloat16 and q.grad is not None and q.grad.dtype == torch.bfloat16
+    assert len(spy.dtypes) == 2  # the fused kernel forward and backward
+    assert set(spy.dtypes) == {torch.float32 if mode == "float32" else torch.bfloat16}

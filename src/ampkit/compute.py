@@ -80,6 +80,12 @@ BACKEND_OPS = frozenset(
     _native_multi_head_attention _thnn_fused_lstm_cell _thnn_fused_gru_cell
     """.split()
 )
+# Of those, the ones whose floating inputs must share one dtype (torch refuses a
+# bfloat16 x float32 GEMM); attention's backward also takes a float32 logsumexp.
+ONE_DTYPE_OPS = frozenset(
+    "mm bmm addmm baddbmm addbmm _addmm_activation addmv addr mv dot vdot convolution convolution_backward "
+    "_convolution".split()
+)
 _LOW = (torch.float16, torch.bfloat16)
 
 
@@ -168,12 +174,15 @@ def _map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     return value
 
 
-def _has_low(value: Any) -> bool:
+def _float_dtypes(value: Any, found: set[torch.dtype]) -> set[torch.dtype]:
+    """The floating dtypes among an op's argument's tensors, added to ``found``."""
     if isinstance(value, torch.Tensor):
-        return value.dtype in _LOW
-    if isinstance(value, (list, tuple)):
-        return any(_has_low(v) for v in value)
-    return False
+        if value.is_floating_point():
+            found.add(value.dtype)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _float_dtypes(v, found)
+    return found
 
 
 _handled: dict[torch._ops.OpOverload, bool] = {}
@@ -233,9 +242,15 @@ class _UpcastGemms(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if not _is_backend_op(func) or not (_has_low(args) or _has_low(list(kwargs.values()))):
+        if not _is_backend_op(func):
             return func(*args, **kwargs)
-        dtypes = _native_out_dtypes(func, args, kwargs)
+        dtypes = _float_dtypes((args, list(kwargs.values())), set())
+        low = dtypes & set(_LOW)
+        # Mixed dtypes that torch refuses run natively, so the error is torch's own.
+        mixed = len(dtypes) > 1 and (len(low) > 1 or func.overloadpacket.__name__ in ONE_DTYPE_OPS)
+        if not low or mixed:
+            return func(*args, **kwargs)
+        out_dtypes = _native_out_dtypes(func, args, kwargs)
         with _disable_current_modes():  # the conversions are ours: modes below see the float32 kernel
             args = _map_tensors(self._upcast, args)
             kwargs = {k: _map_tensors(self._upcast, v) for k, v in kwargs.items()}
@@ -243,7 +258,7 @@ class _UpcastGemms(TorchDispatchMode):
         flat, spec = pytree.tree_flatten(out)
         rounded = [
             t.to(dtype) if isinstance(t, torch.Tensor) and dtype is not None and t.dtype != dtype else t
-            for t, dtype in zip(flat, dtypes)
+            for t, dtype in zip(flat, out_dtypes)
         ]
         return pytree.tree_unflatten(rounded, spec)
 
