@@ -28,7 +28,7 @@ from ampkit.experiment.models import GPT, ResNet18
 from ampkit.memory import saved_bytes_of_step
 from common import interleaved_medians, save
 
-WARMUP, REPEATS = 1, 15
+WARMUP, REPEATS = 1, 31
 BUDGET_S = 45.0  # per variant: torch.autocast's 16-bit kernels take tens of seconds a step on AVX2-only CPUs
 EDITS = {
     "resnet18": {"infer": ["add"], "deny": ["adaptive_avg_pool2d"]},

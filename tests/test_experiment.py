@@ -82,6 +82,16 @@ def test_results_json_has_every_field(tiny: tuple[comparison.Comparison, Path]) 
     assert saved["wall_s"] > 0
 
 
+def test_runs_step_in_lockstep_in_alternating_order() -> None:
+    configs = [RunConfig(model="mlp", steps=3, batch_size=8),
+               RunConfig(model="mlp", steps=3, batch_size=8, precision="bf16", opt_level="O2")]
+    seen: list[tuple[str, int]] = []
+    result = comparison.compare(configs, lambda label, step, total, loss: seen.append((label, step)))
+    a, b = configs[0].label, configs[1].label
+    assert seen == [(a, 1), (b, 1), (b, 2), (a, 2), (a, 3), (b, 3)]
+    assert [run.label for run in result.runs] == [a, b] and all(run.steps == 3 for run in result.runs)
+
+
 def test_peak_memory_counts_what_training_adds_not_torch_itself() -> None:
     from ampkit.experiment.run import memory_baseline, peak_memory
 
@@ -100,7 +110,8 @@ def test_estimate_scales_a_measured_float32_step(fake_machine) -> None:  # type:
     estimate = comparison.estimate(configs)
     assert len(estimate.run_s) == len(configs) == 4 and estimate.float32_step_s > 0
     assert estimate.native_speedup == {"bf16": pytest.approx(0.05)}
-    fp32, probe = estimate.run_s[0] - estimate.startup_s, estimate.run_s[-1] - estimate.startup_s
+    fp32, probe = estimate.run_s[0], estimate.run_s[-1]
+    assert estimate.total_s == pytest.approx(estimate.startup_s + sum(estimate.run_s))
     # the probe: its native steps at 1/0.05 = 20x float32's time each, no evaluation
     assert probe == pytest.approx(comparison.PROBE_STEPS * 20 * estimate.float32_step_s)
     assert fp32 > 4 * estimate.float32_step_s  # its steps and its evaluation

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
-import math
 import os
 import time
 import warnings
@@ -20,7 +20,7 @@ from ampkit import compute as compute_mod
 from ampkit import hardware
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.models import load_factory
-from ampkit.experiment.run import CONTEXT, PRECISIONS, PRECISE_BN_BATCHES, RunConfig, RunResult, run_in_subprocess
+from ampkit.experiment.run import CONTEXT, PRECISE_BN_BATCHES, PRECISIONS, RunConfig, RunProcess, RunResult
 from ampkit.master import OPT_LEVELS
 from ampkit.policy import resolve_dtype
 
@@ -198,8 +198,9 @@ class Estimate:
 
     Attributes:
         float32_step_s: one float32 training step of the model, timed here.
-        startup_s: starting a run (Python, torch, the data), taken as this process's age.
-        run_s: per configuration, in plan order.
+        startup_s: starting the runs (Python, torch, the data; they start together),
+            taken as this process's age.
+        run_s: per configuration, in plan order: its training steps and evaluation.
         native_speedup: per mixed precision, float32's time over native 16-bit's for
             this model's GEMMs (measured kernel speeds weighted by the model's FLOPs).
     """
@@ -211,7 +212,7 @@ class Estimate:
 
     @property
     def total_s(self) -> float:
-        return sum(self.run_s)
+        return self.startup_s + sum(self.run_s)
 
 
 def estimate(configs: list[RunConfig]) -> Estimate:
@@ -273,7 +274,7 @@ def estimate(configs: list[RunConfig]) -> Estimate:
             factor = time_factor(config.precision, [c for c in compute_mod.GEMM_OPS if c not in config.float32_compute])
         train = config.steps * step_s * factor
         evaluation = 0.0 if config.probe else (n_eval / config.batch_size + PRECISE_BN_BATCHES) * forward_s * factor
-        runs.append(startup + train + evaluation)
+        runs.append(train + evaluation)
     return Estimate(step_s, startup, runs, speedups)
 
 
@@ -292,22 +293,33 @@ def _process_age_s() -> float:
 def compare(
     configs: list[RunConfig], progress: Progress | None = None, estimated_s: float | None = None
 ) -> Comparison:
-    """Run every configuration in its own subprocess and collect the results.
+    """Run every configuration in its own subprocess, steps interleaved, and collect the results.
+
+    The processes start together (their start-up overlaps); then round by round each
+    run takes one training step while the others wait, in alternating order (A B C,
+    C B A, ...), so all runs are timed under the same machine conditions; then they
+    evaluate together.
 
     Args:
         configs: from ``plan()``; the first is the float32 baseline.
         progress: called as ``progress(label, step, total_steps, loss)`` after each step.
         estimated_s: the plan's estimate (``estimate(configs).total_s``), kept in the record.
+
+    Raises:
+        RuntimeError: a run failed (its error output is in the message); the others are stopped.
     """
     start = time.perf_counter()
-    runs = []
-    for config in configs:
-
-        def report(step: int, loss: float, config: RunConfig = config) -> None:
-            if progress is not None:
-                progress(config.label, step, config.steps, loss)
-
-        runs.append(run_in_subprocess(config, report))
+    with contextlib.ExitStack() as stack:
+        hosts = [stack.enter_context(RunProcess(config)) for config in configs]
+        for round_ in range(max(config.steps for config in configs)):
+            for host in hosts if round_ % 2 == 0 else reversed(hosts):
+                if host.steps_done < host.config.steps:
+                    step, loss = host.step()
+                    if progress is not None:
+                        progress(host.config.label, step, host.config.steps, loss)
+        for host in hosts:
+            host.finish()
+        runs = [host.result() for host in hosts]
     first = dataclasses.asdict(configs[0])
     shared = {k: v for k, v in first.items() if k not in ("precision", "opt_level", "compute", "probe")}
     shared["settings"] = [c.label for c in configs]
