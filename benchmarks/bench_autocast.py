@@ -3,8 +3,8 @@
 Training steps of ResNet-18 (1x28x28, batch 64) and a small GPT (4 layers, d=384,
 context 256, batch 8) on the CPU in float32, torch.autocast bf16, ampkit's default
 bf16 policy with ``compute="auto"`` (native 16-bit kernels where this machine runs
-them faster than float32, else float32 compute on bf16 values) and an edited
-policy; ms/step (median after a warm-up step, variants timed in alternation; a
+them faster than float32, else float32 compute on bf16 values), an edited
+policy, and O2 (a bf16 model with float32 master weights, ``compute="auto"``); ms/step (median after a warm-up step, variants timed in alternation; a
 variant leaves the rotation after 45 s of timed steps and 3 timings), bytes saved
 for backward and ratios to float32 and to torch.autocast. Then the per-op overhead over 10,000 small
 linears, and 16-bit against float32 matmul speed.
@@ -15,6 +15,7 @@ linears, and 16-bit against float32 matmul speed.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 
 import torch
@@ -45,8 +46,9 @@ def workload(name: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
 
 
 def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
-            region: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], torch.Tensor]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+            region: Callable[[], contextlib.AbstractContextManager],
+            optimizer: torch.optim.Optimizer | None = None) -> Callable[[], torch.Tensor]:
+    optimizer = optimizer or torch.optim.SGD(model.parameters(), lr=1e-4)
 
     def forward() -> torch.Tensor:
         with region():
@@ -61,6 +63,7 @@ def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
         return loss
 
     step.forward = forward  # type: ignore[attr-defined]
+    step.model = model  # type: ignore[attr-defined]
     return step
 
 
@@ -77,11 +80,17 @@ def bench_models() -> list[dict]:
             "ampkit edited bf16, auto": lambda: ampkit.autocast(edited),
         }
         steps = {label: step_fn(model, x, y, region) for label, region in regions.items()}
+        # O2: a bf16 copy of the model with float32 master weights (ampkit.initialize, compute="auto").
+        o2_model = copy.deepcopy(model)
+        o2_model, o2_optimizer = ampkit.initialize(o2_model, torch.optim.SGD(o2_model.parameters(), lr=1e-4), "O2",
+                                                   torch.bfloat16)
+        steps["ampkit O2 bf16, auto"] = step_fn(o2_model, x, y, contextlib.nullcontext, o2_optimizer)
         counts: dict[str, int] = {}
         medians = interleaved_medians(steps, warmup=WARMUP, repeats=REPEATS, budget_s=BUDGET_S, counts=counts)
-        saved = {label: saved_bytes_of_step(model, step.forward)[1] for label, step in steps.items()}  # type: ignore[attr-defined]
+        saved = {label: saved_bytes_of_step(step.model, step.forward)[1]  # type: ignore[attr-defined]
+                 for label, step in steps.items()}
         reference = "torch.autocast bf16"
-        for label in regions:
+        for label in steps:
             rows.append({
                 "model": name,
                 "variant": label,

@@ -68,8 +68,13 @@ def compare_table(results: dict[str, Any]) -> str:
             f"| {run['saved_for_backward_bytes'] / MIB:.1f} MiB{r('saved_for_backward_bytes')} "
             f"| {loss} | {accuracy} | {run['skipped_steps']} | {scale} |"
         )
-    wall_s = sum(run["wall_s"] for run in results["runs"])
-    rows += ["", f"The {len(results['runs'])} runs took {wall_s:.0f} s of wall time in all (each in its own process)"]
+    if results.get("wall_s"):  # version 2: the runs' processes live side by side, stepped in lockstep
+        rows += ["", f"The {len(results['runs'])} runs took {results['wall_s']:.0f} s of wall time (each in its own "
+                 "process, their steps interleaved)"]
+    else:
+        wall_s = sum(run["wall_s"] for run in results["runs"])
+        rows += ["", f"The {len(results['runs'])} runs took {wall_s:.0f} s of wall time in all (each in its own "
+                 "process)"]
     if results.get("estimated_s"):
         rows[-1] += f"; the plan estimated {results['estimated_s']:.0f} s"
     rows[-1] += "."
@@ -153,8 +158,8 @@ def hardware_section(results: dict[str, Any], compare: dict[str, Any] | None) ->
     the recommendation made from them, and what the default comparison saw."""
     measured, advice = results["measured"], results["recommendation"]
     rows = [
-        f"`python benchmarks/bench_hardware.py`, {results['created']}, on {measured['device_name']} "
-        f"({machine_line(results['machine'])}); measured in {measured['seconds']:.2f} s, best of several calls.",
+        f"`python benchmarks/bench_hardware.py`, {results['created']}, on {machine_line(results['machine'])}; "
+        f"measured in {measured['seconds']:.2f} s, best of several calls.",
         "",
         "| op class (shape) | float32 time | native bf16 speed | native fp16 speed |",
         "|---|---|---|---|",
@@ -172,7 +177,8 @@ def hardware_section(results: dict[str, Any], compare: dict[str, Any] | None) ->
         fp32 = by_label["fp32"]
         trained = [run for run in compare["runs"][1:] if not run.get("probe")]
         probes = [run for run in compare["runs"] if run.get("probe")]
-        rows += ["", f"In the default `ampkit compare` above (ResNet-18, batch {compare['config']['batch_size']}):"]
+        rows += ["", f"In the default `ampkit compare` (ResNet-18, batch {compare['config']['batch_size']}; its record "
+                 "is in the next section):"]
         for run in trained:
             ratio = run["ratio_to_fp32"]
             rows.append(f"- {run['label']}: {ratio['ms_per_step']:.2f}x float32's step time, "

@@ -195,6 +195,18 @@ def test_bad_choices_exit_2_with_a_message(argv: list[str], message: str, tmp_pa
     assert message.replace("\\", "") in capsys.readouterr().err or pytest.fail(message)
 
 
+def test_resnet18_stems() -> None:
+    from ampkit.experiment.models import ResNet18
+
+    x = torch.randn(2, 1, 28, 28)
+    standard, small = ResNet18(), ResNet18(stem="small")
+    assert standard(x).shape == small(x).shape == (2, 10)
+    assert standard.pool(standard.conv1(x)).shape[-2:] == (7, 7)  # the paper's stem: 4x down before stage 1
+    assert small.pool(small.conv1(x)).shape[-2:] == (28, 28)
+    with pytest.raises(ValueError, match="Unknown ResNet-18 stem 'cifar'. Choose 'standard' or 'small'"):
+        ResNet18(stem="cifar")
+
+
 def test_user_model_factory_by_path() -> None:
     factory = load_factory("ampkit.experiment.models:MLP")
     assert factory(num_classes=10)(torch.randn(2, 1, 28, 28)).shape == (2, 10)

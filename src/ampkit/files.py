@@ -16,6 +16,7 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     os.close(fd)
     try:
         write(Path(tmp))
+        os.chmod(tmp, 0o644)  # mkstemp makes the file private (0600); results and caches are not secrets
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -43,7 +43,8 @@ class ResNet18(nn.Module):
         stem: ``"standard"`` (default: the paper's 7x7 stride-2 conv and 3x3 stride-2
             max-pool, which take 28x28 down to 7x7 before the first stage) or
             ``"small"`` (a 3x3 stride-1 conv that keeps 28x28 for the first stage, as
-            CIFAR ResNets do: about 16x the arithmetic, for the same digits accuracy).
+            CIFAR ResNets do: about 16x the arithmetic, which the digits, 8x8 images
+            upsampled to 28x28, do not need).
     """
 
     def __init__(self, in_channels: int = 1, num_classes: int = 10, stem: str = "standard") -> None:
