@@ -332,3 +332,52 @@ def test_default_policy_casts_a_weight_used_twice_once() -> None:
     with CountCasts(), autocast(CPU):
         layer(layer(torch.randn(2, 8)))  # the weight is used twice
     assert CountCasts.casts == 1
+
+
+_RACE = """
+import sys, threading, time, warnings
+import torch
+import torch.nn.functional as F
+import ampkit
+
+warnings.simplefilter("ignore")
+edited = ampkit.Policy.default("cpu", torch.bfloat16, compute="native").with_ops(deny=["gelu", "mm"])
+default = ampkit.Policy.default("cpu", torch.bfloat16, compute="native")
+stop = time.time() + float(sys.argv[1])
+wrong = []
+
+def edited_regions():  # opens and closes an edited region in a loop
+    x = torch.randn(8, 8)
+    while time.time() < stop:
+        with ampkit.autocast(edited):
+            if F.gelu(x.bfloat16()).dtype != torch.float32 or torch.mm(x, x).dtype != torch.float32:
+                wrong.append("edited")
+
+def plain(region):  # torch.autocast, or an ampkit default region, meanwhile
+    x = torch.randn(8, 8)
+    while time.time() < stop:
+        with region():
+            if torch.mm(x, x).dtype != torch.bfloat16 or F.gelu(x.bfloat16()).dtype != torch.bfloat16:
+                wrong.append("plain")
+
+threads = [threading.Thread(target=edited_regions),
+           threading.Thread(target=plain, args=(lambda: torch.autocast("cpu", torch.bfloat16),)),
+           threading.Thread(target=plain, args=(lambda: ampkit.autocast(default),))]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("wrong", len(wrong))
+"""
+
+
+def test_threads_open_edited_default_and_torch_regions_concurrently_without_a_crash() -> None:
+    """Registering and removing dispatcher kernels while other threads dispatch crashed the
+    process (segfault, or SafePyObject INTERNAL ASSERT); kernels are now registered once and
+    kept. The race runs for 5 s in its own process, so a crash fails this test, not the suite."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _RACE, "5"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "wrong 0"
