@@ -62,6 +62,15 @@ def test_enabled_false_is_a_pass_through_also_inside_an_enabled_region() -> None
         assert model(x).dtype == torch.bfloat16
 
 
+def test_plain_torch_autocast_inside_a_disabled_region_is_torchs_own() -> None:
+    a = torch.randn(4, 4)
+    with autocast(CPU.with_ops(deny=["mm"])):
+        assert torch.mm(a, a).dtype == torch.float32  # the edited policy
+        with autocast(CPU, enabled=False), torch.autocast("cpu", torch.bfloat16):
+            assert torch.mm(a, a).dtype == torch.bfloat16  # torch.autocast's, as without ampkit
+        assert torch.mm(a, a).dtype == torch.float32
+
+
 def test_nested_regions_use_the_innermost_policy() -> None:
     outer, inner = CPU.with_ops(deny=["gelu"]), CPU.with_ops(allow=["gelu"])
     x = torch.randn(4)
@@ -125,13 +134,31 @@ def test_weight_used_twice_is_cast_once_and_the_cache_is_bounded() -> None:
     weight = nn.Parameter(torch.randn(4))
     seen: list[int] = []
     with autocast(policy):
-        for _ in range(50):  # a generation loop: no backward, same weights
-            with torch.no_grad():
-                y = torch.mul(torch.randn(4), weight) + torch.mul(torch.randn(4), weight)
+        for _ in range(50):  # a loop of forwards without backward, same weights
+            y = torch.mul(torch.randn(4), weight) + torch.mul(torch.randn(4), weight)
             assert y.dtype == torch.bfloat16
             seen.append(autocast_mod.weight_cache_size())
-    assert seen == [1] * 50
+        with torch.no_grad():  # a generation loop caches nothing
+            torch.mul(torch.randn(4), nn.Parameter(torch.randn(4)))
+            seen.append(autocast_mod.weight_cache_size())
+    assert seen == [1] * 51
     assert autocast_mod.weight_cache_size() == 0
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_a_cast_made_without_grad_is_not_reused_with_grad(mode) -> None:  # type: ignore[no-untyped-def]
+    """An eval pass inside the training region: its cast of the weight must not serve the
+    training forward (the weight would get no gradient, or backward would raise)."""
+    ln = nn.LayerNorm(4)
+    policy = CPU.with_ops(allow=["layer_norm"])
+    for x in (torch.randn(2, 4), torch.randn(2, 4, requires_grad=True)):  # non-leaf and leaf inputs
+        ln.zero_grad(set_to_none=True)
+        with autocast(policy):
+            with mode():
+                ln(x)
+            out = ln(x)
+        out.float().sum().backward()
+        assert ln.weight.grad is not None and ln.bias.grad is not None
 
 
 def test_cached_cast_is_the_same_tensor_within_a_region() -> None:

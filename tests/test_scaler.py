@@ -298,3 +298,62 @@ def test_cuda_float16_gradients_and_grad_scaler_trajectory() -> None:
         stepped.append(scaler.step(opt))
         scaler.update()
     assert stepped.count(False) == scaler.stats.skipped and stepped[-1]
+
+
+# -- sparse gradients: ported from PyTorch's test_grad_scaling_unscale_sparse (test/test_cuda.py,
+# the CPU copy in test/test_torch.py). Adapted: torch calls the private GradScaler._unscale_grads_
+# with an explicit inv_scale; here a scaler with init_scale=4 unscales through its public calls
+# (inv_scale 0.25 as in torch's test) and "found inf" is read as step() returning False.
+
+_INDICES = torch.tensor([[0, 1, 1], [2, 0, 2]])
+
+
+def _sparse_step(values: list[float], dtype: torch.dtype, indices: torch.Tensor = _INDICES,
+                 step: bool = True) -> tuple[torch.Tensor, bool]:
+    """Unscale a sparse gradient with a scaler at scale 4; returns (its gradient, whether the step ran).
+    Without ``step``, only unscale (CPU has no float16 sparse add for the optimizer to step with)."""
+    p = torch.sparse_coo_tensor(_INDICES, torch.tensor([16.0, 32.0, 64.0]), (2, 3)).to(dtype)
+    optimizer = torch.optim.SGD([p], lr=0.0)
+    p.grad = torch.sparse_coo_tensor(indices, torch.tensor(values), (2, 3)).to(dtype)
+    scaler = DynamicLossScaler(init_scale=4.0)
+    scaler.scale(torch.zeros(()))  # the call order of a step; the gradient above stands for its backward
+    scaler.unscale_(optimizer)
+    stepped = scaler.step(optimizer) if step else True
+    return p.grad, stepped
+
+
+def test_sparse_gradients_are_unscaled_in_place() -> None:
+    s = torch.sparse_coo_tensor(_INDICES, torch.tensor([16.0, 32.0, 64.0]), (2, 3))
+    grad, stepped = _sparse_step([16.0, 32.0, 64.0], torch.float32)
+    assert stepped and torch.equal(grad.to_dense(), (s / 4).to_dense())
+    grad, _ = _sparse_step([16.0, 32.0, 64.0], torch.float16, step=False)
+    assert torch.equal(grad.to_dense(), (s.half() / 4).to_dense())
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_sparse_gradients_skip_the_step(bad: float) -> None:
+    _, stepped = _sparse_step([16.0, 32.0, bad], torch.float32)
+    assert not stepped
+
+
+def test_uncoalesced_float16_sparse_gradient_that_overflows_once_summed_skips_the_step() -> None:
+    # 64000 + 64000 > 65504 only once the duplicate index (0, 2) is coalesced.
+    _, stepped = _sparse_step([64000.0, 32.0, 64000.0], torch.float16, torch.tensor([[0, 1, 0], [2, 0, 2]]))
+    assert not stepped
+
+
+def test_sparse_embedding_trains_as_without_scaling() -> None:
+    torch.manual_seed(0)
+    base = nn.Embedding(10, 4, sparse=True)
+    tokens, target = torch.randint(0, 10, (6, 5)), torch.randn(6, 5, 4)
+    weights = []
+    for scaler in (DynamicLossScaler(enabled=False), DynamicLossScaler(init_scale=2.0**16)):
+        model = copy.deepcopy(base)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            optimizer.zero_grad()
+            scaler.scale((model(tokens) - target).pow(2).mean()).backward()
+            assert scaler.step(optimizer)
+            scaler.update()
+        weights.append(model.weight.detach())
+    torch.testing.assert_close(weights[1], weights[0])  # was 2**16 times the step before the fix

@@ -46,6 +46,7 @@ _AUTOCAST_KEYS = {
 
 
 class _Region(NamedTuple):
+    device_type: str
     policy: Policy | None  # None where autocast is off
     ctx: torch.autocast
     float32_ops: frozenset[str]  # ops computed in float32 on 16-bit values
@@ -72,9 +73,11 @@ def _warn_once(key: str, message: str, category: type[Warning] = UserWarning) ->
 
 
 def _current_region(device_type: str) -> _Region | None:
+    """The innermost region for ``device_type``; None outside any, or inside a disabled one
+    (where a plain torch.autocast opened within gets torch's own behaviour)."""
     for region in reversed(_state.stack):
-        if region.policy is not None and region.policy.device_type == device_type:
-            return region
+        if region.device_type == device_type:
+            return region if region.policy is not None else None
     return None
 
 
@@ -141,7 +144,9 @@ def _caster(device_type: str, dtype: torch.dtype) -> Callable[[torch.Tensor], to
             return t
         # Weights: cast once per region (a thread without an ampkit region, which reaches
         # these kernels through plain torch.autocast, has no region to drop a cache with).
-        if cache_weights and _state.stack and t.is_leaf and t.requires_grad:
+        # Not under no_grad / inference_mode: that cast has no autograd link, and a later
+        # call with grad would reuse it and leave the weight without a gradient.
+        if cache_weights and _state.stack and t.is_leaf and t.requires_grad and torch.is_grad_enabled():
             hit = _state.weight_cache.get(id(t))
             if hit is None or hit[0] is not t:
                 hit = (t, t.to(dtype))
@@ -286,7 +291,7 @@ def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
         ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
         pushed = policy.all_low
     ctx.__enter__()
-    _state.stack.append(_Region(pushed, ctx, top.float32_ops))
+    _state.stack.append(_Region(policy.device_type, pushed, ctx, top.float32_ops))
     _state.module_stack.append((module, ctx))
     return args
 
@@ -390,7 +395,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         if self._kernel_ops:
             _registry.acquire(policy.device_type, self._kernel_ops)
         ctx.__enter__()
-        _state.stack.append(_Region(policy if policy.enabled else None, ctx, self.float32_ops))
+        _state.stack.append(_Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops))
         return self
 
     def __exit__(self, *exc: object) -> None:

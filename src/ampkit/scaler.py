@@ -332,6 +332,10 @@ class DynamicLossScaler:
         for p in params:
             if p.grad is not None and id(p) not in self._unscaled_ids:
                 self._unscaled_ids.add(id(p))
+                if p.grad.is_sparse and p.grad.dtype == torch.float16:
+                    # Duplicate indices add up on coalescing, and scaled float16 values may
+                    # overflow only then: check the coalesced values (torch's GradScaler does).
+                    p.grad = p.grad.coalesce()
                 grads.append(p.grad)
         found = scaling.unscale_and_check_(grads, 1.0 / self._state.scale)
         return _total(list(found.values()))

@@ -19,8 +19,10 @@ def unscale_and_check_(grads: Iterable[torch.Tensor], inv_scale: float) -> dict[
 
     Uses torch's fused multi-tensor kernel, one launch per (device, dtype)
     group; float32, float16 and bfloat16 gradients alike (torch's GradScaler
-    refuses float16 gradients; the kernel itself handles them). Sparse
-    gradients are coalesced first.
+    refuses float16 gradients; the kernel itself handles them). A sparse
+    gradient's values are unscaled where they are, coalesced or not (a float16
+    one should be coalesced first, so that duplicate indices that overflow only
+    once added up are seen: the scaler does that).
 
     Args:
         grads: gradient tensors, on any devices and floating dtypes.
@@ -33,7 +35,7 @@ def unscale_and_check_(grads: Iterable[torch.Tensor], inv_scale: float) -> dict[
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for grad in grads:
         if grad.is_sparse:
-            grad = grad.coalesce()._values()
+            grad = grad._values()  # the values themselves, not a copy (coalesce() copies)
         groups[(grad.device, grad.dtype)].append(grad)
     found: dict[torch.device, torch.Tensor] = {}
     inv: dict[torch.device, torch.Tensor] = {}
