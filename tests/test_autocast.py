@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
 import threading
 import warnings
@@ -408,3 +409,28 @@ def test_threads_open_edited_default_and_torch_regions_concurrently_without_a_cr
     done = subprocess.run([sys.executable, "-c", _RACE, "5"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "wrong 0"
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("edit", ["edited", "float32-compute"])
+def test_activation_checkpointing_recomputes_under_the_region_policy(edit: str, use_reentrant: bool) -> None:
+    """torch.utils.checkpoint restores torch.autocast's state for the recompute, not ampkit's;
+    before ampkit hooked it, non-reentrant raised CheckpointError (float32 saved, bfloat16
+    recomputed) and reentrant gave other gradients."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
+    policy = (CPU.with_ops(deny=["gelu"], allow=["layer_norm"]) if edit == "edited"
+              else CPU.with_compute("float32"))
+    grads = []
+    for checkpointed in (False, True):
+        model, x = copy.deepcopy(block), torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with autocast(policy):
+                out = checkpoint(model, x, use_reentrant=use_reentrant) if checkpointed else model(x)
+        out.float().sum().backward()
+        grads.append([p.grad for p in model.parameters()] + [x.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))

@@ -22,6 +22,7 @@ module hooks, installed only while a region with overrides is open.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import threading
@@ -335,6 +336,68 @@ def _kernel_ops(policy: Policy, float32_ops: frozenset[str]) -> frozenset[str]:
 
 
 # ---------------------------------------------------------------------------
+# Activation checkpointing
+
+_checkpoint_lock = threading.Lock()
+_checkpoint_hooked = False
+
+
+def _reentering(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, re-entering the calling thread's ampkit regions when it runs outside them.
+
+    torch.utils.checkpoint recomputes a segment during backward, after the region has
+    exited; it restores torch.autocast's state but cannot know ampkit's.
+    """
+    policies = [p for p in (current_policy(d) for d in _AUTOCAST_KEYS) if p is not None]
+    if not policies:
+        return fn
+
+    @functools.wraps(fn)
+    def recompute(*args: Any, **kwargs: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            for policy in policies:
+                if current_policy(policy.device_type) is not policy:  # in the forward, it still is
+                    stack.enter_context(autocast(policy))
+            return fn(*args, **kwargs)
+
+    return recompute
+
+
+def _hook_checkpoint() -> None:
+    """Make torch.utils.checkpoint (both modes) recompute under the policy of its forward.
+
+    Wraps the segment function where torch's checkpoint hands it over: the reentrant
+    ``CheckpointFunction`` and the non-reentrant generator, both looked up at call time,
+    so ``from torch.utils.checkpoint import checkpoint`` is covered too.
+    """
+    global _checkpoint_hooked
+    with _checkpoint_lock:
+        if _checkpoint_hooked:
+            return
+        _checkpoint_hooked = True
+        from torch.utils import checkpoint as cp
+
+        generator = getattr(cp, "_checkpoint_without_reentrant_generator", None)
+        function = getattr(cp, "CheckpointFunction", None)
+        if generator is None or function is None:
+            _warn_once("checkpoint", f"ampkit cannot hook torch.utils.checkpoint of torch {torch.__version__}: "
+                       "checkpointed segments inside an edited or float32-compute region recompute without "
+                       "its policy.")
+            return
+
+        def without_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            return generator(_reentering(fn), *args, **kwargs)
+
+        class CheckpointFunction(function):  # type: ignore[misc, valid-type]
+            @staticmethod
+            def forward(ctx: Any, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+                return function.forward(ctx, _reentering(run_function), preserve_rng_state, *args)
+
+        cp._checkpoint_without_reentrant_generator = without_reentrant
+        cp.CheckpointFunction = CheckpointFunction
+
+
+# ---------------------------------------------------------------------------
 # The public context manager
 
 
@@ -394,6 +457,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             _acquire_hooks()
         if self._kernel_ops:
             _registry.acquire(policy.device_type, self._kernel_ops)
+            _hook_checkpoint()  # torch restores its own autocast state on recompute, not ampkit's
         ctx.__enter__()
         _state.stack.append(_Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops))
         return self
