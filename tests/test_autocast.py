@@ -434,3 +434,35 @@ def test_activation_checkpointing_recomputes_under_the_region_policy(edit: str, 
         out.float().sum().backward()
         grads.append([p.grad for p in model.parameters()] + [x.grad])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiling_a_module_with_a_decorated_forward_gives_the_eager_result(backend: str) -> None:
+    """Was AttributeError: 'autocast' object has no attribute 'prev'. torch.compile now leaves
+    the region to eager execution (a graph break), so dtypes and values are the eager ones."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        @autocast(CPU.with_ops(deny=["gelu"]))
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.fc(x)
+            return h, F.gelu(h)
+
+    torch._dynamo.reset()
+    net, x = Net(), torch.randn(2, 8)
+    eager = net(x)
+    compiled = torch.compile(net, backend=backend)(x)
+    assert [t.dtype for t in compiled] == [t.dtype for t in eager] == [torch.bfloat16, torch.float32]
+    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+def test_compiled_code_under_an_edited_policy_is_refused_not_silently_retyped(backend: str) -> None:
+    torch._dynamo.reset()
+    layer = nn.Linear(8, 8)
+    compiled = torch.compile(lambda x: layer(x), backend=backend)
+    with pytest.raises(Exception, match="torch.compile cannot trace code under an edited or float32-compute"):
+        with autocast(CPU.with_ops(deny=["linear"])):
+            compiled(torch.randn(2, 8))

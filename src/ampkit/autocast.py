@@ -158,6 +158,16 @@ def _caster(device_type: str, dtype: torch.dtype) -> Callable[[torch.Tensor], to
     return cast
 
 
+# torch.compile guards on torch.autocast's state, not on ampkit's policy: a graph traced under
+# one edited policy would run under any other with the first one's dtypes. Refuse clearly.
+_COMPILE_UNSUPPORTED = (
+    "torch.compile cannot trace code under an edited or float32-compute ampkit policy, nor an ampkit.autocast "
+    "region: the compiled graph would keep one policy's dtypes under any other. Run that code eagerly, or "
+    "compile it and use torch.autocast around it (ampkit's default policy with compute='native' is "
+    "torch.autocast)."
+)
+
+
 def _make_kernel(device_type: str, op: str, overload: torch._ops.OpOverload) -> Callable[..., Any]:
     keyset = torch._C.DispatchKeySet(_AUTOCAST_KEYS[device_type])
     banned_message = op_lists.BANNED[device_type].get(op)
@@ -166,6 +176,8 @@ def _make_kernel(device_type: str, op: str, overload: torch._ops.OpOverload) -> 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         region = _current_region(device_type)
         if region is not None:
+            if torch.compiler.is_compiling():
+                raise RuntimeError(_COMPILE_UNSUPPORTED)
             category = region.policy.category(op)  # type: ignore[union-attr]
             in_float32 = op in region.float32_ops
         else:  # a thread using plain torch.autocast
@@ -385,16 +397,18 @@ def _hook_checkpoint() -> None:
                        "its policy.")
             return
 
+        original: Any = function
+
         def without_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
             return generator(_reentering(fn), *args, **kwargs)
 
-        class CheckpointFunction(function):  # type: ignore[misc, valid-type]
+        class CheckpointFunction(original):  # type: ignore[misc, valid-type]
             @staticmethod
             def forward(ctx: Any, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
-                return function.forward(ctx, _reentering(run_function), preserve_rng_state, *args)
+                return original.forward(ctx, _reentering(run_function), preserve_rng_state, *args)
 
-        cp._checkpoint_without_reentrant_generator = without_reentrant
-        cp.CheckpointFunction = CheckpointFunction
+        setattr(cp, "_checkpoint_without_reentrant_generator", without_reentrant)
+        setattr(cp, "CheckpointFunction", CheckpointFunction)
 
 
 # ---------------------------------------------------------------------------
@@ -448,6 +462,8 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
                 _warn_once(f"slow:{self.policy.device_type}:{self.policy.dtype}", slow, hardware.SlowPrecisionWarning)
 
     def __enter__(self) -> autocast:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(_COMPILE_UNSUPPORTED)
         policy = self.policy
         if policy.enabled:
             ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
@@ -473,6 +489,9 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             _state.weight_cache.clear()
 
     def __call__(self, fn: F) -> F:
+        # torch.compile runs a decorated function eagerly (a graph break) rather than trace
+        # it: a traced graph would keep this policy's dtypes under any other.
+        @torch.compiler.disable
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self.policy.overrides and args and isinstance(args[0], nn.Module):
