@@ -18,7 +18,8 @@ from ampkit.experiment import comparison as comparison_mod
 from ampkit.experiment import report
 from ampkit.experiment.data import DATASETS
 from ampkit.experiment.models import MODELS
-from ampkit.experiment.run import PRECISIONS, RunConfig
+from ampkit.experiment.run import PRECISIONS, RunConfig, RunFailed
+from ampkit.files import atomic_write
 from ampkit.master import OPT_LEVELS
 from ampkit.policy import resolve_dtype
 
@@ -53,8 +54,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
-    out = args.out or comparison_mod.default_out_dir()
-    comparison_mod.check_out_dir(out)
+    if args.out is not None:
+        comparison_mod.check_out_dir(args.out)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         configs = comparison_mod.plan(
@@ -62,31 +63,45 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, epochs=args.epochs, steps=args.steps, lr=args.lr, device=args.device,
             seed=args.seed, computes=args.compute, probe=False if args.no_probe else None,
         )
-        estimate = comparison_mod.estimate(configs)
+        estimate = comparison_mod.estimate(configs)  # builds and steps the model: a bad model fails here
+        out = comparison_mod.reserve_out_dir(args.out)  # before training: a bad location fails now
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     console = Console(stderr=args.json)
     print_plan(console, configs, estimate)
-    if args.quiet or args.json or not console.is_terminal:
-        result = comparison_mod.compare(configs, estimated_s=estimate.total_s)
-    else:
-        with Progress(
-            TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
-            TimeElapsedColumn(), console=console,
-        ) as bars:
-            tasks = {c.label: bars.add_task(c.label, total=c.steps, loss="-") for c in configs}
-            result = comparison_mod.compare(
-                configs, lambda label, step, total, loss: bars.update(tasks[label], completed=step, loss=f"{loss:.4f}"),
-                estimated_s=estimate.total_s,
-            )
+    try:
+        result = _compare(args, configs, estimate, console)
+    except RunFailed as failure:
+        log, text = out / f"{failure.label.replace(' ', '-')}-error.log", failure.log
+        atomic_write(log, lambda tmp: tmp.write_text(text))
+        print(f"ampkit compare: {failure} (its full error output: {log})", file=sys.stderr)
+        return 1
     paths = report.write_all(result, out)
+    diverged = [f"ampkit compare: the {run.label} run diverged: {run.diverged}." for run in result.runs if run.diverged]
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-        return 0
-    console.print(report.table(result))
-    console.print(f"Took {time.perf_counter() - start:.0f} s (estimated {estimate.total_s:.0f} s). "
-                  "Wrote " + ", ".join(str(p) for p in paths))
-    return 0
+        print(json.dumps(result.to_dict(), indent=2, allow_nan=False))
+    else:
+        console.print(report.table(result))
+        console.print(f"Took {time.perf_counter() - start:.0f} s (estimated {estimate.total_s:.0f} s). "
+                      "Wrote " + ", ".join(str(p) for p in paths))
+    for line in diverged:
+        print(line, file=sys.stderr)
+    return 1 if diverged else 0
+
+
+def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: comparison_mod.Estimate,
+             console: Console) -> comparison_mod.Comparison:
+    if args.quiet or args.json or not console.is_terminal:
+        return comparison_mod.compare(configs, estimated_s=estimate.total_s)
+    with Progress(
+        TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
+        TimeElapsedColumn(), console=console,
+    ) as bars:
+        tasks = {c.label: bars.add_task(c.label, total=c.steps, loss="-") for c in configs}
+        return comparison_mod.compare(
+            configs, lambda label, step, total, loss: bars.update(tasks[label], completed=step, loss=f"{loss:.4f}"),
+            estimated_s=estimate.total_s,
+        )
 
 
 def print_plan(console: Console, configs: list[RunConfig], estimate: comparison_mod.Estimate) -> None:

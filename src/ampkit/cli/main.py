@@ -27,6 +27,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as error:  # bad input the parser could not see: message, exit 2
         print(f"ampkit {args.command}: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # child runs were stopped on the way out; no traceback
+        print(f"ampkit {args.command}: interrupted; results already written are kept.", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import math
 import os
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -19,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ampkit import compute as compute_mod
 from ampkit import hardware
 from ampkit.experiment import data as data_mod
-from ampkit.experiment.models import load_factory
+from ampkit.experiment.models import build, check_output, load_factory
 from ampkit.experiment.run import CONTEXT, PRECISE_BN_BATCHES, PRECISIONS, RunConfig, RunProcess, RunResult
 from ampkit.master import OPT_LEVELS
 from ampkit.policy import resolve_dtype
@@ -71,10 +73,27 @@ class Comparison:
             entry = dataclasses.asdict(run)
             entry["ratio_to_fp32"] = {field: self.ratio(run, field) for field in RATIO_FIELDS}
             runs.append(entry)
-        return {
+        record = {
             "version": 2, "created": self.created, "machine": self.machine, "config": self.config,
             "estimated_s": self.estimated_s, "wall_s": self.wall_s, "runs": runs,
         }
+        non_finite: list[str] = []
+        record = _strict(record, "", non_finite)
+        record["non_finite"] = non_finite
+        return record
+
+
+def _strict(value: Any, path: str, found: list[str]) -> Any:
+    """``value`` with every inf/NaN float replaced by None, its path added to ``found``:
+    strict JSON (JavaScript's JSON.parse and others reject bare NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        found.append(f"{path}: {value}")
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v, f"{path}.{k}" if path else k, found) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict(v, f"{path}[{i}]", found) for i, v in enumerate(value)]
+    return value
 
 
 def _check_choice(value: str, choices: Sequence[str], what: str) -> None:
@@ -144,29 +163,50 @@ def plan(
     defaults = MODEL_DEFAULTS.get(model, IMAGE_DEFAULTS)
     data = data or defaults["data"]
     data_mod.check_spec(data)
+    if model in MODEL_DEFAULTS and data != "text" or model in ("resnet18", "mlp") and data == "text":
+        raise ValueError(f"--model {model} and --data {data} do not fit: text goes with gpt (or your own text "
+                         "model), images with resnet18, mlp or your own image model.")
     for precision in precisions or ():
         _check_choice(precision, PRECISIONS, "precision")
     for level in opt_levels or ():
         _check_choice(level, OPT_LEVELS[1:], "opt level for a mixed run:")
     for compute in computes or ():
         _check_choice(compute, compute_mod.COMPUTE_MODES, "compute mode")
+    for name, values in (("--precision", precisions), ("--opt-level", opt_levels), ("--compute", computes)):
+        repeated = sorted({v for v in values or () if list(values or ()).count(v) > 1})
+        if repeated:
+            raise ValueError(f"{name} names {', '.join(repeated)} more than once; name each setting once.")
+    _check_positive_int(batch_size, "--batch-size")
+    _check_positive_int(epochs, "--epochs")
+    _check_positive_int(steps, "--steps")
+    if lr is not None and not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"--lr {lr} is invalid: use a finite learning rate > 0, e.g. --lr 0.002.")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"--seed {seed} is out of range: use an integer in [0, 2**63).")
     if precisions is None and opt_levels is None:
         settings = default_settings(parsed_device)
     else:
         mixed = [p for p in (precisions or ("bf16" if parsed_device.type == "cpu" else "fp16",)) if p != "fp32"]
         settings = [(p, level) for p in mixed for level in (opt_levels or ("O1", "O2"))]
+    batch_size = defaults["batch_size"] if batch_size is None else batch_size
+    if data != "text":
+        train_size = _train_size(data)
+        if batch_size > train_size:
+            raise ValueError(
+                f"--batch-size {batch_size} is larger than the {data} training set ({train_size} samples): "
+                f"use at most {train_size}."
+            )
     if steps is None:
         if data == "text":
             steps = defaults.get("steps", 30)
         else:
-            per_epoch = _train_size(data) // (batch_size or defaults["batch_size"])
-            steps = per_epoch * (epochs or defaults.get("epochs", 2))
+            steps = train_size // batch_size * (defaults.get("epochs", 2) if epochs is None else epochs)
     common: dict[str, Any] = dict(
         model=model,
         data=data,
-        batch_size=batch_size or defaults["batch_size"],
+        batch_size=batch_size,
         steps=steps,
-        lr=lr or defaults["lr"],
+        lr=defaults["lr"] if lr is None else lr,
         device=device,
         seed=seed,
     )
@@ -186,6 +226,11 @@ def plan(
         if first is not None:
             configs.append(dataclasses.replace(first, opt_level="O1", compute="native", steps=PROBE_STEPS, probe=True))
     return configs
+
+
+def _check_positive_int(value: int | None, name: str) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name} {value} is invalid: use an integer >= 1 (or leave it out for the default).")
 
 
 def _train_size(data: str) -> int:
@@ -226,7 +271,7 @@ def estimate(configs: list[RunConfig]) -> Estimate:
     device = torch.device(first.device)
     dataset = data_mod.load(first.data)
     torch.manual_seed(first.seed)
-    model = load_factory(first.model)(**dataset.model_kwargs(CONTEXT)).to(device)
+    model = build(first.model, **dataset.model_kwargs(CONTEXT)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     index = torch.arange(first.batch_size) % len(dataset.train_x if dataset.kind == "text" else dataset.train_y)
     if dataset.kind == "text":
@@ -237,14 +282,20 @@ def estimate(configs: list[RunConfig]) -> Estimate:
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        logits = model(x)
+        logits = check_output(first.model, model(x), dataset.num_classes)
         F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    with FlopCounterMode(display=False) as flops:
-        step()  # also the warm-up
+    try:
+        with FlopCounterMode(display=False) as flops:
+            step()  # also the warm-up
+    except ValueError:
+        raise
+    except Exception as error:  # the user's model on this data: say so in one line
+        raise ValueError(f"The model from {first.model!r} failed on a batch of {first.data} (inputs "
+                         f"{tuple(x.shape)}, {x.dtype}): {type(error).__name__}: {error}") from error
     t0 = time.perf_counter()
     step()
     step_s = time.perf_counter() - t0
@@ -313,7 +364,7 @@ def compare(
         hosts = [stack.enter_context(RunProcess(config)) for config in configs]
         for round_ in range(max(config.steps for config in configs)):
             for host in hosts if round_ % 2 == 0 else reversed(hosts):
-                if host.steps_done < host.config.steps:
+                if host.training:
                     step, loss = host.step()
                     if progress is not None:
                         progress(host.config.label, step, host.config.steps, loss)
@@ -339,11 +390,45 @@ def default_out_dir() -> Path:
 
 def check_out_dir(out: Path) -> None:
     """Refuse an output directory that already holds results (never overwrite silently)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a directory.")
     clashes = [name for name in RESULT_FILES if (out / name).exists()]
     if clashes:
         raise ValueError(
             f"{out} already holds {', '.join(clashes)}; ampkit never overwrites results. "
             "Pass another --out, or move those files away."
         )
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out} is a file, not a directory.")
+
+
+def reserve_out_dir(out: Path | None) -> Path:
+    """Create the output directory before any training, so a bad location fails at once.
+
+    ``None`` reserves a new ``ampkit-runs/<timestamp>`` directory, created exclusively
+    (``-2``, ``-3``... when another comparison took that second's name). A given
+    directory may exist if it holds no results; it must be writable.
+
+    Raises:
+        ValueError: the location is a file, holds results, or cannot be created or written.
+    """
+    if out is None:
+        base = default_out_dir()
+        for attempt in range(1, 1000):
+            candidate = base if attempt == 1 else base.with_name(f"{base.name}-{attempt}")
+            try:
+                candidate.mkdir(parents=True)
+                return candidate
+            except FileExistsError:
+                continue
+            except OSError as error:
+                raise ValueError(f"Cannot create {candidate}: {error.strerror}. Pass --out DIR.") from error
+        raise ValueError(f"{base}-2 to -999 exist already; pass --out DIR.")
+    check_out_dir(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as error:
+        raise ValueError(
+            f"--out {out} cannot hold results: {error.strerror or error}. Pass a directory you can write to."
+        ) from error
+    return out

@@ -181,6 +181,9 @@ def batches(data: Dataset, batch_size: int, steps: int, seed: int, context: int)
     Every run of a comparison draws the same list, so all see the same batches
     in the same order.
     """
+    if not 1 <= batch_size <= (len(data.train_x) - context - 1 if data.kind == "text" else len(data.train_y)):
+        raise ValueError(f"Batch size {batch_size} does not fit the {data.name} training set: use 1 to "
+                         f"{len(data.train_y) if data.kind == 'image' else 'its length'}.")
     g = torch.Generator().manual_seed(seed)
     if data.kind == "text":
         high = len(data.train_x) - context - 1

@@ -157,3 +157,36 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
     if not callable(factory):
         raise ValueError(f"Model factory {spec!r} is not callable.")
     return factory
+
+
+def build(spec: str, **kwargs: int) -> nn.Module:
+    """The model ``spec`` names (see ``load_factory``), built with ``kwargs``.
+
+    Raises:
+        ValueError: the factory raised (its error named, with the arguments it received),
+            returned something that is not an ``nn.Module``, or a model without parameters.
+    """
+    factory = load_factory(spec)
+    arguments = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+    try:
+        model = factory(**kwargs)
+    except Exception as error:
+        raise ValueError(f"Model factory {spec!r} raised {type(error).__name__}: {error} (called as "
+                         f"{spec}({arguments}); a factory receives num_classes= for images, vocab_size= and "
+                         "context= for text).") from error
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"Model factory {spec!r} returned a {type(model).__name__}, not a torch.nn.Module.")
+    if not any(True for _ in model.parameters()):
+        raise ValueError(f"The model from {spec!r} has no parameters: there is nothing to train.")
+    return model
+
+
+def check_output(spec: str, output: object, classes: int) -> torch.Tensor:
+    """``output`` if it is a tensor of per-class scores in its last dimension, else ValueError."""
+    if not isinstance(output, torch.Tensor):
+        raise ValueError(f"The model from {spec!r} returned a {type(output).__name__}; ampkit compare needs one "
+                         "tensor of class scores (logits). Wrap the model to return that tensor.")
+    if output.shape[-1] != classes:
+        raise ValueError(f"The model from {spec!r} returned {output.shape[-1]} scores per sample; the data has "
+                         f"{classes} classes. Build its last layer with the num_classes / vocab_size it receives.")
+    return output

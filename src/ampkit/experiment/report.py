@@ -16,7 +16,7 @@ MIB = 2**20
 
 
 def write_json(comparison: Comparison, path: Path) -> None:
-    text = json.dumps(comparison.to_dict(), indent=2, allow_nan=True)
+    text = json.dumps(comparison.to_dict(), indent=2, allow_nan=False)  # inf/NaN are null, listed in non_finite
     atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
 
 

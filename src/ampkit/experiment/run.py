@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import resource
 import statistics
 import subprocess
@@ -34,7 +36,7 @@ from torch import nn
 from ampkit import compute as compute_mod
 from ampkit.compute import ComputeModeWarning
 from ampkit.experiment import data as data_mod
-from ampkit.experiment.models import load_factory
+from ampkit.experiment.models import build
 from ampkit.hardware import SlowPrecisionWarning
 from ampkit.master import initialize
 from ampkit.memory import saved_bytes_of_step
@@ -109,17 +111,23 @@ class RunResult:
     steps: int
     losses: list[float]
     wall_s: float
+    diverged: str | None = None  # why training stopped early (a non-finite loss), else None
 
 
 def execute(
     config: RunConfig,
-    progress: Callable[[int, float], None] = lambda i, loss: None,
+    progress: Callable[[int, float, bool], None] = lambda i, loss, stop: None,
     wait: Callable[[str], None] = lambda phase: None,
 ) -> RunResult:
     """Train and evaluate one configuration in this process.
 
+    A run without loss scaling whose loss becomes inf/NaN stops there (a diverged
+    run: too high a learning rate, or a model that overflows even in float32), with
+    its diagnosis in ``RunResult.diverged``; it is not evaluated.
+
     Args:
-        progress: called as ``progress(step, loss)`` after each step.
+        progress: called as ``progress(step, loss, stop)`` after each step; ``stop`` says
+            the run ends there.
         wait: called as ``wait("step")`` before each step and ``wait("finish")``
             before evaluating; a host that interleaves several runs blocks there.
     """
@@ -128,7 +136,7 @@ def execute(
     dataset = data_mod.load(config.data)
     baseline = memory_baseline(device)
     torch.manual_seed(config.seed)
-    model = load_factory(config.model)(**dataset.model_kwargs(CONTEXT)).to(device)
+    model = build(config.model, **dataset.model_kwargs(CONTEXT)).to(device)
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
     if config.precision != "fp32":
         dtype = resolve_dtype(config.precision)
@@ -154,6 +162,7 @@ def execute(
     losses: list[float] = []
     times: list[float] = []
     saved = 0
+    diverged = None
     model.train()
     for i, index in enumerate(plan):
         x, y = batch(index)
@@ -170,12 +179,17 @@ def execute(
         loss_value = loss.item()  # syncs, so the step's time is complete
         times.append(time.perf_counter() - t0)
         losses.append(loss_value)
-        progress(i + 1, loss_value)
+        if not math.isfinite(loss_value) and not scaler.enabled:
+            diverged = (f"the loss became {loss_value} at step {i + 1} with no loss scaling to skip the step "
+                        f"(lr {config.lr:g}): lower --lr, or look for the overflowing layer with `ampkit inspect`")
+        progress(i + 1, loss_value, diverged is not None)
+        if diverged:
+            break
 
     peak = peak_memory(device, baseline)
     wait("finish")
     accuracy = None
-    if not config.probe:
+    if not config.probe and diverged is None:
         recalibrate_batchnorm(model, [batch(index)[0] for index in plan[-PRECISE_BN_BATCHES:]])
         accuracy = evaluate(model, dataset, batch)
     median_s = statistics.median(times[PROBE_WARMUP_STEPS if config.probe else WARMUP_STEPS :] or times)
@@ -190,13 +204,14 @@ def execute(
         samples_per_s=config.batch_size / median_s,
         peak_memory_bytes=peak,
         saved_for_backward_bytes=saved,
-        final_train_loss=None if config.probe else statistics.fmean(losses[-5:]),
+        final_train_loss=None if config.probe or diverged else statistics.fmean(losses[-5:]),
         test_accuracy=accuracy,
         skipped_steps=stats.skipped,
         final_loss_scale=stats.scale if scaler.enabled else None,
         steps=len(losses),
         losses=losses,
         wall_s=time.perf_counter() - start,
+        diverged=diverged,
     )
 
 
@@ -282,6 +297,16 @@ def peak_memory(device: torch.device, baseline: int) -> int:
     return max(peak_bytes - baseline, 0)
 
 
+class RunFailed(RuntimeError):
+    """A run's process failed. ``str()`` gives the run, the exit code and the last line of
+    its error output; ``log`` keeps all of it."""
+
+    def __init__(self, label: str, code: int, log: str) -> None:
+        last = next((line.strip() for line in reversed(log.splitlines()) if line.strip()), "no error output")
+        super().__init__(f"The {label} run failed (exit code {code}): {last}")
+        self.label, self.code, self.log = label, code, log
+
+
 class RunProcess:
     """One run in its own Python process, stepped by its host (see the module docstring).
 
@@ -295,11 +320,13 @@ class RunProcess:
     def __init__(self, config: RunConfig) -> None:
         self.config = config
         self.steps_done = 0
+        self.stopped = False  # the run ended its training early (it diverged)
         # stderr goes to a file, not a pipe: a chatty run must not block on a full pipe
         # while the host reads its stdout.
         self._errors = tempfile.TemporaryFile("w+")
         self._process = subprocess.Popen(
             [sys.executable, "-m", "ampkit.experiment.run", json.dumps(dataclasses.asdict(config))],
+            env={**os.environ, "AMPKIT_HOST_PID": str(os.getpid())},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._errors,
@@ -320,7 +347,13 @@ class RunProcess:
         self._write("step")
         message = self._read("step")
         self.steps_done += 1
-        return message["step"], message["loss"]
+        self.stopped = bool(message.get("stop"))
+        return message["step"], float(message["loss"])  # "nan" / "inf" arrive as strings: strict JSON
+
+    @property
+    def training(self) -> bool:
+        """Whether the run has steps left to take."""
+        return not self.stopped and self.steps_done < self.config.steps
 
     def finish(self) -> None:
         """Let the run evaluate (after its last step); ``result`` collects what it found."""
@@ -361,18 +394,36 @@ class RunProcess:
     def _fail(self) -> NoReturn:
         code = self._process.wait()
         self._errors.seek(0)
-        stderr = self._errors.read()
-        raise RuntimeError(f"The {self.config.label} run failed (exit code {code}):\n{stderr[-4000:]}")
+        raise RunFailed(self.config.label, code, self._errors.read())
+
+
+def _die_with_the_parent() -> None:
+    """Ask Linux to end this process when its parent dies (a run must not outlive its host).
+
+    The host passes its pid in ``AMPKIT_HOST_PID``: if it died before this call (importing
+    torch takes seconds), the request came too late and the run ends now.
+    """
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the host closes our stdin when it goes, which ends us at the next step
+    host = os.environ.get("AMPKIT_HOST_PID")
+    if host is not None and os.getppid() != int(host):
+        raise SystemExit("ampkit.experiment.run: the host process is gone")
 
 
 def _main(argv: list[str]) -> int:
+    _die_with_the_parent()
     config = RunConfig(**json.loads(argv[0]))
     # The parent states these once; each run would repeat them.
     warnings.filterwarnings("ignore", category=SlowPrecisionWarning)
     warnings.filterwarnings("ignore", category=ComputeModeWarning)
 
-    def report(step: int, loss: float) -> None:
-        print(json.dumps({"step": step, "loss": loss}), flush=True)
+    def report(step: int, loss: float, stop: bool) -> None:
+        print(json.dumps({"step": step, "loss": loss if math.isfinite(loss) else str(loss), "stop": stop}), flush=True)
 
     def wait(phase: str) -> None:
         command = sys.stdin.readline().strip()

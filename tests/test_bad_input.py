@@ -1,0 +1,222 @@
+"""Bad input to `ampkit compare` gets one line naming the value and the fix, and loses nothing.
+
+The repros of the issue "Bad input gets a clear error and nothing is lost", as a table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ampkit.cli.main import main
+from ampkit.experiment import comparison
+
+C = ["--model", "mlp", "--precision", "fp32", "--steps", "2", "--batch-size", "8", "--quiet"]
+
+MODELS = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    def raises(**kwargs):
+        raise RuntimeError("factory exploded")
+
+    def not_a_module(**kwargs):
+        return 3
+
+    def no_parameters(**kwargs):
+        return nn.Identity()
+
+    def no_kwargs():
+        return nn.Linear(784, 10)
+
+    class Pair(nn.Module):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.fc = nn.Linear(784, num_classes)
+
+        def forward(self, x):
+            return self.fc(x.flatten(1)), x
+
+    def tuple_output(num_classes):
+        return Pair(num_classes)
+
+    def too_few_outputs(num_classes):
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 3))
+
+    class LateFailure(nn.Module):  # fine for the plan's two timed steps, fails in the run's third
+        calls = 0
+
+        def __init__(self, num_classes):
+            super().__init__()
+            self.fc = nn.Linear(784, num_classes)
+
+        def forward(self, x):
+            LateFailure.calls += 1
+            if LateFailure.calls == 3:
+                raise RuntimeError("the third forward fails")
+            return self.fc(x.flatten(1))
+
+    def late_failure(num_classes):
+        return LateFailure(num_classes)
+""")
+
+
+@pytest.fixture
+def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "user_models.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return tmp_path
+
+
+@pytest.mark.parametrize("batch", ["-4", "2000"])
+def test_batch_sizes_that_looped_forever_now_fail_at_once(batch: str, tmp_path: Path) -> None:
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "ampkit.cli.main", "compare", *C, "--batch-size", batch,
+                           "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and f"--batch-size {batch}" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--batch-size", "-4"], "--batch-size -4 is invalid: use an integer >= 1"),  # was an endless loop
+        (["--batch-size", "2000"], "--batch-size 2000 is larger than the digits training set (1437 samples)"),
+        (["--batch-size", "0"], "--batch-size 0 is invalid"),  # was batch 64, silently
+        (["--epochs", "0"], "--epochs 0 is invalid"),
+        (["--lr", "0"], "--lr 0.0 is invalid: use a finite learning rate > 0"),  # was lr 0.002, silently
+        (["--lr", "nan"], "--lr nan is invalid"),
+        (["--lr", "-1"], "--lr -1.0 is invalid"),
+        (["--precision", "bf16", "bf16"], "--precision names bf16 more than once"),  # ran every setting twice
+        (["--seed", str(2**64)], "--seed 18446744073709551616 is out of range"),
+        (["--model", "gpt", "--data", "digits"], "--model gpt and --data digits do not fit"),
+        (["--model", "mlp", "--data", "text"], "--model mlp and --data text do not fit"),
+    ],
+)
+def test_bad_values_exit_2_with_one_line(argv: list[str], message: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    args = [a for a in C if a not in ("--steps", "2")] if "--epochs" in argv else C
+    assert main(["compare", *args, *argv, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "run").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    "factory, message",
+    [
+        ("raises", "Model factory 'user_models:raises' raised RuntimeError: factory exploded (called as "
+                   "user_models:raises(num_classes=10)"),
+        ("not_a_module", "returned a int, not a torch.nn.Module"),
+        ("no_parameters", "has no parameters: there is nothing to train"),
+        ("no_kwargs", "raised TypeError: no_kwargs() got an unexpected keyword argument 'num_classes'"),
+        ("tuple_output", "returned a tuple; ampkit compare needs one tensor of class scores"),
+        ("too_few_outputs", "returned 3 scores per sample; the data has 10 classes"),
+    ],
+)
+def test_user_model_mistakes_exit_2_with_one_line(factory: str, message: str, models: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["compare", *C, "--model", f"user_models:{factory}", "--out", str(models / "run")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (models / "run").exists()
+
+
+def test_a_run_that_fails_midway_is_one_line_and_its_log_is_kept(models: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = models / "run"
+    assert main(["compare", *C, "--steps", "4", "--model", "user_models:late_failure", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("ampkit compare: The fp32 run failed (exit code 1): RuntimeError: the third forward fails")
+    log = out / "fp32-error.log"
+    assert str(log) in err and "Traceback" in log.read_text()
+
+
+@pytest.mark.parametrize("bad_out", ["/proc/ampkit-x", "a_file/sub", "a_file"])
+def test_an_unusable_output_location_fails_before_training(bad_out: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    Path("a_file").write_text("not a directory")
+    monkeypatch.setattr(comparison, "compare", lambda *a, **k: pytest.fail("trained before checking --out"))
+    assert main(["compare", *C, "--out", bad_out]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {bad_out}" in err and "Traceback" not in err
+
+
+def test_two_comparisons_in_the_same_second_get_two_directories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(comparison, "default_out_dir", lambda: Path("ampkit-runs") / "20261130-120000")
+    first, second = comparison.reserve_out_dir(None), comparison.reserve_out_dir(None)
+    assert first != second and first.is_dir() and second.is_dir()
+    assert second.name == "20261130-120000-2"
+
+
+def test_a_diverging_run_ends_with_a_diagnosis_strict_json_and_exit_1(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    assert main(["compare", *C, "--steps", "4", "--lr", "1e30", "--out", str(out), "--json"]) == 1
+    captured = capsys.readouterr()
+    printed = json.loads(captured.out, parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+    saved = json.loads((out / "results.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    assert printed == saved
+    run = saved["runs"][0]
+    assert run["diverged"].startswith("the loss became nan at step") and run["test_accuracy"] is None
+    assert any(path.startswith("runs[0].losses[") for path in saved["non_finite"])
+    assert "ampkit compare: the fp32 run diverged: the loss became nan" in captured.err
+
+
+def test_result_files_are_readable_by_others(tmp_path: Path) -> None:
+    assert main(["compare", *C, "--out", str(tmp_path / "run")]) == 0
+    for name in ("results.json", "curves.png", "summary.png"):
+        assert stat.S_IMODE((tmp_path / "run" / name).stat().st_mode) == 0o644  # was 0600 (mkstemp)
+
+
+def test_interrupt_exits_130_with_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(comparison, "compare", interrupted)
+    assert main(["compare", *C, "--out", str(tmp_path / "run")]) == 130
+    assert capsys.readouterr().err.strip() == "ampkit compare: interrupted; results already written are kept."
+
+
+def test_a_run_dies_with_its_host() -> None:
+    """The run process asks Linux for SIGTERM when its parent dies (PR_SET_PDEATHSIG)."""
+    import subprocess
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    script = textwrap.dedent("""
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c",
+            "from ampkit.experiment.run import _die_with_the_parent; import time; _die_with_the_parent(); "
+            "print('ready', flush=True); time.sleep(60)"],
+            env={**os.environ, "AMPKIT_HOST_PID": str(os.getpid())}, stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"
+        print(child.pid, flush=True)
+        time.sleep(60)
+    """)
+    host = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pid = int(host.stdout.readline())  # type: ignore[union-attr]
+    host.kill()  # as SIGKILL would: no cleanup of its own
+    host.wait(timeout=30)
+    import time
+
+    for _ in range(100):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            return
+        if state in ("Z", "X"):  # dead, waiting to be reaped by whoever adopted it
+            return
+        time.sleep(0.1)
+    pytest.fail(f"the run process {pid} outlived its host by 10 s")
