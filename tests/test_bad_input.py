@@ -220,3 +220,78 @@ def test_a_run_dies_with_its_host() -> None:
             return
         time.sleep(0.1)
     pytest.fail(f"the run process {pid} outlived its host by 10 s")
+
+
+# -- the loss scalers ------------------------------------------------------------------
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import ampkit  # noqa: E402
+from ampkit import DynamicLossScaler, NonFiniteError  # noqa: E402
+
+
+def _nan_steps(scaler: DynamicLossScaler, steps: int) -> None:
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        scaler.scale(model(torch.randn(4, 2)).sum() * float("nan")).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def test_a_scale_that_cannot_back_off_still_ends_in_non_finite_error() -> None:
+    # backoff_factor=1.0 kept the scale: 50 NaN-loss steps were skipped without a word
+    with pytest.raises(NonFiniteError, match=r"cannot go lower \(65536: backoff_factor=1.0 keeps it\).*The loss itself is nan"):
+        _nan_steps(DynamicLossScaler(backoff_factor=1.0, max_min_scale_overflows=5), 50)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_min_scale_overflows": 0}, "max_min_scale_overflows=0 is invalid: use an integer >= 1"),
+        ({"max_min_scale_overflows": -1}, "max_min_scale_overflows=-1 is invalid"),
+        ({"max_scale": float("nan")}, "max_scale=nan is invalid: use a finite number > 0"),  # named min_scale before
+        ({"init_scale": float("inf")}, r"init_scale=inf is outside \[min_scale, max_scale\]"),
+        ({"backoff_factor": 0.0}, r"backoff_factor=0.0 is invalid: use a number in \(0, 1\]"),
+        ({"growth_interval": 0}, "growth_interval=0 is invalid: use an integer >= 1"),
+    ],
+)
+def test_scaler_constants_out_of_range(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DynamicLossScaler(**kwargs)
+
+
+@pytest.mark.parametrize("new_scale", [float("nan"), float("inf"), 0.0, -4.0])
+def test_update_with_an_impossible_scale_is_refused(new_scale: float) -> None:
+    scaler = DynamicLossScaler()
+    with pytest.raises(ValueError, match=rf"new_scale={new_scale!r} is outside \[min_scale, max_scale\]"):
+        scaler.update(new_scale=new_scale)
+    assert scaler.get_scale() == 2.0**16
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"scale": float("nan")}, "scale=nan is outside"),
+        ({"scale": 0.0}, "scale=0.0 is outside"),
+        ({"scale": -1.0}, "scale=-1.0 is outside"),
+        ({"hysteresis": -2}, "hysteresis=-2 is invalid"),
+        ({"hysteresis_left": 0}, "hysteresis_left=0 is invalid"),
+        ({"steps": "x"}, "steps='x' is invalid"),  # had already changed the scale and growth factor
+        ({"version": "1"}, "version '1' is not 1"),  # said "version 1 is not 1"
+    ],
+)
+def test_a_bad_scaler_state_is_refused_and_changes_nothing(change: dict, message: str) -> None:
+    scaler = DynamicLossScaler(init_scale=1024.0, growth_factor=4.0)
+    before = scaler.state_dict()
+    bad = {**DynamicLossScaler(init_scale=8.0, growth_factor=3.0).state_dict(), **change}
+    with pytest.raises(RuntimeError, match=message):
+        scaler.load_state_dict(bad)
+    assert scaler.state_dict() == before
+
+
+def test_loading_none_names_what_to_pass() -> None:
+    with pytest.raises(RuntimeError, match="Cannot load loss scaler state from a NoneType"):
+        DynamicLossScaler().load_state_dict(None)  # type: ignore[arg-type]

@@ -31,6 +31,19 @@ STATE_VERSION = 1
 _HISTORY_LEN = 1000
 
 
+_COUNTERS = ("growth_tracker", "hysteresis_left", "steps", "skipped", "overflows", "updates", "min_scale_overflows")
+
+
+def _check_scale(scale: object, rule: ScaleRule, name: str) -> None:
+    """A loss scale must be a finite number in [min_scale, max_scale]; ValueError otherwise."""
+    ok = isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
+    if not ok or not rule.min_scale <= scale <= rule.max_scale:  # type: ignore[operator]
+        raise ValueError(
+            f"{name}={scale!r} is outside [min_scale, max_scale] = [{rule.min_scale}, {rule.max_scale}]: "
+            "use a finite scale in that range (or change the bounds)."
+        )
+
+
 class NonFiniteError(RuntimeError):
     """Training cannot continue: steps keep overflowing at the smallest scale."""
 
@@ -103,10 +116,11 @@ class DynamicLossScaler:
         process_group: Any = None,
     ) -> None:
         self.rule = ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
-        if not (math.isfinite(init_scale) and min_scale <= init_scale <= max_scale):
-            raise ValueError(
-                f"init_scale={init_scale!r} is outside [min_scale, max_scale] = [{min_scale}, {max_scale}]."
-            )
+        _check_scale(init_scale, self.rule, "init_scale")
+        if isinstance(max_min_scale_overflows, bool) or not isinstance(max_min_scale_overflows, int) \
+                or max_min_scale_overflows < 1:
+            raise ValueError(f"max_min_scale_overflows={max_min_scale_overflows!r} is invalid: use an integer >= 1 "
+                             "(overflowing steps in a row, at a scale that cannot go lower, before NonFiniteError).")
         self.enabled = enabled
         self.max_min_scale_overflows = max_min_scale_overflows
         self.process_group = process_group
@@ -212,6 +226,7 @@ class DynamicLossScaler:
         if not self.enabled:
             return
         if new_scale is not None:
+            _check_scale(new_scale, self.rule, "new_scale")
             self._state = ScaleState(float(new_scale), 0, self.rule.hysteresis)
             self._begin_iteration()
             return
@@ -222,7 +237,8 @@ class DynamicLossScaler:
         self._updates += 1
         if overflow:
             self._overflows += 1
-            at_min = self._state.scale <= self.rule.min_scale
+            # The scale cannot go lower: at min_scale, or a backoff_factor of 1.0 keeps it.
+            at_min = self._state.scale <= self.rule.min_scale or self.rule.backoff_factor == 1.0
             self._min_scale_overflows = self._min_scale_overflows + 1 if at_min else 0
         else:
             self._min_scale_overflows = 0
@@ -297,6 +313,9 @@ class DynamicLossScaler:
         Raises:
             RuntimeError: the dict is empty or misses keys (they are named).
         """
+        if not isinstance(state_dict, dict):
+            raise RuntimeError(f"Cannot load loss scaler state from a {type(state_dict).__name__}: pass the dict "
+                               "from DynamicLossScaler.state_dict() or torch.amp.GradScaler.state_dict().")
         if "_growth_tracker" in state_dict and "version" not in state_dict:  # torch.amp.GradScaler
             state_dict = _from_grad_scaler(state_dict, self.rule)
         required = set(self.state_dict())
@@ -307,14 +326,26 @@ class DynamicLossScaler:
                 "DynamicLossScaler.state_dict() or torch.amp.GradScaler.state_dict()."
             )
         if state_dict["version"] != STATE_VERSION:
-            raise RuntimeError(f"Loss scaler state version {state_dict['version']} is not {STATE_VERSION}.")
-        self.rule = ScaleRule(**{f.name: state_dict[f.name] for f in dataclasses.fields(ScaleRule)})
-        self._state = ScaleState(
-            float(state_dict["scale"]), int(state_dict["growth_tracker"]), int(state_dict["hysteresis_left"])
-        )
-        self._steps, self._skipped = int(state_dict["steps"]), int(state_dict["skipped"])
-        self._overflows, self._updates = int(state_dict["overflows"]), int(state_dict["updates"])
-        self._min_scale_overflows = int(state_dict["min_scale_overflows"])
+            raise RuntimeError(
+                f"Loss scaler state version {state_dict['version']!r} is not {STATE_VERSION!r}: this ampkit reads "
+                f"version {STATE_VERSION} state dicts."
+            )
+        # Everything is checked before anything changes: a failed load leaves the scaler as it was.
+        try:
+            rule = ScaleRule(**{f.name: state_dict[f.name] for f in dataclasses.fields(ScaleRule)})
+            _check_scale(state_dict["scale"], rule, "scale")
+            counters = {key: state_dict[key] for key in _COUNTERS}
+            for key, value in counters.items():
+                if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "hysteresis_left" else 0):
+                    raise ValueError(f"{key}={value!r} is invalid: use an integer >= "
+                                     f"{1 if key == 'hysteresis_left' else 0}")
+        except ValueError as error:
+            raise RuntimeError(f"Cannot load loss scaler state: {error}") from error
+        self.rule = rule
+        self._state = ScaleState(float(state_dict["scale"]), counters["growth_tracker"], counters["hysteresis_left"])
+        self._steps, self._skipped = counters["steps"], counters["skipped"]
+        self._overflows, self._updates = counters["overflows"], counters["updates"]
+        self._min_scale_overflows = counters["min_scale_overflows"]
 
     # -- internals ------------------------------------------------------------------
 
@@ -349,9 +380,11 @@ class DynamicLossScaler:
         return bool(found.item() > 0)
 
     def _diagnose(self, last_loss: torch.Tensor | None) -> str:
+        why = ("backoff_factor=1.0 keeps it" if self.rule.backoff_factor == 1.0 and self._state.scale > self.rule.min_scale
+               else "min_scale")
         head = (
-            f"{self._min_scale_overflows} optimizer steps in a row were skipped at the smallest loss scale "
-            f"({self.rule.min_scale}); scaling cannot help further."
+            f"{self._min_scale_overflows} optimizer steps in a row were skipped at a loss scale that cannot go "
+            f"lower ({self._state.scale:g}: {why}); scaling cannot help further."
         )
         if last_loss is not None and not bool(torch.isfinite(last_loss).all()):
             return (

@@ -8,6 +8,7 @@ imports nothing of ampkit.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 
@@ -68,12 +69,18 @@ class ScaleRule:
     max_scale: float = 2.0**24
 
     def __post_init__(self) -> None:
+        def finite(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
         checks = [
-            (self.growth_factor >= 1.0, "growth_factor", "a number >= 1.0"),
-            (0.0 < self.backoff_factor <= 1.0, "backoff_factor", "a number in (0, 1]"),
-            (self.growth_interval >= 1, "growth_interval", "an integer >= 1"),
-            (self.hysteresis >= 1, "hysteresis", "an integer >= 1"),
-            (0.0 < self.min_scale <= self.max_scale, "min_scale", "a number in (0, max_scale]"),
+            (finite(self.growth_factor) and self.growth_factor >= 1.0, "growth_factor", "a finite number >= 1.0"),
+            (finite(self.backoff_factor) and 0.0 < self.backoff_factor <= 1.0, "backoff_factor", "a number in (0, 1]"),
+            (isinstance(self.growth_interval, int) and self.growth_interval >= 1, "growth_interval",
+             "an integer >= 1"),
+            (isinstance(self.hysteresis, int) and self.hysteresis >= 1, "hysteresis", "an integer >= 1"),
+            (finite(self.max_scale) and self.max_scale > 0, "max_scale", "a finite number > 0"),
+            (finite(self.min_scale) and 0.0 < self.min_scale <= self.max_scale, "min_scale",
+             "a finite number in (0, max_scale]"),
         ]
         for ok, name, valid in checks:
             if not ok:
