@@ -13,7 +13,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
 
+from ampkit import DynamicLossScaler, NonFiniteError
 from ampkit.cli.main import main
 from ampkit.experiment import comparison
 
@@ -224,11 +227,6 @@ def test_a_run_dies_with_its_host() -> None:
 
 # -- the loss scalers ------------------------------------------------------------------
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-import ampkit  # noqa: E402
-from ampkit import DynamicLossScaler, NonFiniteError  # noqa: E402
 
 
 def _nan_steps(scaler: DynamicLossScaler, steps: int) -> None:
