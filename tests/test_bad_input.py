@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+import ampkit
 from ampkit import DynamicLossScaler, NonFiniteError
 from ampkit.cli.main import main
 from ampkit.experiment import comparison
@@ -293,3 +294,88 @@ def test_a_bad_scaler_state_is_refused_and_changes_nothing(change: dict, message
 def test_loading_none_names_what_to_pass() -> None:
     with pytest.raises(RuntimeError, match="Cannot load loss scaler state from a NoneType"):
         DynamicLossScaler().load_state_dict(None)  # type: ignore[arg-type]
+
+
+# -- master weights, opt levels and the measurement API --------------------------------
+
+
+def test_initialize_twice_is_refused() -> None:
+    # the second call wrapped masters of masters: training silently stopped changing the weights
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ampkit.initialize(model, optimizer, "O2", torch.bfloat16)
+    with pytest.raises(ValueError, match="The model was initialized at O2 already; call ampkit.initialize once"):
+        ampkit.initialize(model, optimizer, "O2", torch.bfloat16)
+    with pytest.raises(ValueError, match="already keeps master weights"):
+        ampkit.MasterWeightOptimizer(optimizer)  # the inner optimizer, wrapped again
+
+
+def test_master_weight_optimizer_takes_an_optimizer() -> None:
+    with pytest.raises(ValueError, match="MasterWeightOptimizer takes a torch.optim.Optimizer, got Linear"):
+        ampkit.MasterWeightOptimizer(nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        (None, "Cannot load None into MasterWeightOptimizer"),
+        ({"version": 1, "master_params": []}, r"misses \['optimizer'\]"),  # was KeyError
+        ({"version": 99, "optimizer": {}, "master_params": []}, "version 99 is not 1"),  # was accepted
+    ],
+)
+def test_master_weight_state_mistakes_are_named(state: object, message: str) -> None:
+    model = nn.Linear(2, 2)
+    optimizer = ampkit.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match=message):
+        optimizer.load_state_dict(state)  # type: ignore[arg-type]
+
+
+def test_a_failed_master_weight_load_changes_nothing() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
+    optimizer = ampkit.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    other = ampkit.MasterWeightOptimizer(torch.optim.SGD(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).parameters(),
+                                                         lr=0.5))
+    before = [m.clone() for m in optimizer.master_params]
+    with pytest.raises(RuntimeError, match=r"Master weight 2 in the checkpoint is \(2, 2\), this model's \(3, 2\)"):
+        optimizer.load_state_dict(other.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(before, optimizer.master_params))  # master 0 was replaced before
+    assert optimizer.param_groups[0]["lr"] == 0.1  # and the inner lr
+
+
+@pytest.mark.parametrize("multiple", [2.5, 0, -8, True])
+def test_alignment_multiples_must_be_positive_integers(multiple: object) -> None:
+    with pytest.raises(ValueError, match=rf"multiple={multiple!r} is invalid: use a positive integer"):
+        ampkit.check_alignment(nn.Linear(3, 3), multiple=multiple)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="is invalid: use a positive integer"):
+        ampkit.pad_vocab(nn.Linear(3, 3), multiple=multiple)  # type: ignore[arg-type]  # was ZeroDivisionError
+
+
+def test_frozen_parameters_still_take_weight_memory() -> None:
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+    model[0].requires_grad_(False)
+    estimate = ampkit.estimate_memory(model, torch.randn(2, 10), "O2", optimizer="adamw")
+    assert estimate.parameters == 220 and estimate.float32.weights == 4 * 220  # was 4 * 110
+    assert estimate.float32.gradients == 4 * 110 and estimate.mixed.master_weights == 4 * 110
+    assert estimate.mixed.weights == 2 * 220
+
+
+def test_exit_without_enter_and_non_string_op_names() -> None:
+    with pytest.raises(RuntimeError, match=r"__exit__\(\) without __enter__\(\)"):
+        ampkit.autocast(ampkit.Policy.default("cpu", compute="native")).__exit__(None, None, None)
+    with pytest.raises(ValueError, match="deny= takes op names \\(strings\\), got None"):
+        ampkit.Policy.default("cpu").with_ops(deny=[None])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("batch", ["0", "-1", "100000"])
+def test_inspect_batch_sizes_are_checked(batch: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 0 used 32, -1 used train_x[:-1], a huge value claimed a batch it did not use
+    assert main(["inspect", "--model", "mlp", "--batch-size", batch, "--out", str(tmp_path)]) == 2
+    assert f"--batch-size {batch} is invalid: use 1 to 1437" in capsys.readouterr().err
+
+
+def test_inspect_memory_estimate_counts_the_batch_not_the_dataset(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--model", "mlp", "--batch-size", "8", "--out", str(tmp_path), "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    # 8 digits are 8 x 784 float32 inputs: 25 KB, not the 4.4 MiB of the whole training set
+    assert memory["float32"]["activations"] < 64 * 1024

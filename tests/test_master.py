@@ -153,7 +153,7 @@ def test_float32_checkpoint_fills_the_masters_exactly() -> None:
 
 def test_bad_checkpoints_are_named() -> None:
     _, opt = _setup("O2", torch.optim.SGD, "bf16", lr=0.1)
-    with pytest.raises(RuntimeError, match="empty state dict"):
+    with pytest.raises(RuntimeError, match="Cannot load an empty dict into MasterWeightOptimizer"):
         opt.load_state_dict({})
     with pytest.raises(RuntimeError, match=r"Not an optimizer state dict: keys \['weights'\]"):
         opt.load_state_dict({"weights": 1})

@@ -31,6 +31,14 @@ class AlignmentFinding:
     padded: int
 
 
+def check_multiple(multiple: object) -> int:
+    """``multiple`` if it is an integer >= 1, else ValueError."""
+    if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
+        raise ValueError(f"multiple={multiple!r} is invalid: use a positive integer (8 for fp16/bf16 tensor cores, "
+                         "16 for fp8).")
+    return multiple
+
+
 def padded_size(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
@@ -47,8 +55,7 @@ def check_alignment(model: nn.Module, multiple: int = 8) -> list[AlignmentFindin
         with one input channel (grayscale images) are left out: the stem cannot be padded
         usefully.
     """
-    if multiple < 1:
-        raise ValueError(f"multiple={multiple} must be a positive integer (8 for fp16/bf16, 16 for fp8).")
+    check_multiple(multiple)
     findings = []
     for name, module in model.named_modules():
         for kind, dims in _DIMENSIONS.items():
@@ -73,8 +80,9 @@ def pad_vocab(module: nn.Embedding | nn.Linear, multiple: int = 8) -> nn.Embeddi
     re-tied after padding both modules.
 
     Raises:
-        ValueError: neither an nn.Embedding nor an nn.Linear.
+        ValueError: neither an nn.Embedding nor an nn.Linear, or ``multiple`` not a positive integer.
     """
+    check_multiple(multiple)
     if isinstance(module, nn.Embedding):
         vocab = padded_size(module.num_embeddings, multiple)
         embedding = nn.Embedding(vocab, module.embedding_dim, padding_idx=module.padding_idx,

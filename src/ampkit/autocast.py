@@ -479,6 +479,8 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if not _state.stack:
+            raise RuntimeError("ampkit.autocast.__exit__() without __enter__(): use `with ampkit.autocast(policy):`.")
         ctx = _state.stack.pop().ctx
         ctx.__exit__(*exc)
         if self._hooks:

@@ -45,8 +45,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        if isinstance(optimizer, MasterWeightOptimizer):
+        if isinstance(optimizer, MasterWeightOptimizer) or getattr(optimizer, "_ampkit_masters", False):
             raise ValueError("The optimizer already keeps master weights; wrap the inner optimizer once.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"MasterWeightOptimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}: "
+                             "build one over the model's parameters first, e.g. torch.optim.AdamW(model.parameters()).")
         self.optimizer = optimizer
         self.model_params: list[torch.Tensor] = []
         for group in optimizer.param_groups:
@@ -57,6 +60,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             group["params"] = masters
         self.master_params: list[torch.Tensor] = [m for g in optimizer.param_groups for m in g["params"]]
         self._grads_synced = False
+        optimizer._ampkit_masters = True  # type: ignore[attr-defined]  # its groups now hold masters
 
     # torch.optim.Optimizer's own attributes, delegated so schedulers and hooks work.
     @property  # type: ignore[misc]
@@ -145,8 +149,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         Raises:
             RuntimeError: an empty dict, or masters that do not match in count or shape.
         """
-        if not state_dict:
-            raise RuntimeError("Cannot load an empty state dict into MasterWeightOptimizer.")
+        if not isinstance(state_dict, dict) or not state_dict:
+            raise RuntimeError(f"Cannot load {'an empty dict' if isinstance(state_dict, dict) else repr(state_dict)} "
+                               "into MasterWeightOptimizer: pass the dict from its state_dict().")
         if "master_params" not in state_dict:
             if "state" not in state_dict or "param_groups" not in state_dict:
                 raise RuntimeError(
@@ -155,16 +160,26 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 )
             self.optimizer.load_state_dict(state_dict)
             return
+        missing = sorted({"version", "optimizer", "master_params"} - set(state_dict))
+        if missing:
+            raise RuntimeError(f"MasterWeightOptimizer state misses {missing}: pass the dict from its state_dict().")
+        if state_dict["version"] != STATE_VERSION:
+            raise RuntimeError(f"MasterWeightOptimizer state version {state_dict['version']!r} is not "
+                               f"{STATE_VERSION!r}: this ampkit reads version {STATE_VERSION} state dicts.")
         masters = state_dict["master_params"]
         if len(masters) != len(self.master_params):
             raise RuntimeError(
                 f"The checkpoint has {len(masters)} master weights, this optimizer {len(self.master_params)}."
             )
+        # Everything is checked before anything changes: a failed load leaves the optimizer as it was.
+        for index, (master, saved) in enumerate(zip(self.master_params, masters)):
+            if not isinstance(saved, torch.Tensor) or master.shape != saved.shape:
+                shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+                raise RuntimeError(f"Master weight {index} in the checkpoint is {shape}, this model's "
+                                   f"{tuple(master.shape)}: the checkpoint is from another model.")
         self.optimizer.load_state_dict(state_dict["optimizer"])
         with torch.no_grad():
             for master, saved in zip(self.master_params, masters):
-                if master.shape != saved.shape:
-                    raise RuntimeError(f"Master weight shape {tuple(saved.shape)} != {tuple(master.shape)}.")
                 master.copy_(saved)
             torch._foreach_copy_(self.model_params, self.master_params)
 
@@ -243,6 +258,12 @@ def initialize(
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
     compute_mod.check_compute(compute)
+    if getattr(model, "_ampkit_opt_level", None) is not None:
+        raise ValueError(
+            f"The model was initialized at {model._ampkit_opt_level} already; call ampkit.initialize once, on the "
+            "float32 model and its plain optimizer (a second call adds masters of masters and a second set of hooks)."
+        )
+    model._ampkit_opt_level = opt_level  # type: ignore[assignment]
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = resolve_dtype(dtype) if dtype is not None else hardware.recommend_dtype(device)
     if opt_level == "O0":

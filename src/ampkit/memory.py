@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -68,7 +68,7 @@ class MemoryBreakdown:
 class MemoryEstimate:
     """float32 and the chosen level side by side."""
 
-    parameters: int
+    parameters: int  # all of them, frozen ones included
     float32: MemoryBreakdown
     mixed: MemoryBreakdown
 
@@ -112,18 +112,24 @@ def estimate_memory(
         _, saved = saved_bytes_of_step(traced, lambda: loss_fn(traced(*args)))
         return saved
 
-    params = [(m, p) for m in model.modules() for p in m.parameters(recurse=False) if p.requires_grad]
+    # Frozen parameters take weight memory but have no gradients, masters or optimizer states.
+    params = [(m, p) for m in model.modules() for p in m.parameters(recurse=False)]
     n = sum(p.numel() for _, p in params)
+    trained = [(m, p) for m, p in params if p.requires_grad]
+    t = sum(p.numel() for _, p in trained)
     low = torch.finfo(dtype).bits // 8
-    fp32 = MemoryBreakdown("float32", 4 * n, 4 * n, 0, 4 * states * n, activations("O0"))
+
+    def model_bytes(pairs: Sequence[tuple[nn.Module, torch.Tensor]]) -> int:
+        """16-bit bytes of ``pairs`` at opt_level; O2 keeps normalization layers in float32."""
+        kept = sum(p.numel() for m, p in pairs if opt_level == "O2" and isinstance(m, NORM_TYPES))
+        return low * (sum(p.numel() for _, p in pairs) - kept) + 4 * kept
+
+    fp32 = MemoryBreakdown("float32", 4 * n, 4 * t, 0, 4 * states * t, activations("O0"))
     if opt_level == "O1":
-        mixed = MemoryBreakdown(f"{opt_level} {dtype}", 4 * n, 4 * n, 0, 4 * states * n, activations("O1"))
+        mixed = MemoryBreakdown(f"{opt_level} {dtype}", 4 * n, 4 * t, 0, 4 * states * t, activations("O1"))
     else:
-        # O2 keeps normalization layers in float32; O3 casts everything.
-        kept = sum(p.numel() for m, p in params if opt_level == "O2" and isinstance(m, NORM_TYPES))
-        model_bytes = low * (n - kept) + 4 * kept
-        masters = 4 * n if opt_level == "O2" else 0
-        state_bytes = states * (4 * n if opt_level == "O2" else model_bytes)
-        mixed = MemoryBreakdown(f"{opt_level} {dtype}", model_bytes, model_bytes, masters, state_bytes,
-                                activations(opt_level))
+        masters = 4 * t if opt_level == "O2" else 0
+        state_bytes = states * (4 * t if opt_level == "O2" else model_bytes(trained))
+        mixed = MemoryBreakdown(f"{opt_level} {dtype}", model_bytes(params), model_bytes(trained), masters,
+                                state_bytes, activations(opt_level))
     return MemoryEstimate(n, fp32, mixed)

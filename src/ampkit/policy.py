@@ -69,6 +69,9 @@ def _check_ops(ops: Iterable[str], argument: str) -> frozenset[str]:
     if isinstance(ops, str):
         raise ValueError(f"{argument}= takes a list of op names, got the string {ops!r}; write [{ops!r}].")
     ops = frozenset(ops)
+    for op in ops:
+        if not isinstance(op, str):
+            raise ValueError(f"{argument}= takes op names (strings), got {op!r}; `ampkit ops` lists them.")
     for op in sorted(ops):
         if op not in known_ops():
             close = difflib.get_close_matches(op, known_ops(), n=3)

@@ -15,7 +15,7 @@ from rich.table import Table
 from ampkit import compute
 from ampkit.alignment import check_alignment
 from ampkit.experiment import data as data_mod
-from ampkit.experiment.models import MODELS, load_factory
+from ampkit.experiment.models import MODELS, build
 from ampkit.experiment.run import CONTEXT
 from ampkit.memory import estimate_memory
 from ampkit.numerics import find_nonfinite, inspect_numerics, write_histogram
@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("inspect", help="where a model overflows or underflows in 16 bits, and why")
     parser.add_argument("--model", default="resnet18", help=f"{' | '.join(MODELS)} | pkg.module:factory")
     parser.add_argument("--data", default=None, help="digits | mnist:DIR | text | synthetic (default: digits; text for gpt)")
-    parser.add_argument("--batch-size", type=int, default=None, help="default: 32 (8 for gpt)")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: 32 (8 for text models)")
     parser.add_argument("--opt-level", default="O2", choices=["O1", "O2", "O3"], help="for the memory estimate")
     parser.add_argument("--find-nonfinite", choices=["fp16", "bf16"], help="also run under this policy and name the "
                         "first op that makes inf/NaN (slow: checks every op)")
@@ -39,20 +39,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     data_name = args.data or ("text" if args.model == "gpt" else "digits")
-    if args.model == "gpt" and data_name != "text" or args.model != "gpt" and data_name == "text":
-        raise ValueError(f"--model {args.model} and --data {data_name} do not fit: text goes with gpt only.")
+    if args.model == "gpt" and data_name != "text" or args.model in ("resnet18", "mlp") and data_name == "text":
+        raise ValueError(f"--model {args.model} and --data {data_name} do not fit: text goes with gpt (or your own "
+                         "text model), images with resnet18, mlp or your own image model.")
     out = args.out or Path("ampkit-runs") / datetime.datetime.now().strftime("inspect-%Y%m%d-%H%M%S")
     histogram = out / "grad_histogram.png"
     if histogram.exists():
         raise ValueError(f"{histogram} exists; ampkit never overwrites results. Pass another --out.")
     dataset = data_mod.load(data_name)
     torch.manual_seed(0)
-    model = load_factory(args.model)(**dataset.model_kwargs(CONTEXT))
-    batch = args.batch_size or (8 if args.model == "gpt" else 32)
+    model = build(args.model, **dataset.model_kwargs(CONTEXT))
+    batch = (8 if dataset.kind == "text" else 32) if args.batch_size is None else args.batch_size
+    available = len(dataset.train_x) // (CONTEXT + 1) if dataset.kind == "text" else len(dataset.train_y)
+    if not 1 <= batch <= available:
+        raise ValueError(f"--batch-size {batch} is invalid: use 1 to {available} ({data_name} has {available} "
+                         f"{'windows' if dataset.kind == 'text' else 'training samples'}).")
     if dataset.kind == "text":
         x, y = data_mod.windows(dataset.train_x, torch.arange(batch) * (CONTEXT + 1), CONTEXT)
     else:
-        x, y = dataset.train_x[:batch], dataset.train_y[:batch]
+        # Copies, not views: a view keeps the whole dataset's storage, which the memory estimate would count.
+        x, y = dataset.train_x[:batch].clone(), dataset.train_y[:batch].clone()
 
     report = inspect_numerics(model, x, y)
     memory = estimate_memory(model, x, args.opt_level)
