@@ -379,3 +379,55 @@ def test_inspect_memory_estimate_counts_the_batch_not_the_dataset(tmp_path: Path
     memory = json.loads(capsys.readouterr().out)["memory"]
     # 8 digits are 8 x 784 float32 inputs: 25 KB, not the 4.4 MiB of the whole training set
     assert memory["float32"]["activations"] < 64 * 1024
+
+
+def _mnist(directory: Path, images_shape: tuple[int, int], top_label: int) -> None:
+    import struct
+
+    for split, n in (("train", 12), ("t10k", 5)):
+        images = torch.randint(0, 256, (n, *images_shape), dtype=torch.uint8)
+        labels = torch.randint(0, top_label + 1, (n,), dtype=torch.uint8)
+        labels[0] = top_label
+        (directory / f"{split}-images-idx3-ubyte").write_bytes(
+            struct.pack(">IIII", 2051, n, *images_shape) + bytes(images.flatten().tolist()))
+        (directory / f"{split}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, n) + bytes(labels.tolist()))
+
+
+@pytest.mark.parametrize(
+    "shape, top_label, message",
+    [((10, 10), 9, "MNIST train images in .* are 10x10, not 28x28"),
+     ((28, 28), 11, "MNIST train labels in .* go up to 11; MNIST has classes 0-9")],
+)
+def test_foreign_mnist_files_are_named_even_with_steps(shape: tuple[int, int], top_label: int, message: str,
+                                                       tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    _mnist(tmp_path, shape, top_label)
+    argv = ["compare", *C, "--batch-size", "4", "--data", f"mnist:{tmp_path}", "--out", str(tmp_path / "run")]
+    assert main(argv) == 2  # was a 41-line traceback with --steps
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err
+
+
+def test_inspecting_a_model_without_parameters_is_named() -> None:
+    with pytest.raises(ValueError, match="needs a model with trainable parameters; this Sequential has none"):
+        ampkit.inspect_numerics(nn.Sequential(), torch.randn(2, 3))
+
+
+def test_sigterm_stops_compare_in_one_line(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import time
+
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ampkit.cli.main", "compare", *C, "--steps", "5000", "--out", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline and not (tmp_path / "run").exists():  # reserved just before training starts
+        time.sleep(0.2)
+    time.sleep(3)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143, err[-2000:]
+    assert err.strip().splitlines()[-1] == "ampkit compare: terminated; results already written are kept."

@@ -200,6 +200,9 @@ def inspect_numerics(
     Returns:
         A NumericsReport. Syncs with the device once per module.
     """
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"inspect_numerics needs a model with trainable parameters; this {type(model).__name__} has "
+                         "none, so there are no gradients to inspect.")
     loss_fn = loss_fn or _default_loss
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     names = {module: name or "(model)" for name, module in model.named_modules()}

@@ -166,6 +166,14 @@ def load_mnist(directory: Path) -> Dataset:
                 f"MNIST {split} split: {len(arrays[f'{split}_images'])} images but "
                 f"{len(arrays[f'{split}_labels'])} labels."
             )
+    for split in ("train", "test"):
+        images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
+        if tuple(images.shape[1:]) != (28, 28):
+            raise ValueError(f"MNIST {split} images in {directory} are {images.shape[1]}x{images.shape[2]}, not 28x28: "
+                             "not MNIST's files (the models here take 1x28x28 inputs).")
+        if len(labels) and int(labels.max()) > 9:
+            raise ValueError(f"MNIST {split} labels in {directory} go up to {int(labels.max())}; MNIST has classes "
+                             "0-9: a corrupt or foreign labels file.")
     train_x = arrays["train_images"].float().unsqueeze(1) / 255.0
     test_x = arrays["test_images"].float().unsqueeze(1) / 255.0
     train_x, test_x = _standardize(train_x, test_x)
