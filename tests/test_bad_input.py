@@ -431,3 +431,14 @@ def test_sigterm_stops_compare_in_one_line(tmp_path: Path) -> None:
     _, err = process.communicate(timeout=60)
     assert process.returncode == 143, err[-2000:]
     assert err.strip().splitlines()[-1] == "ampkit compare: terminated; results already written are kept."
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_inspect_says_when_float32_itself_is_broken(bad: float) -> None:
+    # a NaN model got no reason; an inf one got "keep it in float32", where it is inf already
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[2].bias[0] = bad
+    report = ampkit.inspect_numerics(model, torch.randn(3, 4))
+    assert report.reasons[0].startswith("2: activations are already inf/NaN in this float32 pass")
+    assert "2" not in report.keep_float32

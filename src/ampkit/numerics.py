@@ -249,8 +249,15 @@ def inspect_numerics(
 
 
 def _recommend(modules: list[ModuleNumerics], grad_hist: list[float]) -> NumericsReport:
-    keep = [m.name for m in modules if m.activation.fp16_overflow > 0]
-    reasons = [f"{name}: activations exceed float16's 65504; keep it in float32" for name in keep]
+    # Already inf/NaN in float32: no precision setting helps, and float32 is no refuge.
+    broken = [m.name for m in modules if not math.isfinite(m.activation.max_abs)]
+    keep = [m.name for m in modules if m.activation.fp16_overflow > 0 and m.name not in broken]
+    reasons = [
+        f"{broken[0]}: activations are already inf/NaN in this float32 pass ({len(broken)} module(s) in all); "
+        "no precision setting fixes that: find the first op with ampkit.find_nonfinite(model, inputs) (an "
+        "inf/NaN weight or input, or a float32 overflow)"
+    ] if broken else []
+    reasons += [f"{name}: activations exceed float16's 65504; keep it in float32" for name in keep]
     scale = None
     zero_before = zero_after = 0.0
     # log2 bins: frexp exponent e holds 2^(e-1) <= |g| < 2^e, so floor(log2 |g|) = e - 1.
