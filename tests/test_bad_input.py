@@ -414,7 +414,7 @@ def test_inspecting_a_model_without_parameters_is_named() -> None:
         ampkit.inspect_numerics(nn.Sequential(), torch.randn(2, 3))
 
 
-def test_sigterm_stops_compare_in_one_line(tmp_path: Path) -> None:
+def test_sigterm_stops_compare_in_one_line_and_keeps_the_steps_taken(tmp_path: Path) -> None:
     import signal
     import subprocess
     import time
@@ -426,11 +426,14 @@ def test_sigterm_stops_compare_in_one_line(tmp_path: Path) -> None:
     deadline = time.time() + 60
     while time.time() < deadline and not (tmp_path / "run").exists():  # reserved just before training starts
         time.sleep(0.2)
-    time.sleep(3)
+    time.sleep(8)  # the runs start and take their first steps
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
     assert process.returncode == 143, err[-2000:]
     assert err.strip().splitlines()[-1] == "ampkit compare: terminated; results already written are kept."
+    kept = json.loads((tmp_path / "run" / "results.json").read_text())  # the steps taken, not thrown away
+    assert kept["incomplete"] and kept["runs"][0]["label"] == "fp32"
+    assert 0 < kept["runs"][0]["steps_done"] == len(kept["runs"][0]["losses"]) < 5000
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

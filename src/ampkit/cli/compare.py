@@ -71,6 +71,14 @@ def run(args: argparse.Namespace) -> int:
     print_plan(console, configs, estimate)
     try:
         result = _compare(args, configs, estimate, console)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: keep the steps taken, marked incomplete
+        partial = getattr(interrupt, "partial", None)
+        if partial is not None:
+            text = json.dumps(partial, indent=2, allow_nan=False)
+            atomic_write(out / "results.json", lambda tmp: tmp.write_text(text + "\n"))
+            print(f"ampkit compare: kept the losses of the steps taken in {out / 'results.json'} (incomplete).",
+                  file=sys.stderr)
+        raise
     except RunFailed as failure:
         log, text = out / f"{failure.label.replace(' ', '-')}-error.log", failure.log
         atomic_write(log, lambda tmp: tmp.write_text(text))

@@ -21,8 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Terminated(Exception):
-    """SIGTERM arrived: unwind (stopping child runs), then exit 143."""
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: unwind as Ctrl-C does (stopping child runs, keeping partial results), then exit 143."""
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

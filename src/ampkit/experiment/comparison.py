@@ -362,26 +362,47 @@ def compare(
     start = time.perf_counter()
     with contextlib.ExitStack() as stack:
         hosts = [stack.enter_context(RunProcess(config)) for config in configs]
-        for round_ in range(max(config.steps for config in configs)):
-            for host in hosts if round_ % 2 == 0 else reversed(hosts):
-                if host.training:
-                    step, loss = host.step()
-                    if progress is not None:
-                        progress(host.config.label, step, host.config.steps, loss)
-        for host in hosts:
-            host.finish()
-        runs = [host.result() for host in hosts]
-    first = dataclasses.asdict(configs[0])
-    shared = {k: v for k, v in first.items() if k not in ("precision", "opt_level", "compute", "probe")}
-    shared["settings"] = [c.label for c in configs]
+        try:
+            for round_ in range(max(config.steps for config in configs)):
+                for host in hosts if round_ % 2 == 0 else reversed(hosts):
+                    if host.training:
+                        step, loss = host.step()
+                        if progress is not None:
+                            progress(host.config.label, step, host.config.steps, loss)
+            for host in hosts:
+                host.finish()
+            runs = [host.result() for host in hosts]
+        except KeyboardInterrupt as interrupt:  # Ctrl-C, or a host's SIGTERM handler: keep what ran
+            interrupt.partial = partial_record(configs, hosts)  # type: ignore[attr-defined]
+            raise
     return Comparison(
         runs=runs,
-        config=shared,
+        config=_shared_config(configs),
         machine=hardware.machine_summary(configs[0].device),
         created=datetime.datetime.now().isoformat(timespec="seconds"),
         estimated_s=estimated_s,
         wall_s=time.perf_counter() - start,
     )
+
+
+def _shared_config(configs: list[RunConfig]) -> dict[str, Any]:
+    first = dataclasses.asdict(configs[0])
+    shared = {k: v for k, v in first.items() if k not in ("precision", "opt_level", "compute", "probe")}
+    shared["settings"] = [c.label for c in configs]
+    return shared
+
+
+def partial_record(configs: list[RunConfig], hosts: list[RunProcess]) -> dict[str, Any]:
+    """What an interrupted comparison had done: each run's label and losses so far
+    (strict JSON, marked ``incomplete``)."""
+    runs = [{"label": h.config.label, "steps_done": h.steps_done, "steps": h.config.steps, "losses": h.losses}
+            for h in hosts]
+    record = {"version": 2, "incomplete": True, "created": datetime.datetime.now().isoformat(timespec="seconds"),
+              "config": _shared_config(configs), "runs": runs}
+    non_finite: list[str] = []
+    record = _strict(record, "", non_finite)
+    record["non_finite"] = non_finite
+    return record
 
 
 def default_out_dir() -> Path:

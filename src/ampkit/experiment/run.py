@@ -320,6 +320,7 @@ class RunProcess:
     def __init__(self, config: RunConfig) -> None:
         self.config = config
         self.steps_done = 0
+        self.losses: list[float] = []  # per step, as reported
         self.stopped = False  # the run ended its training early (it diverged)
         # stderr goes to a file, not a pipe: a chatty run must not block on a full pipe
         # while the host reads its stdout.
@@ -348,7 +349,9 @@ class RunProcess:
         message = self._read("step")
         self.steps_done += 1
         self.stopped = bool(message.get("stop"))
-        return message["step"], float(message["loss"])  # "nan" / "inf" arrive as strings: strict JSON
+        loss = float(message["loss"])  # "nan" / "inf" arrive as strings: strict JSON
+        self.losses.append(loss)
+        return message["step"], loss
 
     @property
     def training(self) -> bool:
