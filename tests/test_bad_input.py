@@ -53,6 +53,28 @@ MODELS = textwrap.dedent("""
     def too_few_outputs(num_classes):
         return nn.Sequential(nn.Flatten(), nn.Linear(784, 3))
 
+    class Named(nn.Module):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.fc = nn.Linear(784, num_classes)
+
+        def forward(self, x):
+            return {"logits": self.fc(x.flatten(1))}
+
+    def dict_output(num_classes):
+        return Named(num_classes)
+
+    class TinyLM(nn.Module):
+        def __init__(self, vocab_size, context):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size)
+
+        def forward(self, idx):
+            return self.head(self.embed(idx))
+
+    def tiny_lm(vocab_size, context):
+        return TinyLM(vocab_size, context)
+
     class LateFailure(nn.Module):  # fine for the plan's two timed steps, fails in the run's third
         calls = 0
 
@@ -86,14 +108,14 @@ def test_batch_sizes_that_looped_forever_now_fail_at_once(batch: str, tmp_path: 
 
     done = subprocess.run([sys.executable, "-m", "ampkit.cli.main", "compare", *C, "--batch-size", batch,
                            "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and f"--batch-size {batch}" in done.stderr
+    expected = {"-4": "--batch-size -4 is invalid: use an integer >= 1",
+                "2000": "--batch-size 2000 is larger than the digits training set (1437 samples)"}[batch]
+    assert done.returncode == 2 and expected in done.stderr
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--batch-size", "-4"], "--batch-size -4 is invalid: use an integer >= 1"),  # was an endless loop
-        (["--batch-size", "2000"], "--batch-size 2000 is larger than the digits training set (1437 samples)"),
         (["--batch-size", "0"], "--batch-size 0 is invalid"),  # was batch 64, silently
         (["--epochs", "0"], "--epochs 0 is invalid"),
         (["--lr", "0"], "--lr 0.0 is invalid: use a finite learning rate > 0"),  # was lr 0.002, silently
@@ -124,6 +146,7 @@ def test_bad_values_exit_2_with_one_line(argv: list[str], message: str, tmp_path
         ("no_kwargs", "raised TypeError: no_kwargs() got an unexpected keyword argument 'num_classes'"),
         ("tuple_output", "returned a tuple; ampkit compare needs one tensor of class scores"),
         ("too_few_outputs", "returned 3 scores per sample; the data has 10 classes"),
+        ("dict_output", "returned a dict; ampkit compare needs one tensor of class scores"),
     ],
 )
 def test_user_model_mistakes_exit_2_with_one_line(factory: str, message: str, models: Path,
@@ -445,3 +468,30 @@ def test_inspect_says_when_float32_itself_is_broken(bad: float) -> None:
     report = ampkit.inspect_numerics(model, torch.randn(3, 4))
     assert report.reasons[0].startswith("2: activations are already inf/NaN in this float32 pass")
     assert "2" not in report.keep_float32
+
+
+def test_inspect_takes_a_custom_text_model_as_compare_does(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--model", "user_models:tiny_lm", "--data", "text", "--batch-size", "2",
+                 "--out", str(models / "inspect"), "--json"]) == 0  # was refused: "text goes with gpt only"
+    assert json.loads(capsys.readouterr().out)["numerics"]["modules"][0]["name"] == "embed"
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [("empty", r"train-labels-idx1-ubyte is truncated: 0 bytes, not even a header"),
+     ("gzip", r"train-images-idx3-ubyte.gz is not valid gzip")],
+)
+def test_corrupt_mnist_files_are_named_with_steps(damage: str, message: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    import re
+
+    _mnist(tmp_path, (28, 28), 9)
+    if damage == "empty":
+        (tmp_path / "train-labels-idx1-ubyte").write_bytes(b"")
+    else:
+        (tmp_path / "train-images-idx3-ubyte").unlink()
+        (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"\x1f\x8bnot gzip")
+    argv = ["compare", *C, "--batch-size", "4", "--data", f"mnist:{tmp_path}", "--out", str(tmp_path / "run")]
+    assert main(argv) == 2  # with --steps, a 41-line traceback before
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err and err.count("\n") == 1
