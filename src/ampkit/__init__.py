@@ -11,6 +11,7 @@ from ampkit.policy import ModuleOverride, Policy
 # Loss scaling and master weights
 from ampkit.master import MasterWeightOptimizer, initialize
 from ampkit.scaler import DynamicLossScaler, NonFiniteError, ScalerStats, StaticLossScaler
+from ampkit.checkpoint import load_checkpoint, save_checkpoint
 
 # Measurement
 from ampkit.alignment import check_alignment, pad_vocab
@@ -39,6 +40,8 @@ __all__ = [
     "NonFiniteError",
     "MasterWeightOptimizer",
     "initialize",
+    "save_checkpoint",
+    "load_checkpoint",
     # Measurement
     "inspect_numerics",
     "find_nonfinite",

@@ -1,0 +1,137 @@
+"""Checkpoints that carry everything mixed precision training changes: written atomically, read all or nothing.
+
+A training checkpoint needs the loss scaler and the float32 master weights as well as the model
+and the optimizer (nanoGPT's forgets the scaler; a resumed fp16 run then restarts at scale 2**16
+and skips its first steps). ``save_checkpoint`` stores each object's ``state_dict()`` under its
+name in one file; ``load_checkpoint`` names the file and the problem when the file is missing,
+empty, truncated or not ampkit's, and restores every object or none.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ampkit.files import atomic_write
+
+CHECKPOINT_VERSION = 1
+
+
+class _Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **objects: _Stateful) -> None:
+    """Save each object's ``state_dict()`` under its keyword name, atomically.
+
+    The file is written beside ``path`` and renamed into place, so a crash or a full disk
+    leaves the previous checkpoint as it was, never a half-written one.
+
+    Args:
+        path: the checkpoint file (its folder is created).
+        extra: plain values to keep alongside (epoch, step, a metric); returned by ``load_checkpoint``.
+        **objects: anything with ``state_dict()``: modules, optimizers, LR schedulers, loss scalers,
+            ``MasterWeightOptimizer``.
+
+    Raises:
+        ValueError: no objects were given.
+        TypeError: an object has no ``state_dict()`` (it is named).
+
+    Example:
+        >>> ampkit.save_checkpoint("run/last.pt", model=model, optimizer=optimizer, scaler=scaler,
+        ...                        extra={"epoch": epoch})
+    """
+    if not objects:
+        raise ValueError("save_checkpoint needs at least one object to save: pass them by name, e.g. "
+                         "save_checkpoint(path, model=model, optimizer=optimizer, scaler=scaler).")
+    for name, obj in objects.items():
+        if not callable(getattr(obj, "state_dict", None)):
+            raise TypeError(f"{name}={type(obj).__name__} has no state_dict(): pass modules, optimizers, schedulers "
+                            "and loss scalers by name, and plain values in extra={...}.")
+    state = {
+        "ampkit_checkpoint": CHECKPOINT_VERSION,
+        "states": {name: obj.state_dict() for name, obj in objects.items()},
+        "extra": dict(extra or {}),
+    }
+    atomic_write(Path(path), lambda tmp: torch.save(state, tmp))
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's contents: ``{"ampkit_checkpoint": version, "states": {...}, "extra": {...}}``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        RuntimeError: the file is empty, truncated, not a torch file, or not an ampkit checkpoint.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Checkpoint {path} does not exist{' (it is a folder)' if path.is_dir() else ''}: "
+                                "pass the file save_checkpoint wrote.")
+    size = path.stat().st_size
+    if size == 0:
+        raise RuntimeError(f"Checkpoint {path} is empty (0 bytes): it was not written completely. "
+                           "Resume from an earlier checkpoint.")
+    try:
+        # weights_only: a checkpoint holds tensors and plain values; never run code from a file
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises RuntimeError, UnpicklingError, EOFError... by file damage
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise RuntimeError(f"Checkpoint {path} ({size} bytes) cannot be read: {reason}. The file is truncated or "
+                           "not a torch checkpoint; resume from an earlier one.") from error
+    if not isinstance(state, dict) or "ampkit_checkpoint" not in state:
+        found = f"keys {sorted(map(str, state))[:8]}" if isinstance(state, dict) else f"a {type(state).__name__}"
+        raise RuntimeError(f"Checkpoint {path} is not an ampkit checkpoint ({found}): write it with "
+                           "ampkit.save_checkpoint, or load a plain state dict with torch.load and load_state_dict.")
+    if state["ampkit_checkpoint"] != CHECKPOINT_VERSION:
+        raise RuntimeError(f"Checkpoint {path} has version {state['ampkit_checkpoint']!r}; this ampkit reads "
+                           f"version {CHECKPOINT_VERSION}.")
+    return state
+
+
+def load_checkpoint(path: str | Path, **objects: _Stateful) -> dict[str, Any]:
+    """Restore each object from the state saved under its keyword name; all or nothing.
+
+    If any object refuses its state (a scaler state from another version, a model of another
+    shape), the objects already restored are put back as they were before the call, and the
+    error is raised: a failed resume never leaves a half-loaded model and optimizer.
+
+    Args:
+        path: a file written by ``save_checkpoint``.
+        **objects: the objects to restore, by the names they were saved under (a subset is fine).
+
+    Returns:
+        The ``extra`` values saved with the checkpoint.
+
+    Raises:
+        FileNotFoundError, RuntimeError: see ``read_checkpoint``; RuntimeError also when a name is
+            not in the checkpoint (the saved names are listed).
+
+    Note:
+        To put objects back on failure, their current states are copied first: for the duration of
+        the call the model and optimizer need twice their memory.
+    """
+    state = read_checkpoint(path)
+    saved = state["states"]
+    missing = sorted(set(objects) - set(saved))
+    if missing:
+        raise RuntimeError(f"Checkpoint {path} has no state for {missing}; it holds {sorted(saved)}. "
+                           "Pass the objects by the names they were saved under.")
+    before = {name: copy.deepcopy(obj.state_dict()) for name, obj in objects.items()}
+    restored: list[str] = []
+    try:
+        for name, obj in objects.items():
+            restored.append(name)  # before the call: a load that fails halfway has changed its object too
+            obj.load_state_dict(saved[name])
+    except BaseException as error:
+        for name in restored:
+            objects[name].load_state_dict(before[name])
+        if isinstance(error, Exception):
+            raise RuntimeError(f"Checkpoint {path}: loading {restored[-1]!r} failed, nothing was changed: "
+                               f"{error}") from error
+        raise
+    return dict(state["extra"])

@@ -1,0 +1,131 @@
+"""Checkpoints: a resume is bit-identical, damaged files are named, a failed load changes nothing."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+
+
+def _setup(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, ampkit.DynamicLossScaler, object]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = ampkit.initialize(model, optimizer, "O2", torch.float16, compute="float32")
+    scaler = ampkit.DynamicLossScaler(init_scale=2.0**10, growth_interval=2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer.optimizer, step_size=2, gamma=0.5)
+    return model, optimizer, scaler, scheduler
+
+
+def _train(model, optimizer, scaler, scheduler, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(4, 8, generator=gen), torch.randint(0, 2, (4,), generator=gen)
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x.half()).float(), y)
+        if step == 3:
+            loss = loss * float("inf")  # one skipped step inside the resumed part
+        scaler.scale(loss).backward()
+        if scaler.step(optimizer):
+            scheduler.step()
+        scaler.update()
+        losses.append(loss.item())
+    return losses
+
+
+def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path: Path) -> None:
+    straight = _setup()
+    expected = _train(*straight, range(6))
+
+    first = _setup()
+    _train(*first, range(2))
+    model, optimizer, scaler, scheduler = first
+    ampkit.save_checkpoint(tmp_path / "ck.pt", model=model, optimizer=optimizer, scaler=scaler,
+                           scheduler=scheduler, extra={"step": 2})
+
+    resumed = _setup(seed=1)  # other initial weights: everything must come from the file
+    model, optimizer, scaler, scheduler = resumed
+    extra = ampkit.load_checkpoint(tmp_path / "ck.pt", model=model, optimizer=optimizer, scaler=scaler,
+                                   scheduler=scheduler)
+    assert extra == {"step": 2}
+    assert _train(*resumed, range(2, 6)) == expected[2:]
+    assert scaler.get_scale() == straight[2].get_scale() and scaler.stats.skipped == straight[2].stats.skipped == 1
+    for a, b in zip(straight[1].master_params, optimizer.master_params):
+        assert torch.equal(a, b)
+    for a, b in zip(straight[0].parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert oct(os.stat(tmp_path / "ck.pt").st_mode & 0o777) != "0o600"  # readable as results are
+
+
+@pytest.mark.parametrize(
+    "damage, error, message",
+    [
+        ("missing", FileNotFoundError, r"ck.pt does not exist: pass the file save_checkpoint wrote"),
+        ("empty", RuntimeError, r"ck.pt is empty \(0 bytes\): it was not written completely"),
+        ("truncated", RuntimeError, r"ck.pt \(\d+ bytes\) cannot be read: .* truncated or not a torch checkpoint"),
+        ("text", RuntimeError, r"ck.pt \(\d+ bytes\) cannot be read"),
+        ("foreign", RuntimeError, r"ck.pt is not an ampkit checkpoint \(keys \['scale', 'version'\]\)"),
+        ("version", RuntimeError, r"ck.pt has version 99; this ampkit reads version 1"),
+    ],
+)
+def test_damaged_checkpoints_are_named(damage: str, error: type, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "ck.pt"
+    model = nn.Linear(2, 2)
+    if damage != "missing":
+        ampkit.save_checkpoint(path, model=model)
+        whole = path.read_bytes()
+        content = {"empty": b"", "truncated": whole[: len(whole) // 2], "text": b"not a checkpoint\n"}
+        if damage in content:
+            path.write_bytes(content[damage])
+        elif damage == "foreign":
+            torch.save({"scale": 2.0, "version": 1}, path)  # a bare scaler state dict
+        else:
+            torch.save({"ampkit_checkpoint": 99, "states": {}, "extra": {}}, path)
+    before = model.weight.detach().clone()
+    with pytest.raises(error, match=message):
+        ampkit.load_checkpoint(path, model=model)
+    assert torch.equal(model.weight, before)
+
+
+def test_a_failed_load_changes_nothing(tmp_path: Path) -> None:
+    model, optimizer, scaler, scheduler = _setup()
+    _train(model, optimizer, scaler, scheduler, range(2))
+    ampkit.save_checkpoint(tmp_path / "ck.pt", model=model, optimizer=optimizer, scaler=scaler)
+
+    other, other_opt, other_scaler, _ = _setup(seed=1)
+    wrong = nn.Linear(3, 3)  # restored first, then the scaler refuses: the model must be put back
+    weights, scale = [p.detach().clone() for p in other.parameters()], other_scaler.get_scale()
+    wrong_before = wrong.weight.detach().clone()
+    state = torch.load(tmp_path / "ck.pt", weights_only=True)
+    state["states"]["scaler"]["scale"] = float("nan")
+    state["states"]["wrong"] = nn.Linear(3, 3).state_dict()
+    torch.save(state, tmp_path / "bad.pt")
+    with pytest.raises(RuntimeError, match=r"bad.pt: loading 'scaler' failed, nothing was changed: .*scale=nan"):
+        ampkit.load_checkpoint(tmp_path / "bad.pt", wrong=wrong, model=other, optimizer=other_opt,
+                               scaler=other_scaler)
+    assert torch.equal(wrong.weight, wrong_before)
+    assert all(torch.equal(a, b) for a, b in zip(weights, other.parameters()))
+    assert other_scaler.get_scale() == scale and other_opt.optimizer.state == {}
+
+    with pytest.raises(RuntimeError, match=r"has no state for \['schedule'\]; it holds \['model', 'optimizer', "
+                                           r"'scaler'\]"):
+        ampkit.load_checkpoint(tmp_path / "ck.pt", model=other, schedule=scheduler)
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "ck.pt"
+    ampkit.save_checkpoint(path, model=nn.Linear(2, 2), extra={"epoch": 1})
+    before = path.read_bytes()
+    with pytest.raises(Exception):
+        ampkit.save_checkpoint(path, model=nn.Linear(2, 2), extra={"epoch": 2, "bad": lambda: 0})  # unpicklable
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["ck.pt"]
+    with pytest.raises(TypeError, match=r"epoch=int has no state_dict\(\): .* plain values in extra="):
+        ampkit.save_checkpoint(path, epoch=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs at least one object"):
+        ampkit.save_checkpoint(path)
