@@ -273,16 +273,23 @@ def initialize(
         return model, optimizer
     if opt_level == "O2" and optimizer is not None:
         optimizer = MasterWeightOptimizer(optimizer)  # before the cast: masters are exact
+    cast_model_(model, opt_level, dtype)
+    model16 = Policy.for_16bit_model(device.type, dtype, compute)
+    if compute_mod.float32_ops(model16):
+        _wrap_forward(model, autocast(model16))
+    return model, optimizer
+
+
+def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype) -> None:
+    """The model half of O2 and O3: cast the weights to ``dtype`` (O2 keeps normalization layers
+    in float32), and cast floating inputs to ``dtype`` and 16-bit outputs to float32 at ``model``'s
+    forward. Parameter objects are kept, so optimizers built on them still hold them."""
     for module in model.modules():
         if opt_level == "O2" and isinstance(module, NORM_TYPES):
             continue  # normalization statistics stay float32; torch's norms take 16-bit inputs
         _cast_own(module, dtype)
     model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
     model.register_forward_hook(_cast_output)
-    model16 = Policy.for_16bit_model(device.type, dtype, compute)
-    if compute_mod.float32_ops(model16):
-        _wrap_forward(model, autocast(model16))
-    return model, optimizer
 
 
 def _wrap_forward(model: nn.Module, region: autocast) -> None:

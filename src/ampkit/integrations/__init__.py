@@ -1,0 +1,1 @@
+"""Adapters for training frameworks (Lightning, Accelerate), imported only on demand."""

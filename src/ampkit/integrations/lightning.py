@@ -1,0 +1,229 @@
+"""ampkit as a Lightning precision plugin: ``Trainer(plugins=[AmpkitPrecision("O2")])``.
+
+What it changes from Lightning's own ``precision="bf16-mixed"`` / ``"16-mixed"``:
+- the forward runs under an ampkit policy (edited op lists, per-module overrides, float32 compute
+  on 16-bit values where this machine's 16-bit kernels are slow);
+- O2 keeps float32 master weights (Lightning has no such level), O3 trains a pure 16-bit model;
+- the loss scaler is ampkit's (hysteresis, NonFiniteError, stats), configurable, and saved in
+  Lightning checkpoints together with the master weights (they are the optimizer's state);
+- LR schedulers stepped per optimizer step do not advance on skipped steps (Lightning#5558);
+- the skipped-step count and the loss scale are logged (``ampkit/skipped_steps``, ``ampkit/loss_scale``);
+- with ``strategy="ddp"``, gradients are all-reduced in 16 bits with a pre-divide factor, and every
+  rank skips the same steps.
+
+Requires ``pip install ampkit[lightning]``; importing ``ampkit`` never imports Lightning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+
+from ampkit import compute as compute_mod
+from ampkit import hardware
+from ampkit.autocast import autocast
+from ampkit.master import OPT_LEVELS, MasterWeightOptimizer, cast_model_
+from ampkit.policy import Policy, resolve_dtype
+from ampkit.scaler import DynamicLossScaler, StaticLossScaler
+
+
+class AmpkitPrecision(Precision):
+    """A Lightning precision plugin running training through ampkit.
+
+    Args:
+        opt_level: ``"O1"`` (default: float32 weights, forward under ``policy``), ``"O2"`` (16-bit
+            model except normalization layers, float32 master weights), ``"O3"`` (everything 16-bit),
+            ``"O0"`` (float32; the plugin does nothing).
+        dtype: torch.bfloat16 / torch.float16 (or ``"bf16"`` / ``"fp16"``); None picks what
+            ``ampkit.recommend_dtype`` picks for ``device``.
+        policy: the O1 policy (default ``Policy.default(device, dtype, compute=compute)``).
+        scaler: a ``DynamicLossScaler`` or ``StaticLossScaler``; default a dynamic scaler, enabled
+            for float16 only.
+        compute: ``"auto"`` / ``"native"`` / ``"float32"``: how GEMMs and convolutions compute
+            (``Policy.compute``).
+        compression: None, torch.float16 or torch.bfloat16: under DDP, the dtype gradients are
+            all-reduced in (ampkit's ``compression_hook``).
+        predivide_factor: the hook's pre-divide factor (None: sqrt(world_size)).
+        device: ``"cpu"`` or ``"cuda"``; None: ``"cuda"`` when a GPU is visible, else ``"cpu"``.
+
+    Raises:
+        ValueError: an unknown opt level, dtype, compute mode or compression dtype; a policy
+            with O2/O3; a scaler that is not ampkit's.
+
+    Example:
+        >>> trainer = lightning.Trainer(plugins=[AmpkitPrecision("O2", torch.float16)])
+
+    Note:
+        At O2 and O3 the LightningModule's own ``forward`` is the model boundary (inputs cast to
+        16 bits, outputs to float32), as ``ampkit.initialize`` makes it: call ``self(x)`` in
+        ``training_step``.
+    """
+
+    def __init__(
+        self,
+        opt_level: str = "O1",
+        dtype: torch.dtype | str | None = None,
+        *,
+        policy: Policy | None = None,
+        scaler: DynamicLossScaler | StaticLossScaler | None = None,
+        compute: str = "auto",
+        compression: torch.dtype | None = None,
+        predivide_factor: float | None = None,
+        device: str | None = None,
+    ) -> None:
+        if opt_level not in OPT_LEVELS:
+            raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
+        compute_mod.check_compute(compute)
+        if policy is not None and opt_level != "O1":
+            raise ValueError(f"policy= applies at O1 only (opt_level={opt_level!r} trains a 16-bit model, which "
+                             "casts nothing): drop policy=, or use opt_level='O1'.")
+        if scaler is not None and not isinstance(scaler, (DynamicLossScaler, StaticLossScaler)):
+            raise ValueError(f"scaler={type(scaler).__name__} is not an ampkit scaler: pass "
+                             "ampkit.DynamicLossScaler(...) or ampkit.StaticLossScaler(...).")
+        if compression not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(f"compression={compression!r} is invalid: choose None, torch.float16 or torch.bfloat16.")
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.opt_level = opt_level
+        self.dtype = resolve_dtype(dtype) if dtype is not None else hardware.recommend_dtype(self.device)
+        self.policy = policy or Policy.default(self.device, self.dtype, compute=compute)
+        self.compute = compute
+        self.scaler = scaler if scaler is not None else DynamicLossScaler(
+            enabled=opt_level != "O0" and self.dtype == torch.float16)
+        self.compression, self.predivide_factor = compression, predivide_factor
+        self.hook_state: Any = None  # ampkit.distributed.HookState once the DDP hook is registered
+        self.precision = {  # type: ignore[assignment]  # the string Lightning shows and checks
+            "O0": "32-true", "O3": "bf16-true" if self.dtype == torch.bfloat16 else "16-true",
+        }.get(opt_level, "bf16-mixed" if self.dtype == torch.bfloat16 else "16-mixed")
+        self._exact: dict[int, torch.Tensor] = {}  # O2: float32 weights before the cast, for exact masters
+        self._stepped: dict[int, bool] = {}  # id(inner optimizer) -> whether its last step was taken
+
+    # -- setup -----------------------------------------------------------------------
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """O2/O3: cast the model as ``ampkit.initialize`` does (in place: DDP wraps it next)."""
+        if self.opt_level in ("O2", "O3"):
+            if self.opt_level == "O2":
+                self._exact = {id(p): p.detach().clone() for p in module.parameters()}
+            cast_model_(module, self.opt_level, self.dtype)
+        return module
+
+    def connect(self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[nn.Module, list[Any], list[Any]]:
+        """Wrap optimizers in master weights (O2), make step schedulers skip-aware, register the DDP hook."""
+        if self.opt_level == "O2":
+            optimizers = [self._with_masters(opt) for opt in optimizers]
+        for config in lr_schedulers:
+            if config.interval == "step" and not isinstance(config.scheduler, _SkipAwareScheduler):
+                config.scheduler = _SkipAwareScheduler(config.scheduler, self)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if self.scaler.process_group is None:
+                self.scaler.process_group = torch.distributed.group.WORLD  # every rank skips the same steps
+            if self.compression is not None and isinstance(model, nn.parallel.DistributedDataParallel):
+                from ampkit.distributed import HookState, compression_hook
+
+                self.hook_state = HookState()
+                model.register_comm_hook(self.hook_state, compression_hook(self.compression, self.predivide_factor))
+        return model, optimizers, lr_schedulers
+
+    def _with_masters(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if isinstance(optimizer, MasterWeightOptimizer):
+            return optimizer
+        wrapped = MasterWeightOptimizer(optimizer)
+        with torch.no_grad():  # the masters start from the float32 weights, not from their 16-bit rounding
+            for param, master in zip(wrapped.model_params, wrapped.master_params):
+                if id(param) in self._exact:
+                    master.copy_(self._exact[id(param)])
+        return wrapped
+
+    # -- the training step ---------------------------------------------------------------
+
+    def _region(self) -> contextlib.AbstractContextManager[Any]:
+        if self.opt_level == "O1":
+            return autocast(self.policy)
+        if self.opt_level in ("O2", "O3"):
+            model16 = Policy.for_16bit_model(self.device, self.dtype, self.compute)
+            if compute_mod.float32_ops(model16):
+                return autocast(model16)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """The ampkit region every training, validation, test and predict step runs in."""
+        with self._region():
+            yield
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
+        return super().pre_backward(self.scaler.scale(tensor), module)
+
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """Run the closure (forward, scaled backward), unscale, clip, then step unless gradients overflowed."""
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise ValueError("ampkit's loss scaling cannot step LBFGS (it re-evaluates the loss inside step): "
+                             "use another optimizer, or Lightning's precision='32-true'.")
+        closure_result = closure()
+        # In automatic optimization a training_step that returns None skips backward: nothing to step.
+        if closure_result is None and isinstance(model, LightningModule) and model.automatic_optimization:
+            return closure_result
+        self.scaler.unscale_(optimizer)  # clipping (in _after_closure) sees true gradients
+        self._after_closure(model, optimizer)
+        stepped = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        self._stepped[id(_inner(optimizer))] = stepped
+        if isinstance(model, LightningModule) and model._current_fx_name is not None:
+            stats = self.scaler.stats
+            model.log("ampkit/skipped_steps", float(stats.skipped), on_step=True, on_epoch=False)
+            model.log("ampkit/loss_scale", float(stats.scale), on_step=True, on_epoch=False)
+        return closure_result
+
+    def last_step_taken(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s last step was taken (False: skipped for inf/NaN gradients)."""
+        return self._stepped.get(id(_inner(optimizer)), True)
+
+    # -- checkpoints (the master weights are the optimizer's state) -----------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "scaler" not in state_dict:
+            raise RuntimeError(f"The checkpoint's AmpkitPrecision state has keys {sorted(state_dict)}, not 'scaler': "
+                               "it was saved by another precision plugin.")
+        self.scaler.load_state_dict(state_dict["scaler"])
+
+
+def _inner(optimizer: Any) -> Any:
+    """The torch optimizer under Lightning's and ampkit's wrappers (the one schedulers hold)."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+    return optimizer.optimizer if isinstance(optimizer, MasterWeightOptimizer) else optimizer
+
+
+class _SkipAwareScheduler:
+    """An LR scheduler stepped per optimizer step that stays put when that step was skipped.
+
+    Everything else (state_dict, get_last_lr, attributes) is the wrapped scheduler's.
+    """
+
+    def __init__(self, scheduler: Any, plugin: AmpkitPrecision) -> None:
+        self.scheduler, self.plugin = scheduler, plugin
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self.plugin.last_step_taken(self.scheduler.optimizer):
+            self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("scheduler", "plugin"):
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)

@@ -1,0 +1,143 @@
+"""The Lightning precision plugin against a hand-written ampkit loop, with skips, resume and DDP."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+L = pytest.importorskip("lightning")
+
+import ampkit  # noqa: E402
+from ampkit.integrations.lightning import AmpkitPrecision  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
+from lightning_digits import Digits, loader  # noqa: E402
+
+STEPS = 5  # one epoch of 5 batches of 32
+
+
+def _trainer(plugin: AmpkitPrecision, **kwargs: object) -> L.Trainer:
+    options = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                   enable_progress_bar=False, enable_model_summary=False)
+    return L.Trainer(plugins=[plugin], **{**options, **kwargs})
+
+
+def _fit(opt_level: str, inf_at_step: int | None = None, **plugin_kwargs: object) -> tuple[Digits, AmpkitPrecision]:
+    torch.manual_seed(0)
+    model = Digits(inf_at_step=inf_at_step)
+    plugin = AmpkitPrecision(opt_level, torch.float16, compute="float32", device="cpu", **plugin_kwargs)
+    _trainer(plugin).fit(model, loader(32, 32 * STEPS))
+    return model, plugin
+
+
+def _by_hand(opt_level: str) -> tuple[list[float], Digits]:
+    """The loop the README shows for ampkit without Lightning, on the same model and batches."""
+    torch.manual_seed(0)
+    model = Digits()
+    configured = model.configure_optimizers()
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    policy = ampkit.Policy.default("cpu", torch.float16, compute="float32")
+    if opt_level == "O2":
+        model, optimizer = ampkit.initialize(model, optimizer, "O2", torch.float16, compute="float32")
+    scaler = ampkit.DynamicLossScaler()
+    losses = []
+    for x, y in loader(32, 32 * STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        with ampkit.autocast(policy) if opt_level == "O1" else contextlib.nullcontext():
+            loss = F.cross_entropy(model(x), y)
+        losses.append(loss.item())
+        scaler.scale(loss).backward()
+        if scaler.step(optimizer):
+            scheduler.step()
+        scaler.update()
+    return losses, model
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_trainer_matches_the_hand_written_loop(opt_level: str) -> None:
+    model, plugin = _fit(opt_level)
+    expected, by_hand = _by_hand(opt_level)
+    assert model.losses == expected and len(expected) == STEPS
+    for a, b in zip(model.parameters(), by_hand.parameters()):
+        assert a.dtype == (torch.float16 if opt_level == "O2" and a.dim() > 1 else a.dtype) and torch.equal(a, b)
+    assert plugin.precision == "16-mixed"
+
+
+def test_an_overflow_skips_one_step_and_the_scheduler_stays(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Digits(inf_at_step=2)
+    plugin = AmpkitPrecision("O2", torch.float16, compute="float32", device="cpu")
+    trainer = _trainer(plugin)
+    trainer.fit(model, loader(32, 32 * STEPS))
+    stats = plugin.scaler.stats
+    assert (stats.steps, stats.skipped, stats.scale) == (STEPS - 1, 1, 2.0**15)  # steps counts those taken
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    assert scheduler.last_epoch == STEPS - 1  # StepLR stepped on the 4 steps taken, not on the skipped one
+    assert scheduler.get_last_lr()[0] == pytest.approx(2e-3 * 0.9 ** (STEPS - 1))
+    assert trainer.callback_metrics["ampkit/skipped_steps"].item() == 1
+    assert trainer.callback_metrics["ampkit/loss_scale"].item() == 2.0**15
+
+
+def test_a_resumed_run_is_bit_identical(tmp_path: Path) -> None:
+    def run(epochs: int, resume: Path | None = None, save: Path | None = None) -> tuple[Digits, AmpkitPrecision]:
+        torch.manual_seed(0 if resume is None else 1)  # the resumed run's weights must come from the checkpoint
+        model = Digits(inf_at_step=1)
+        plugin = AmpkitPrecision("O2", torch.float16, compute="float32", device="cpu",
+                                 scaler=ampkit.DynamicLossScaler(growth_interval=2))
+        trainer = _trainer(plugin, max_epochs=epochs)
+        trainer.fit(model, loader(32, 32 * STEPS), ckpt_path=resume)
+        if save is not None:
+            trainer.save_checkpoint(save)
+        return model, plugin
+
+    straight, straight_plugin = run(2)
+    run(1, save=tmp_path / "epoch1.ckpt")
+    resumed, resumed_plugin = run(2, resume=tmp_path / "epoch1.ckpt")
+    assert resumed_plugin.scaler.state_dict() == straight_plugin.scaler.state_dict()
+    assert resumed_plugin.scaler.stats.skipped >= 1 and resumed_plugin.scaler.get_scale() != 2.0**16
+    for a, b in zip(straight.parameters(), resumed.parameters()):
+        assert torch.equal(a, b)
+    masters = [o.master_params for o in (straight.trainer.optimizers[0], resumed.trainer.optimizers[0])]
+    assert all(torch.equal(a, b) for a, b in zip(*masters))
+    checkpoint = torch.load(tmp_path / "epoch1.ckpt", weights_only=False)
+    assert checkpoint["AmpkitPrecision"]["scaler"]["skipped"] == 1  # the injected overflow at step 1
+    assert "master_params" in checkpoint["optimizer_states"][0]
+
+
+@pytest.mark.distributed
+def test_ddp_sends_half_the_bytes_with_fp16_compression() -> None:
+    example = Path(__file__).parent.parent / "examples" / "lightning_digits.py"
+    done = subprocess.run([sys.executable, str(example), "--opt-level", "O1", "--dtype", "bf16", "--compute",
+                           "float32", "--max-steps", "3", "--strategy", "ddp", "--devices", "2"],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ratios = re.findall(r"rank (\d): all-reduce bytes \d+ = ([\d.]+)x float32's", done.stdout)
+    assert sorted(ratios) == [("0", "0.500"), ("1", "0.500")], done.stdout
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"opt_level": "O4"}, r"Unknown opt_level: 'O4'. Choose one of \['O0', 'O1', 'O2', 'O3'\]"),
+        ({"opt_level": "O2", "policy": ampkit.Policy.default("cpu")}, r"policy= applies at O1 only"),
+        ({"scaler": torch.amp.GradScaler("cpu")}, r"scaler=GradScaler is not an ampkit scaler"),
+        ({"compression": torch.float32}, r"compression=torch.float32 is invalid: choose None, torch.float16"),
+        ({"compute": "fast"}, r"Unknown compute mode: 'fast'. Choose one of \['auto', 'native', 'float32'\]"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        AmpkitPrecision(**{"dtype": torch.bfloat16, "device": "cpu", **kwargs})
+
+
+def test_importing_ampkit_imports_no_framework() -> None:
+    code = "import sys, ampkit, ampkit.integrations; print(sorted({'lightning', 'accelerate'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "[]", done.stderr
