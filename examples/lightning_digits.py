@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import ampkit
 from ampkit.experiment.data import load
 from ampkit.integrations.lightning import AmpkitPrecision
 

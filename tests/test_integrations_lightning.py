@@ -85,6 +85,27 @@ def test_an_overflow_skips_one_step_and_the_scheduler_stays(tmp_path: Path) -> N
     assert trainer.callback_metrics["ampkit/loss_scale"].item() == 2.0**15
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_callbacks_and_clipping_see_true_gradients(opt_level: str) -> None:
+    class FirstGradNorm(L.Callback):
+        def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: object) -> None:
+            if not hasattr(self, "norm"):  # what gradient clipping sees, right after it
+                params = [p for group in optimizer.param_groups for p in group["params"]]
+                self.norm = torch.linalg.vector_norm(torch.stack([p.grad.float().norm() for p in params])).item()
+
+    norms = []
+    for precision in ("32-true", AmpkitPrecision(opt_level, torch.float16, compute="float32", device="cpu")):
+        torch.manual_seed(0)
+        seen = FirstGradNorm()
+        options = {"plugins": [precision]} if isinstance(precision, AmpkitPrecision) else {"precision": precision}
+        trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[seen],
+                            gradient_clip_val=1e9, **options)
+        trainer.fit(Digits(), loader(32, 32))
+        norms.append(seen.norm)
+    assert norms[1] == pytest.approx(norms[0], rel=1e-2)  # not 2**16 times the float32 norm
+
+
 def test_a_resumed_run_is_bit_identical(tmp_path: Path) -> None:
     def run(epochs: int, resume: Path | None = None, save: Path | None = None) -> tuple[Digits, AmpkitPrecision]:
         torch.manual_seed(0 if resume is None else 1)  # the resumed run's weights must come from the checkpoint

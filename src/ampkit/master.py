@@ -215,7 +215,8 @@ def _cast_inputs(dtype: torch.dtype) -> Any:
     return hook
 
 
-def _cast_output(module: nn.Module, args: tuple, output: Any) -> Any:
+def cast_output_to_float32(module: nn.Module, args: tuple, output: Any) -> Any:
+    """A forward hook: a 16-bit tensor output becomes float32 (the O2/O3 model boundary)."""
     if isinstance(output, torch.Tensor) and output.dtype in LOW_DTYPES:
         return output.float()
     return output
@@ -227,6 +228,7 @@ def initialize(
     opt_level: str = "O1",
     dtype: torch.dtype | str | None = None,
     compute: str = "auto",
+    policy: Policy | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Prepare a float32 model and its optimizer for mixed precision (Apex's levels).
 
@@ -244,13 +246,15 @@ def initialize(
             else float32 arithmetic on the 16-bit values), ``"native"`` or ``"float32"``.
             At O2/O3 float32 compute wraps the model's forward in an ampkit region
             that casts nothing.
+        policy: the O1 policy (default ``Policy.default(device, dtype, compute=compute)``);
+            O2 and O3 models are 16-bit and take none.
 
     Returns:
         (model, optimizer): the model is changed in place; the optimizer is wrapped
         in ``MasterWeightOptimizer`` for O2.
 
     Raises:
-        ValueError: an unknown ``opt_level``, dtype or compute mode.
+        ValueError: an unknown ``opt_level``, dtype or compute mode; a policy with O0, O2 or O3.
 
     Example:
         >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
@@ -258,6 +262,9 @@ def initialize(
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
     compute_mod.check_compute(compute)
+    if policy is not None and opt_level != "O1":
+        raise ValueError(f"policy= applies at O1 only (opt_level={opt_level!r} casts nothing by policy): drop "
+                         "policy=, or use opt_level='O1'.")
     if getattr(model, "_ampkit_opt_level", None) is not None:
         raise ValueError(
             f"The model was initialized at {model._ampkit_opt_level} already; call ampkit.initialize once, on the "
@@ -269,7 +276,7 @@ def initialize(
     if opt_level == "O0":
         return model, optimizer
     if opt_level == "O1":
-        _wrap_forward(model, autocast(Policy.default(device.type, dtype, compute=compute)))
+        _wrap_forward(model, autocast(policy or Policy.default(device.type, dtype, compute=compute)))
         return model, optimizer
     if opt_level == "O2" and optimizer is not None:
         optimizer = MasterWeightOptimizer(optimizer)  # before the cast: masters are exact
@@ -289,7 +296,7 @@ def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype) -> None:
             continue  # normalization statistics stay float32; torch's norms take 16-bit inputs
         _cast_own(module, dtype)
     model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
-    model.register_forward_hook(_cast_output)
+    model.register_forward_hook(cast_output_to_float32)
 
 
 def _wrap_forward(model: nn.Module, region: autocast) -> None:

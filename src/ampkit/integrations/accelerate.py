@@ -1,0 +1,131 @@
+"""ampkit under Hugging Face Accelerate: ``prepare`` in place of ``accelerator.prepare``.
+
+Accelerate has no precision plugin API, but its Accelerator and AcceleratedOptimizer drive any
+object with GradScaler's protocol (``scale``, ``unscale_``, ``step``, ``update``, ``state_dict``)
+stored as ``accelerator.scaler``. So ``prepare``:
+- runs ``ampkit.initialize`` on the model and optimizer (the forward under an ampkit policy at O1,
+  a 16-bit model with float32 master weights at O2, pure 16 bits at O3); the model's 16-bit outputs
+  are cast to float32, as Accelerate's own ``convert_outputs_to_fp32`` does;
+- installs ampkit's loss scaler as ``accelerator.scaler``: ``accelerator.backward`` scales,
+  ``optimizer.step()`` steps through it only when ``accelerator.sync_gradients`` (Accelerate's own
+  rule) and records a skipped step as ``optimizer.step_was_skipped``, which Accelerate's prepared
+  LR schedulers already honour; ``accelerator.save_state`` / ``load_state`` keep the scaler (and the
+  masters, which are the optimizer's state);
+- makes ``accelerator.clip_grad_norm_`` unscale through that scaler first, so clipping sees true
+  gradients (Accelerate unscales only its own float16 GradScaler);
+- under DDP, all-reduces gradients in 16 bits with a pre-divide factor (ampkit's ``compression_hook``),
+  and makes every rank skip the same steps.
+
+Requires ``pip install ampkit[accelerate]``; importing ``ampkit`` never imports Accelerate.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from torch import nn
+
+from ampkit import hardware
+from ampkit.distributed import HookState, compression_hook
+from ampkit.master import cast_output_to_float32, initialize
+from ampkit.policy import Policy, resolve_dtype
+from ampkit.scaler import DynamicLossScaler, StaticLossScaler
+
+
+def prepare(
+    accelerator: Accelerator,
+    *objects: Any,
+    opt_level: str = "O1",
+    dtype: torch.dtype | str | None = None,
+    policy: Policy | None = None,
+    scaler: DynamicLossScaler | StaticLossScaler | None = None,
+    compute: str = "auto",
+    compression: torch.dtype | None = None,
+    predivide_factor: float | None = None,
+) -> Any:
+    """``accelerator.prepare(*objects)`` with ampkit's mixed precision.
+
+    Args:
+        accelerator: an ``Accelerator(mixed_precision="no")``: ampkit replaces Accelerate's own.
+        *objects: what ``accelerator.prepare`` takes: one model, at most one optimizer, data
+            loaders, LR schedulers, in any order.
+        opt_level, dtype, policy, compute: as ``ampkit.initialize``.
+        scaler: a ``DynamicLossScaler`` / ``StaticLossScaler``; default a dynamic scaler, enabled
+            for float16 only. Also available afterwards as ``accelerator.scaler``.
+        compression: None, torch.float16 or torch.bfloat16: under DDP, the dtype gradients are
+            all-reduced in.
+        predivide_factor: the compression hook's pre-divide factor (None: sqrt(world_size)).
+
+    Returns:
+        What ``accelerator.prepare`` returns for ``objects``, in the same order.
+
+    Raises:
+        ValueError: Accelerate's own mixed precision is on, not exactly one model, several
+            optimizers, a scaler that is not ampkit's, an invalid compression dtype.
+
+    Example:
+        >>> accelerator = Accelerator()
+        >>> model, optimizer, loader, scheduler = prepare(accelerator, model, optimizer, loader, scheduler,
+        ...                                               opt_level="O2", dtype=torch.float16)
+    """
+    if accelerator.mixed_precision != "no":
+        raise ValueError(f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) already runs torch.autocast "
+                         "and its own GradScaler: create Accelerator(mixed_precision='no') and let ampkit's prepare "
+                         "set the precision.")
+    models = [i for i, obj in enumerate(objects) if isinstance(obj, nn.Module)]
+    optimizers = [i for i, obj in enumerate(objects) if isinstance(obj, torch.optim.Optimizer)]
+    if len(models) != 1 or len(optimizers) > 1:
+        raise ValueError(f"prepare takes one model and at most one optimizer; got {len(models)} models and "
+                         f"{len(optimizers)} optimizers. Prepare other models with accelerator.prepare.")
+    if scaler is not None and not isinstance(scaler, (DynamicLossScaler, StaticLossScaler)):
+        raise ValueError(f"scaler={type(scaler).__name__} is not an ampkit scaler: pass "
+                         "ampkit.DynamicLossScaler(...) or ampkit.StaticLossScaler(...).")
+    if compression not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"compression={compression!r} is invalid: choose None, torch.float16 or torch.bfloat16.")
+
+    items = list(objects)
+    model = items[models[0]].to(accelerator.device)  # initialize reads the device from the weights
+    optimizer = items[optimizers[0]] if optimizers else None
+    if dtype is not None:
+        dtype = resolve_dtype(dtype)
+    else:
+        dtype = policy.dtype if policy is not None else hardware.recommend_dtype(accelerator.device)
+    model, optimizer = initialize(model, optimizer, opt_level, dtype, compute=compute, policy=policy)
+    if opt_level == "O1":  # as Accelerate's own mixed precision does: the loss is computed in float32
+        model.register_forward_hook(cast_output_to_float32)
+    items[models[0]] = model
+    if optimizers:
+        items[optimizers[0]] = optimizer
+    if scaler is None:
+        scaler = DynamicLossScaler(enabled=opt_level != "O0" and dtype == torch.float16)
+    if accelerator.num_processes > 1 and scaler.process_group is None:
+        scaler.process_group = torch.distributed.group.WORLD  # every rank skips the same steps
+    # Before accelerator.prepare: each AcceleratedOptimizer takes the accelerator's scaler when built.
+    accelerator.scaler = scaler
+    accelerator.unscale_gradients = types.MethodType(_unscale_gradients, accelerator)  # type: ignore[method-assign]
+
+    prepared = accelerator.prepare(*items)
+    prepared = list(prepared) if isinstance(prepared, tuple) else [prepared]
+    wrapped = prepared[models[0]]
+    if compression is not None and isinstance(wrapped, nn.parallel.DistributedDataParallel):
+        accelerator.ampkit_hook_state = HookState()  # type: ignore[attr-defined]  # bytes sent, overflows
+        wrapped.register_comm_hook(accelerator.ampkit_hook_state, compression_hook(compression, predivide_factor))
+    return tuple(prepared) if len(prepared) > 1 else prepared[0]
+
+
+def _unscale_gradients(self: Accelerator, optimizer: Any = None) -> None:
+    """``accelerator.unscale_gradients`` through ampkit's scaler (``clip_grad_norm_`` calls it)."""
+    if not self.scaler.enabled:
+        return
+    if optimizer is None:
+        optimizer = self._optimizers
+    elif not isinstance(optimizer, (tuple, list)):
+        optimizer = [optimizer]
+    for opt in optimizer:
+        while isinstance(opt, AcceleratedOptimizer):
+            opt = opt.optimizer
+        self.scaler.unscale_(opt)
