@@ -1,4 +1,4 @@
-"""ampkit as a Lightning precision plugin: ``Trainer(plugins=[AmpkitPrecision("O2")])``.
+"""ampkit as a Lightning precision plugin: ``Trainer(plugins=[AmpkitPrecision("O2")])``, and for Fabric.
 
 What it changes from Lightning's own ``precision="bf16-mixed"`` / ``"16-mixed"``:
 - the forward runs under an ampkit policy (edited op lists, per-module overrides, float32 compute
@@ -21,19 +21,96 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import Precision as FabricPrecision
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from ampkit import compute as compute_mod
 from ampkit import hardware
 from ampkit.autocast import autocast
 from ampkit.master import OPT_LEVELS, MasterWeightOptimizer, cast_model_
-from ampkit.policy import Policy, resolve_dtype
+from ampkit.policy import LOW_DTYPES, Policy, resolve_dtype
 from ampkit.scaler import DynamicLossScaler, StaticLossScaler
 
 
-class AmpkitPrecision(Precision):
+class _AmpkitCore:
+    """What the Trainer plugin and the Fabric plugin share: settings, the region, the last steps, the state."""
+
+    precision: Any
+
+    def _configure(
+        self,
+        opt_level: str = "O1",
+        dtype: torch.dtype | str | None = None,
+        *,
+        policy: Policy | None = None,
+        scaler: DynamicLossScaler | StaticLossScaler | None = None,
+        compute: str = "auto",
+        compression: torch.dtype | None = None,
+        predivide_factor: float | None = None,
+        device: str | None = None,
+    ) -> None:
+        if opt_level not in OPT_LEVELS:
+            raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
+        compute_mod.check_compute(compute)
+        if policy is not None and opt_level != "O1":
+            raise ValueError(f"policy= applies at O1 only (opt_level={opt_level!r} trains a 16-bit model, which "
+                             "casts nothing): drop policy=, or use opt_level='O1'.")
+        if scaler is not None and not isinstance(scaler, (DynamicLossScaler, StaticLossScaler)):
+            raise ValueError(f"scaler={type(scaler).__name__} is not an ampkit scaler: pass "
+                             "ampkit.DynamicLossScaler(...) or ampkit.StaticLossScaler(...).")
+        if compression not in (None, torch.float16, torch.bfloat16):
+            raise ValueError(f"compression={compression!r} is invalid: choose None, torch.float16 or torch.bfloat16.")
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.opt_level = opt_level
+        self.dtype = resolve_dtype(dtype) if dtype is not None else hardware.recommend_dtype(self.device)
+        self.policy = policy or Policy.default(self.device, self.dtype, compute=compute)
+        self.compute = compute
+        self.scaler = scaler if scaler is not None else DynamicLossScaler(
+            enabled=opt_level != "O0" and self.dtype == torch.float16)
+        self.compression, self.predivide_factor = compression, predivide_factor
+        self.hook_state: Any = None  # ampkit.distributed.HookState once the DDP hook is registered
+        # the string Lightning shows and checks (a Literal in Lightning's annotations)
+        self.precision: Any = {
+            "O0": "32-true", "O3": "bf16-true" if self.dtype == torch.bfloat16 else "16-true",
+        }.get(opt_level, "bf16-mixed" if self.dtype == torch.bfloat16 else "16-mixed")
+        self._exact: dict[int, torch.Tensor] = {}  # O2: float32 weights before the cast, for exact masters
+        self._stepped: dict[int, bool] = {}  # id(inner optimizer) -> whether its last step was taken
+
+    def _region(self) -> contextlib.AbstractContextManager[Any]:
+        if self.opt_level == "O1":
+            return autocast(self.policy)
+        if self.opt_level in ("O2", "O3"):
+            model16 = Policy.for_16bit_model(self.device, self.dtype, self.compute)
+            if compute_mod.float32_ops(model16):
+                return autocast(model16)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """The ampkit region every training, validation, test and predict step runs in."""
+        with self._region():
+            yield
+
+    def last_step_taken(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer``'s last step was taken (False: skipped for inf/NaN gradients)."""
+        return self._stepped.get(id(_inner(optimizer)), True)
+
+    # -- checkpoints (the master weights are the optimizer's state) -----------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "scaler" not in state_dict:
+            raise RuntimeError(f"The checkpoint's AmpkitPrecision state has keys {sorted(state_dict)}, not 'scaler': "
+                               "it was saved by another precision plugin.")
+        self.scaler.load_state_dict(state_dict["scaler"])
+
+
+class AmpkitPrecision(_AmpkitCore, Precision):
     """A Lightning precision plugin running training through ampkit.
 
     Args:
@@ -77,31 +154,8 @@ class AmpkitPrecision(Precision):
         predivide_factor: float | None = None,
         device: str | None = None,
     ) -> None:
-        if opt_level not in OPT_LEVELS:
-            raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
-        compute_mod.check_compute(compute)
-        if policy is not None and opt_level != "O1":
-            raise ValueError(f"policy= applies at O1 only (opt_level={opt_level!r} trains a 16-bit model, which "
-                             "casts nothing): drop policy=, or use opt_level='O1'.")
-        if scaler is not None and not isinstance(scaler, (DynamicLossScaler, StaticLossScaler)):
-            raise ValueError(f"scaler={type(scaler).__name__} is not an ampkit scaler: pass "
-                             "ampkit.DynamicLossScaler(...) or ampkit.StaticLossScaler(...).")
-        if compression not in (None, torch.float16, torch.bfloat16):
-            raise ValueError(f"compression={compression!r} is invalid: choose None, torch.float16 or torch.bfloat16.")
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.opt_level = opt_level
-        self.dtype = resolve_dtype(dtype) if dtype is not None else hardware.recommend_dtype(self.device)
-        self.policy = policy or Policy.default(self.device, self.dtype, compute=compute)
-        self.compute = compute
-        self.scaler = scaler if scaler is not None else DynamicLossScaler(
-            enabled=opt_level != "O0" and self.dtype == torch.float16)
-        self.compression, self.predivide_factor = compression, predivide_factor
-        self.hook_state: Any = None  # ampkit.distributed.HookState once the DDP hook is registered
-        self.precision = {  # type: ignore[assignment]  # the string Lightning shows and checks
-            "O0": "32-true", "O3": "bf16-true" if self.dtype == torch.bfloat16 else "16-true",
-        }.get(opt_level, "bf16-mixed" if self.dtype == torch.bfloat16 else "16-mixed")
-        self._exact: dict[int, torch.Tensor] = {}  # O2: float32 weights before the cast, for exact masters
-        self._stepped: dict[int, bool] = {}  # id(inner optimizer) -> whether its last step was taken
+        self._configure(opt_level, dtype, policy=policy, scaler=scaler, compute=compute, compression=compression,
+                        predivide_factor=predivide_factor, device=device)
 
     # -- setup -----------------------------------------------------------------------
 
@@ -142,21 +196,6 @@ class AmpkitPrecision(Precision):
 
     # -- the training step ---------------------------------------------------------------
 
-    def _region(self) -> contextlib.AbstractContextManager[Any]:
-        if self.opt_level == "O1":
-            return autocast(self.policy)
-        if self.opt_level in ("O2", "O3"):
-            model16 = Policy.for_16bit_model(self.device, self.dtype, self.compute)
-            if compute_mod.float32_ops(model16):
-                return autocast(model16)
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        """The ampkit region every training, validation, test and predict step runs in."""
-        with self._region():
-            yield
-
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:  # type: ignore[override]
         return super().pre_backward(self.scaler.scale(tensor), module)
 
@@ -182,20 +221,66 @@ class AmpkitPrecision(Precision):
             model.log("ampkit/loss_scale", float(stats.scale), on_step=True, on_epoch=False)
         return closure_result
 
-    def last_step_taken(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``optimizer``'s last step was taken (False: skipped for inf/NaN gradients)."""
-        return self._stepped.get(id(_inner(optimizer)), True)
 
-    # -- checkpoints (the master weights are the optimizer's state) -----------------------
+class AmpkitFabricPrecision(_AmpkitCore, FabricPrecision):
+    """ampkit as a Fabric precision plugin: ``Fabric(plugins=[AmpkitFabricPrecision("O1", torch.float16)])``.
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"scaler": self.scaler.state_dict()}
+    Takes the arguments of ``AmpkitPrecision`` except ``compression`` (register
+    ``ampkit.distributed.compression_hook`` on the DDP model yourself). ``optimizer.step()`` returns
+    False when the scaler skipped the step: ``if optimizer.step(): scheduler.step()``. Save the
+    scaler with the rest: ``fabric.save(path, {"model": model, "optimizer": optimizer, "scaler": plugin.scaler})``.
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "scaler" not in state_dict:
-            raise RuntimeError(f"The checkpoint's AmpkitPrecision state has keys {sorted(state_dict)}, not 'scaler': "
-                               "it was saved by another precision plugin.")
-        self.scaler.load_state_dict(state_dict["scaler"])
+    Note:
+        Fabric gives a precision plugin no hook to wrap the optimizer, so for O2 call
+        ``ampkit.initialize(model, optimizer, "O2", dtype)`` before ``fabric.setup(model, optimizer)``;
+        the plugin then scales the loss and steps through float32 master weights.
+    """
+
+    def __init__(
+        self,
+        opt_level: str = "O1",
+        dtype: torch.dtype | str | None = None,
+        *,
+        policy: Policy | None = None,
+        scaler: DynamicLossScaler | StaticLossScaler | None = None,
+        compute: str = "auto",
+        device: str | None = None,
+    ) -> None:
+        self._configure(opt_level, dtype, policy=policy, scaler=scaler, compute=compute, device=device)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        initialized = getattr(module, "_ampkit_opt_level", None)
+        if self.opt_level == "O2":
+            if initialized != "O2":
+                raise RuntimeError("AmpkitFabricPrecision('O2') needs float32 master weights, which Fabric gives a "
+                                   "plugin no hook to create: call model, optimizer = ampkit.initialize(model, "
+                                   "optimizer, 'O2', dtype) before fabric.setup(model, optimizer).")
+            return module
+        if self.opt_level == "O3":
+            cast_model_(module, "O3", self.dtype)
+        return module
+
+    def _region(self) -> contextlib.AbstractContextManager[Any]:
+        if self.opt_level == "O2":
+            return contextlib.nullcontext()  # ampkit.initialize wrapped the model's forward already
+        return super()._region()
+
+    def convert_output(self, data: Any) -> Any:
+        """16-bit outputs become float32, as Fabric's own mixed precision makes them (the loss then is float32)."""
+        return apply_to_collection(data, torch.Tensor, lambda t: t.float() if t.dtype in LOW_DTYPES else t)
+
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        super().backward(self.scaler.scale(tensor), model, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> bool:  # type: ignore[override]
+        """Step unless gradients overflowed; returns whether the step was taken."""
+        stepped = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        self._stepped[id(_inner(optimizer))] = stepped
+        return stepped
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        self.scaler.unscale_(optimizer)  # fabric.clip_gradients calls this first
 
 
 def _inner(optimizer: Any) -> Any:
