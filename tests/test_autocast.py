@@ -466,3 +466,37 @@ def test_compiled_code_under_an_edited_policy_is_refused_not_silently_retyped(ba
     with pytest.raises(Exception, match="torch.compile cannot trace code under an edited or float32-compute"):
         with autocast(CPU.with_ops(deny=["linear"])):
             compiled(torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_code_under_the_default_policy_keeps_eager_dtypes_and_recompiles_per_region(backend: str) -> None:
+    """The default native policy is torch.autocast, whose state torch.compile guards on: a compiled
+    function follows each region it is called in (inductor: benchmarks/bench_compile.py)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    compiled = torch.compile(lambda x: block(x).softmax(-1), backend=backend)
+    x = torch.randn(2, 8)
+    for region in (autocast(CPU), autocast(Policy.default("cpu", torch.float16, compute="native")),
+                   autocast(CPU, enabled=False), autocast(CPU)):
+        with region:
+            out, eager = compiled(x), block(x).softmax(-1)
+        assert out.dtype == eager.dtype == (region.policy.dtype if region.policy.enabled else torch.float32)
+        assert torch.equal(out, eager)
+
+
+def test_torch_jit_script_of_a_region_is_refused_by_name() -> None:
+    def opens_a_region(x: torch.Tensor) -> torch.Tensor:
+        with autocast(CPU):
+            return x @ x
+
+    @autocast(CPU)
+    def decorated(x: torch.Tensor) -> torch.Tensor:
+        return x @ x
+
+    # was: scripting the decorated function compiled the undecorated one, silently float32
+    with pytest.raises(RuntimeError, match="torch.jit.script cannot compile an ampkit.autocast region or a function "
+                                           "decorated with one"):
+        torch.jit.script(decorated)
+    with pytest.raises(Exception, match="torch.jit.script cannot compile an ampkit region: use torch.autocast"):
+        torch.jit.script(opens_a_region)

@@ -168,22 +168,29 @@ _COMPILE_UNSUPPORTED = (
 )
 
 
+_SCRIPT_UNSUPPORTED = (
+    "torch.jit.script cannot compile an ampkit.autocast region or a function decorated with one (TorchScript "
+    "would keep none of the policy). Script the code inside the region and call it under ampkit.autocast from "
+    "Python, or use torch.autocast in scripted code, as torch.jit.script supports it."
+)
+
+
 def _make_kernel(device_type: str, op: str, overload: torch._ops.OpOverload) -> Callable[..., Any]:
     keyset = torch._C.DispatchKeySet(_AUTOCAST_KEYS[device_type])
     banned_message = op_lists.BANNED[device_type].get(op)
     casters = {dtype: _caster(device_type, dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)}
+    torch_category = op_lists.torch_category(device_type, op)
+    torch_category = DENY if torch_category == "banned" else torch_category
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         region = _current_region(device_type)
         if region is not None:
-            if torch.compiler.is_compiling():
-                raise RuntimeError(_COMPILE_UNSUPPORTED)
             category = region.policy.category(op)  # type: ignore[union-attr]
             in_float32 = op in region.float32_ops
-        else:  # a thread using plain torch.autocast
-            category = op_lists.torch_category(device_type, op)
-            category = DENY if category == "banned" else category
-            in_float32 = False
+            if (in_float32 or category != torch_category) and torch.compiler.is_compiling():
+                raise RuntimeError(_COMPILE_UNSUPPORTED)
+        else:  # a thread using plain torch.autocast, or a region that treats this op as torch does
+            category, in_float32 = torch_category, False
         if category == ALLOW:
             cast: Callable[[torch.Tensor], torch.Tensor] | None = casters[torch.get_autocast_dtype(device_type)]
         elif category == DENY:
@@ -493,14 +500,18 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
     def __call__(self, fn: F) -> F:
         # torch.compile runs a decorated function eagerly (a graph break) rather than trace
         # it: a traced graph would keep this policy's dtypes under any other.
+        # torch.jit.script meeting `with ampkit.autocast(...)` fails here, showing these lines:
         @torch.compiler.disable
-        @functools.wraps(fn)
+        @functools.wraps(fn)  # torch.jit.script cannot compile an ampkit region: use torch.autocast in scripted code
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self.policy.overrides and args and isinstance(args[0], nn.Module):
                 _name_modules(args[0])  # a decorated forward: names are relative to its module
             with self:
                 return fn(*args, **kwargs)
 
+        # torch.jit.script would compile the undecorated function (it follows __wrapped__) and
+        # silently drop the policy; this attribute makes it refuse instead.
+        setattr(wrapper, "__script_unsupported", _SCRIPT_UNSUPPORTED)
         return wrapper  # type: ignore[return-value]
 
 
