@@ -219,6 +219,45 @@ def distributed_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def integrations_table(results: dict[str, Any]) -> str:
+    rows = [
+        f"`python benchmarks/bench_integrations.py`, {results['created']}, on {machine_line(results['machine'])}. "
+        f"The digits MLP of the examples, batch {results['batch']}; each setting trains {results['steps_timed']} "
+        f"timed steps per round, {results['rounds']} rounds in alternating order; median ms per step. `native`: "
+        "the same 16-bit kernels as the framework's own setting (the integration's own cost); `auto`: ampkit's "
+        "default compute mode on this machine.",
+        "",
+        "| framework | setting | ms/step | vs the framework's own setting, same dtype |",
+        "|---|---|---|---|",
+    ]
+    for framework, ms in results["ms"].items():
+        for name, value in ms.items():
+            ratio = results["ratio"][framework].get(name)
+            rows.append(f"| {framework} | {name} | {value:.2f} | {f'{ratio:.2f}x' if ratio else 'reference'} |")
+    return "\n".join(rows)
+
+
+def compile_table(results: dict[str, Any]) -> str:
+    rows = [
+        f"`python benchmarks/bench_compile.py`, {results['created']}, on {machine_line(results['machine'])}. "
+        f"The GPT of `ampkit compare` (batch {results['batch']}, context {results['context']}), one training step, "
+        f"torch.compile ({results['backend']}) against eager, inside an ampkit default region "
+        f"({results['dtype'].removeprefix('torch.')}, native kernels) and in float32; medians, variants timed in "
+        "alternation.",
+        "",
+        "| variant | ms/step |",
+        "|---|---|",
+    ]
+    rows += [f"| {name} | {value:.1f} |" for name, value in results["ms"].items()]
+    ratio = results["compiled_over_eager"]
+    rows += ["", f"Compiled / eager: default policy {ratio['default policy']:.2f}x, float32 {ratio['float32']:.2f}x. "
+             "Compiled logits against eager ones: " + "; ".join(
+                 f"{name} {a['dtype_compiled'].removeprefix('torch.')} (eager "
+                 f"{a['dtype_eager'].removeprefix('torch.')}), greatest difference {a['max_abs_diff']:.3g}"
+                 for name, a in results["agreement"].items()) + "."]
+    return "\n".join(rows)
+
+
 def inspect_section(results: dict[str, Any]) -> str:
     ms = results["ms"]
     report, memory = results["report"], results["memory"]
@@ -298,6 +337,12 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     distributed = load(directory, "distributed.json")
     if distributed:
         sections += [f"{level} Distributed gradient compression", "", distributed_table(distributed), ""]
+    compiled = load(directory, "compile.json")
+    if compiled:
+        sections += [f"{level} torch.compile under the default policy", "", compile_table(compiled), ""]
+    integrations = load(directory, "integrations.json")
+    if integrations:
+        sections += [f"{level} Lightning and Accelerate: per-step cost", "", integrations_table(integrations), ""]
     return sections, blocks
 
 

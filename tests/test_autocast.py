@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib
 import threading
@@ -500,3 +501,32 @@ def test_torch_jit_script_of_a_region_is_refused_by_name() -> None:
         torch.jit.script(decorated)
     with pytest.raises(Exception, match="torch.jit.script cannot compile an ampkit region: use torch.autocast"):
         torch.jit.script(opens_a_region)
+
+
+_REGIONS = {
+    "ampkit default": lambda: autocast(CPU),
+    "ampkit edited": lambda: autocast(CPU.with_ops(deny=["mm"], allow=["gelu"])),
+    "ampkit disabled": lambda: autocast(CPU, enabled=False),
+    "torch.autocast": lambda: torch.autocast("cpu", dtype=torch.float16),
+    "none": contextlib.nullcontext,
+}
+
+
+def _probe() -> tuple[torch.dtype, torch.dtype]:
+    a, g = torch.randn(4, 4), torch.randn(4)
+    return torch.mm(a, a).dtype, F.gelu(g).dtype
+
+
+@pytest.mark.parametrize("inner", [k for k in _REGIONS if k != "none"])
+@pytest.mark.parametrize("outer", list(_REGIONS))
+def test_nested_regions_act_as_the_inner_one_alone_and_restore_the_outer(outer: str, inner: str) -> None:
+    """Every pairing of ampkit default / edited / disabled regions and plain torch.autocast. Was: a plain
+    torch.autocast inside an edited region kept the edited lists (mm float32 where torch gives float16)."""
+    alone = {}
+    for name in (outer, inner):
+        with _REGIONS[name]():
+            alone[name] = _probe()
+    with _REGIONS[outer]():
+        with _REGIONS[inner]():
+            assert _probe() == alone[inner]
+        assert _probe() == alone[outer]

@@ -51,6 +51,14 @@ class _Region(NamedTuple):
     policy: Policy | None  # None where autocast is off
     ctx: torch.autocast
     float32_ops: frozenset[str]  # ops computed in float32 on 16-bit values
+    nesting: int  # torch.autocast's nesting level once this region's own torch.autocast is entered
+
+
+def _torch_nesting() -> int:
+    """How many torch.autocast contexts this thread has open (torch offers no plain getter)."""
+    level = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return level - 1
 
 
 class _ThreadState(threading.local):
@@ -184,6 +192,8 @@ def _make_kernel(device_type: str, op: str, overload: torch._ops.OpOverload) -> 
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         region = _current_region(device_type)
+        if region is not None and _torch_nesting() > region.nesting:
+            region = None  # a plain torch.autocast opened inside the region: torch's own behaviour, as alone
         if region is not None:
             category = region.policy.category(op)  # type: ignore[union-attr]
             in_float32 = op in region.float32_ops
@@ -311,7 +321,7 @@ def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
         ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
         pushed = policy.all_low
     ctx.__enter__()
-    _state.stack.append(_Region(policy.device_type, pushed, ctx, top.float32_ops))
+    _state.stack.append(_Region(policy.device_type, pushed, ctx, top.float32_ops, _torch_nesting()))
     _state.module_stack.append((module, ctx))
     return args
 
@@ -482,7 +492,8 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             _registry.acquire(policy.device_type, self._kernel_ops)
             _hook_checkpoint()  # torch restores its own autocast state on recompute, not ampkit's
         ctx.__enter__()
-        _state.stack.append(_Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops))
+        _state.stack.append(_Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops,
+                                    _torch_nesting()))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -552,14 +563,15 @@ def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> Ca
     """Decorate the matching ``backward``: it runs under its forward's policy."""
     if bwd is None:
         return functools.partial(custom_bwd, device_type=device_type)
-    torch_bwd = torch.amp.custom_bwd(bwd, device_type=device_type)
 
     @functools.wraps(bwd)
-    def backward(ctx: Any, *grads: Any) -> Any:
+    def under_policy(ctx: Any, *grads: Any) -> Any:
         policy = getattr(ctx, "_ampkit_policy", None)
-        if policy is None:
-            return torch_bwd(ctx, *grads)
-        with autocast(policy):  # torch_bwd then restores the forward's exact autocast state
-            return torch_bwd(ctx, *grads)
+        if policy is None or not ctx._fwd_used_autocast:
+            return bwd(ctx, *grads)
+        # Inside torch's restored autocast state, so that the region counts it as its own base
+        # (a torch.autocast opened inside a region would otherwise take over, as a plain one does).
+        with autocast(policy):
+            return bwd(ctx, *grads)
 
-    return backward
+    return torch.amp.custom_bwd(under_policy, device_type=device_type)
