@@ -74,6 +74,7 @@ def _arm_has(flag: str) -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith(("NEON", "SVE")) and flag in cpu_flags()
 
 
+@functools.cache  # read on every region's creation (through measure's key): /proc/cpuinfo once
 def cpu_model_name() -> str:
     """The CPU's model name from /proc/cpuinfo, or the platform's processor string."""
     try:

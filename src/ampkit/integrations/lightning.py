@@ -78,6 +78,7 @@ class _AmpkitCore:
         }.get(opt_level, "bf16-mixed" if self.dtype == torch.bfloat16 else "16-mixed")
         self._exact: dict[int, torch.Tensor] = {}  # O2: float32 weights before the cast, for exact masters
         self._stepped: dict[int, bool] = {}  # id(inner optimizer) -> whether its last step was taken
+        self._logged: tuple[float, float] | None = None  # (skipped steps, scale) as last logged
 
     def _region(self) -> contextlib.AbstractContextManager[Any]:
         if self.opt_level == "O1":
@@ -216,10 +217,21 @@ class AmpkitPrecision(_AmpkitCore, Precision):
         self.scaler.update()
         self._stepped[id(_inner(optimizer))] = stepped
         if isinstance(model, LightningModule) and model._current_fx_name is not None:
-            stats = self.scaler.stats
-            model.log("ampkit/skipped_steps", float(stats.skipped), on_step=True, on_epoch=False)
-            model.log("ampkit/loss_scale", float(stats.scale), on_step=True, on_epoch=False)
+            self._log(model)
         return closure_result
+
+    def _log(self, model: LightningModule) -> None:
+        """Log the skip count and the scale when either changed, and on the Trainer's logging steps.
+
+        LightningModule.log costs about 2 ms a call here, as much as a small model's whole step;
+        the values change rarely (a skip, a growth), so logging them on change loses nothing.
+        """
+        figures = (float(self.scaler.stats.skipped), float(self.scaler.get_scale()))
+        every = getattr(model.trainer, "log_every_n_steps", 0) or 1  # set by Lightning's logger connector
+        if figures != self._logged or model.trainer.global_step % every == 0:
+            model.log_dict({"ampkit/skipped_steps": figures[0], "ampkit/loss_scale": figures[1]},
+                           on_step=True, on_epoch=False)
+            self._logged = figures
 
 
 class AmpkitFabricPrecision(_AmpkitCore, FabricPrecision):
