@@ -234,7 +234,7 @@ def integrations_table(results: dict[str, Any]) -> str:
     for framework, ms in results["ms"].items():
         for name, value in ms.items():
             ratio = results["ratio"][framework].get(name)
-            shown = f"{ratio:.2f}x" if ratio else ("-" if name.startswith("ampkit") else "reference")
+            shown = f"{ratio:.2f}x" if ratio else ("no reference" if name.startswith("ampkit") else "framework's own")
             rows.append(f"| {framework} | {name} | {value:.2f} | {shown} |")
     return "\n".join(rows)
 
@@ -254,8 +254,8 @@ def compile_table(results: dict[str, Any]) -> str:
     ratio = results["compiled_over_eager"]
     rows += ["", f"Compiled / eager: default policy {ratio['default policy']:.2f}x, float32 {ratio['float32']:.2f}x. "
              "Compiled logits against eager ones: " + "; ".join(
-                 f"{name} {a['dtype_compiled'].removeprefix('torch.')} (eager "
-                 f"{a['dtype_eager'].removeprefix('torch.')}), greatest difference {a['max_abs_diff']:.3g}"
+                 f"{name} region: compiled {a['dtype_compiled'].removeprefix('torch.')}, eager "
+                 f"{a['dtype_eager'].removeprefix('torch.')}, greatest difference {a['max_abs_diff']:.3g}"
                  for name, a in results["agreement"].items()) + "."]
     return "\n".join(rows)
 
