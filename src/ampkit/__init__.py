@@ -13,6 +13,9 @@ from ampkit.master import MasterWeightOptimizer, initialize
 from ampkit.scaler import DynamicLossScaler, NonFiniteError, ScalerStats, StaticLossScaler
 from ampkit.checkpoint import load_checkpoint, save_checkpoint
 
+# FP8
+from ampkit.fp8 import Fp8Recipe, convert_to_fp8
+
 # Measurement
 from ampkit.alignment import check_alignment, pad_vocab
 from ampkit.hardware import measure, recommend
@@ -42,6 +45,9 @@ __all__ = [
     "initialize",
     "save_checkpoint",
     "load_checkpoint",
+    # FP8
+    "Fp8Recipe",
+    "convert_to_fp8",
     # Measurement
     "inspect_numerics",
     "find_nonfinite",

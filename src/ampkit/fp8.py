@@ -1,0 +1,311 @@
+"""FP8 training: E4M3 / E5M2 linears with current or delayed per-tensor scaling.
+
+FP8 has so little range (E4M3: +-448, E5M2: +-57344) that every tensor is multiplied by a scale
+before the cast, as a loss scale does for a whole backward pass (Micikevicius et al., 2022,
+"FP8 Formats for Deep Learning"). Two recipes choose the scale:
+- **current** scaling: from the tensor's own amax, each time (torchao's ``Float8Linear``; per
+  tensor or per row). One extra reduction over the tensor before every cast.
+- **delayed** scaling (Transformer Engine's): from a history of the amaxes seen in earlier steps,
+  ``scale = fp8_max / amax / 2**margin`` with ``amax = max(history)`` or the most recent entry.
+  torchao dropped it; it is written here. The current tensor's amax enters the history after its
+  cast, so a sudden outlier saturates once and widens the scale for the next steps.
+Formats: ``"e4m3"`` everywhere, or ``"hybrid"``: E4M3 forward (inputs, weights), E5M2 for the
+gradients, whose range matters more than their precision.
+
+Where FP8 matmuls exist (CUDA compute capability >= 8.9) the GEMMs run natively through
+``torch._scaled_mm``; elsewhere they are emulated: float32 matmuls on the FP8-rounded values with
+the scales applied, which gives FP8's numerics on any CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+
+STATE_VERSION = 1
+FORMATS = ("e4m3", "hybrid")
+SCALINGS = ("delayed", "current")
+GRANULARITIES = ("tensor", "row")
+AMAX_ALGOS = ("max", "most_recent")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+INPUT, WEIGHT, GRAD = 0, 1, 2  # rows of a delayed-scaling module's amax history and scales
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How FP8 linears scale and which formats they use.
+
+    Attributes:
+        scaling: ``"delayed"`` (default: amax history, ampkit's own) or ``"current"`` (torchao).
+        format: ``"hybrid"`` (default: E4M3 forward, E5M2 gradients) or ``"e4m3"`` (everywhere).
+        granularity: ``"tensor"`` or ``"row"`` (one scale per row; current scaling only).
+        amax_history_len: steps of amax kept per tensor (delayed scaling; default 16).
+        amax_compute_algo: ``"max"`` of the history (default) or its ``"most_recent"`` entry.
+        margin: the scale is divided by ``2**margin`` (headroom against growth; default 0).
+    """
+
+    scaling: str = "delayed"
+    format: str = "hybrid"
+    granularity: str = "tensor"
+    amax_history_len: int = 16
+    amax_compute_algo: str = "max"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        for name, choices in (("scaling", SCALINGS), ("format", FORMATS), ("granularity", GRANULARITIES),
+                              ("amax_compute_algo", AMAX_ALGOS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"Fp8Recipe({name}={getattr(self, name)!r}) is invalid: choose one of {list(choices)}.")
+        for name, low in (("amax_history_len", 1), ("margin", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"Fp8Recipe({name}={value!r}) is invalid: use an integer >= {low}.")
+        if self.granularity == "row" and self.scaling == "delayed":
+            raise ValueError("Fp8Recipe(granularity='row') needs scaling='current': delayed scaling keeps one amax "
+                             "history per tensor (as Transformer Engine does).")
+
+    def dtype(self, role: int) -> torch.dtype:
+        """The FP8 dtype of ``INPUT``, ``WEIGHT`` or ``GRAD`` tensors."""
+        return E5M2 if role == GRAD and self.format == "hybrid" else E4M3
+
+
+# -- pure math ------------------------------------------------------------------------------
+
+def fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def scale_from_amax(amax: torch.Tensor, dtype: torch.dtype, margin: int, previous: torch.Tensor) -> torch.Tensor:
+    """``fp8_max / amax / 2**margin`` (Transformer Engine's formula); ``previous`` where amax is 0 or not finite."""
+    scale = (fp8_max(dtype) / amax.double() / 2.0**margin).float()
+    return torch.where((amax > 0) & torch.isfinite(amax), scale, previous)
+
+
+def history_amax(history: torch.Tensor, algo: str) -> torch.Tensor:
+    """The amax a delayed scale is computed from: the history's max, or its most recent entry (index 0)."""
+    return history.amax(dim=-1) if algo == "max" else history[..., 0]
+
+
+def roll_in(history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """The history with ``amax`` as its most recent entry (index 0) and the oldest dropped."""
+    return torch.cat([amax.reshape(1), history[:-1]])
+
+
+def quantize(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x * scale`` cast to ``dtype``, saturated at its largest finite value."""
+    limit = fp8_max(dtype)
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() / scale
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether ``device`` has FP8 matmuls (CUDA compute capability >= 8.9)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype, native: bool) -> torch.Tensor:
+    """``dequantize(a) @ dequantize(b)`` for 2-D FP8 ``a`` (m x k) and ``b`` (k x n).
+
+    Native: ``torch._scaled_mm`` (it wants ``b`` column-major and the inverse scales).
+    Emulated: a float32 matmul on the dequantized values.
+    """
+    if native:
+        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=scale_a.reciprocal(),
+                                scale_b=scale_b.reciprocal(), out_dtype=out_dtype)
+    return (dequantize(a, scale_a) @ dequantize(b, scale_b)).to(out_dtype)
+
+
+# -- delayed scaling ------------------------------------------------------------------------------
+
+class _DelayedFp8Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
+        recipe, scale = module.recipe, module.scale.clone()  # this step's scales, from earlier steps' amaxes
+        x2 = x.reshape(-1, x.shape[-1])
+        xq = quantize(x2, scale[INPUT], recipe.dtype(INPUT))
+        wq = quantize(weight, scale[WEIGHT], recipe.dtype(WEIGHT))
+        module.record_(INPUT, x2)
+        module.record_(WEIGHT, weight)
+        native = native_fp8(x.device)
+        out = scaled_mm(xq, scale[INPUT], wq.t(), scale[WEIGHT], x.dtype, native)
+        ctx.save_for_backward(xq, wq, scale)
+        ctx.module, ctx.native, ctx.x_dtype, ctx.w_dtype = module, native, x.dtype, weight.dtype
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        xq, wq, scale = ctx.saved_tensors
+        module: Fp8Linear = ctx.module
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        gq = quantize(g2, scale[GRAD], module.recipe.dtype(GRAD))
+        module.record_(GRAD, g2)
+        grad_x = scaled_mm(gq, scale[GRAD], wq, scale[WEIGHT], ctx.x_dtype, ctx.native)
+        grad_w = scaled_mm(gq.t(), scale[GRAD], xq, scale[INPUT], ctx.w_dtype, ctx.native)
+        return grad_x.reshape(*grad_out.shape[:-1], wq.shape[1]), grad_w, None
+
+
+class Fp8Linear(nn.Linear):
+    """An ``nn.Linear`` training in FP8 with delayed scaling.
+
+    Buffers (in ``state_dict``, so a resume is exact): ``amax_history`` (3 x history length: input,
+    weight, gradient; index 0 the most recent) and ``scale`` (3). ``get_extra_state`` adds the
+    version and the recipe. The bias is added in the output's dtype, outside FP8.
+    """
+
+    amax_history: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 recipe: Fp8Recipe = Fp8Recipe(), process_group: Any = None, device: Any = None,
+                 dtype: Any = None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.recipe, self.process_group = recipe, process_group
+        self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
+        self.register_buffer("scale", torch.ones(3, device=device))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe, process_group: Any = None) -> Fp8Linear:
+        """Convert in place of ``linear``, keeping its Parameter objects (optimizers hold them)."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        new.recipe, new.process_group = recipe, process_group
+        device = linear.weight.device
+        new.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
+        new.register_buffer("scale", torch.ones(3, device=device))
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _DelayedFp8Matmul.apply(x, self.weight, self)
+        return out + self.bias.to(out.dtype) if self.bias is not None else out
+
+    @torch.no_grad()
+    def record_(self, role: int, tensor: torch.Tensor) -> None:
+        """Roll ``tensor``'s amax into the history of ``role`` and recompute its scale for the next step.
+
+        Only while training: an evaluation pass leaves the scales as they are. Under
+        ``process_group`` the amax is the maximum over the ranks, so every rank uses the same scale.
+        """
+        if not self.training:
+            return
+        amax = tensor.detach().abs().amax().float()
+        if self.process_group is not None:
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+        self.amax_history[role] = roll_in(self.amax_history[role], amax)
+        self.scale[role] = scale_from_amax(history_amax(self.amax_history[role], self.recipe.amax_compute_algo),
+                                           self.recipe.dtype(role), self.recipe.margin, self.scale[role])
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, "recipe": dataclasses.asdict(self.recipe)}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise RuntimeError(f"Cannot load Fp8Linear state {state!r}: this ampkit reads version {STATE_VERSION}.")
+        saved = Fp8Recipe(**state["recipe"])
+        if saved != self.recipe:
+            raise RuntimeError(f"The checkpoint's FP8 recipe {saved} differs from this model's {self.recipe}: "
+                               "convert the model with the checkpoint's recipe before loading.")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+# -- the module swap --------------------------------------------------------------------------
+
+def eligible(model: nn.Module, keep: tuple[str, ...] = (), include: tuple[str, ...] = ()) -> dict[str, str]:
+    """Every ``nn.Linear`` of ``model`` by qualified name, with ``"fp8"`` or the reason it stays.
+
+    Kept by default: the first and the last linear (the input embedding-like projection and the
+    output head are the most range-sensitive), and linears whose dimensions are not multiples of
+    16 (FP8 GEMMs need them). ``keep`` patterns (fnmatch on the name) keep more; ``include``
+    patterns convert a first or last linear anyway (dimensions still must fit).
+    """
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    decisions = {}
+    for index, name in enumerate(names):
+        linear: nn.Linear = model.get_submodule(name)  # type: ignore[assignment]
+        forced = any(fnmatch.fnmatchcase(name, p) for p in include)
+        if linear.in_features % 16 or linear.out_features % 16:
+            decisions[name] = f"kept: {linear.in_features}x{linear.out_features} is not a multiple of 16"
+        elif any(fnmatch.fnmatchcase(name, p) for p in keep):
+            decisions[name] = "kept: named in keep="
+        elif index in (0, len(names) - 1) and not forced:
+            decisions[name] = "kept: the first linear" if index == 0 else "kept: the last linear"
+        else:
+            decisions[name] = "fp8"
+    return decisions
+
+
+def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: tuple[str, ...] | list[str] = (),
+                   include: tuple[str, ...] | list[str] = (), emulate: bool | None = None,
+                   process_group: Any = None) -> dict[str, str]:
+    """Convert ``model``'s eligible linears to FP8 training, in place.
+
+    Args:
+        model: a model on its device (its parameters are kept, so an optimizer built on them works).
+        recipe: ``Fp8Recipe()`` by default: delayed scaling, hybrid formats.
+        keep, include: name patterns (fnmatch) kept in 16/32 bits, or converted although first or last.
+        emulate: None picks native FP8 GEMMs on CUDA compute capability >= 8.9, emulation elsewhere.
+            Delayed scaling decides per call from the device; current scaling passes it to torchao.
+        process_group: delayed scaling: reduce amaxes over it (the data-parallel group) so every rank
+            uses the same scales. torchao's current scaling needs none (weights are equal on all ranks,
+            activations are scaled per rank, as torchao does).
+
+    Returns:
+        ``eligible(...)``: each linear's name with ``"fp8"`` or the reason it was kept.
+
+    Raises:
+        ValueError: a pattern in ``keep`` or ``include`` matches no linear (a typo would silently
+            convert or keep the wrong layers).
+        ImportError: current scaling without torchao (``pip install ampkit[fp8]``).
+    """
+    recipe = recipe or Fp8Recipe()
+    keep, include = tuple(keep), tuple(include)
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for pattern in keep + include:
+        if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
+            raise ValueError(f"The pattern {pattern!r} matches no linear of the model; its linears are {names[:12]}"
+                             f"{' ...' if len(names) > 12 else ''}.")
+    decisions = eligible(model, keep, include)
+    chosen = {name for name, decision in decisions.items() if decision == "fp8"}
+    if recipe.scaling == "current":
+        _convert_current(model, recipe, chosen, emulate)
+    else:
+        for name in chosen:
+            parent, _, child = name.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            setattr(owner, child, Fp8Linear.from_linear(getattr(owner, child), recipe, process_group))
+    return decisions
+
+
+def _convert_current(model: nn.Module, recipe: Fp8Recipe, chosen: set[str], emulate: bool | None) -> None:
+    """Current scaling through torchao's ``convert_to_float8_training`` (its tensorwise / rowwise recipes)."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        from torchao.float8.config import CastConfig, ScalingGranularity
+    except ImportError as error:
+        raise ImportError("Fp8Recipe(scaling='current') runs on torchao's float8 training: pip install "
+                          "'ampkit[fp8]' (or torchao), or use scaling='delayed', which is ampkit's own.") from error
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    emulate = not native_fp8(device) if emulate is None else emulate
+    granularity = ScalingGranularity.AXISWISE if recipe.granularity == "row" else ScalingGranularity.TENSORWISE
+    forward, backward = CastConfig(scaling_granularity=granularity, target_dtype=E4M3), CastConfig(
+        scaling_granularity=granularity, target_dtype=recipe.dtype(GRAD))
+    config = Float8LinearConfig(cast_config_input=forward, cast_config_weight=forward,
+                                cast_config_grad_output=backward, emulate=emulate)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen)
+
+
+def fp8_layers(model: nn.Module) -> list[str]:
+    """Names of the modules training in FP8 (ampkit's delayed-scaling linears and torchao's)."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, Fp8Linear) or type(m).__name__ == "Float8Linear"]

@@ -1,0 +1,235 @@
+"""FP8 recipes against references written from the recipes' formulas, resume, and amax agreement across ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import ampkit
+from ampkit import fp8
+from ampkit.fp8 import E4M3, E5M2, Fp8Linear, Fp8Recipe, convert_to_fp8
+from multiprocess import run_ranks
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 10))
+
+
+def _fake(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The reference: scale, saturate at the format's largest value, round to FP8, unscale (float32)."""
+    limit = {E4M3: 448.0, E5M2: 57344.0}[dtype]
+    return (x.float() * scale).clamp(-limit, limit).to(dtype).float() / scale
+
+
+# -- the formulas -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "amax, margin, expected",
+    [(2.0, 0, 224.0), (2.0, 1, 112.0), (448.0, 0, 1.0), (0.0, 0, 7.0), (float("inf"), 0, 7.0), (float("nan"), 0, 7.0)],
+)
+def test_scale_is_fp8_max_over_amax_over_two_to_the_margin(amax: float, margin: int, expected: float) -> None:
+    scale = fp8.scale_from_amax(torch.tensor(amax), E4M3, margin, previous=torch.tensor(7.0))
+    assert scale.item() == expected  # amax 0 or not finite keeps the previous scale (Transformer Engine)
+
+
+def test_quantize_saturates_instead_of_overflowing() -> None:
+    x = torch.tensor([1000.0, -1000.0, 1e-9, 3.0])
+    assert fp8.quantize(x, torch.tensor(1.0), E4M3).float().tolist() == [448.0, -448.0, 0.0, 3.0]
+    assert fp8.quantize(x, torch.tensor(1.0), E5M2).float()[0].item() == 1024.0  # E5M2's range, 2 mantissa bits
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"scaling": "jit"}, r"scaling='jit'\) is invalid: choose one of \['delayed', 'current'\]"),
+     ({"format": "e5m2"}, r"format='e5m2'\) is invalid: choose one of \['e4m3', 'hybrid'\]"),
+     ({"amax_history_len": 0}, r"amax_history_len=0\) is invalid: use an integer >= 1"),
+     ({"margin": -1}, r"margin=-1\) is invalid"),
+     ({"granularity": "row"}, r"granularity='row'\) needs scaling='current'")],
+)
+def test_bad_recipes_are_named(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Fp8Recipe(**kwargs)
+
+
+# -- delayed scaling ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", [Fp8Recipe(), Fp8Recipe(format="e4m3", amax_history_len=2,
+                                                         amax_compute_algo="most_recent", margin=1)])
+def test_delayed_scaling_matches_the_recipe_written_out(recipe: Fp8Recipe) -> None:
+    """Three training steps of one FP8 linear against the recipe computed by hand: each step casts with
+    the scales from earlier steps' amaxes, then rolls its own amaxes into the histories."""
+    torch.manual_seed(0)
+    layer = nn.Linear(32, 16)
+    model = Fp8Linear.from_linear(copy.deepcopy(layer), recipe)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    history = {role: [0.0] * recipe.amax_history_len for role in ("x", "w", "g")}
+    scales = {"x": 1.0, "w": 1.0, "g": 1.0}
+    grad_dtype = E5M2 if recipe.format == "hybrid" else E4M3
+
+    def record(role: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+        history[role] = [tensor.abs().max().item()] + history[role][:-1]
+        amax = max(history[role]) if recipe.amax_compute_algo == "max" else history[role][0]
+        scales[role] = float(torch.tensor(448.0 if dtype == E4M3 else 57344.0, dtype=torch.float64) / amax
+                             / 2.0**recipe.margin) if amax > 0 else scales[role]
+
+    for step in range(3):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(step)) * (10.0 if step == 1 else 1.0)
+        grad_out = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 + step))
+        xs, ws, gs = scales["x"], scales["w"], scales["g"]
+        expected = _fake(x, xs, E4M3) @ _fake(w, ws, E4M3).t() + b
+        record("x", x, E4M3)
+        record("w", w, E4M3)
+        expected_gx = _fake(grad_out, gs, grad_dtype) @ _fake(w, ws, E4M3)
+        expected_gw = _fake(grad_out, gs, grad_dtype).t() @ _fake(x, xs, E4M3)
+        record("g", grad_out, grad_dtype)
+
+        x.requires_grad_()
+        out = model(x)
+        out.backward(grad_out)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(x.grad, expected_gx, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(model.weight.grad, expected_gw, rtol=1e-6, atol=1e-6)
+        assert model.scale.tolist() == pytest.approx([scales["x"], scales["w"], scales["g"]], rel=1e-6)
+        model.weight.grad = None
+
+
+def test_an_outlier_saturates_once_then_widens_the_scale_for_the_history() -> None:
+    layer = Fp8Linear.from_linear(nn.Linear(16, 16), Fp8Recipe(amax_history_len=2))
+    for amax in (1.0, 1000.0, 1.0, 1.0):
+        layer(torch.full((1, 16), amax))
+    history = layer.amax_history[fp8.INPUT].tolist()
+    assert history == [1.0, 1.0]  # the outlier left the 2-step history
+    assert layer.scale[fp8.INPUT].item() == 448.0
+    layer(torch.full((1, 16), 1000.0))
+    assert layer.scale[fp8.INPUT].item() == pytest.approx(0.448)
+
+
+def test_evaluation_leaves_the_scales_alone() -> None:
+    layer = Fp8Linear.from_linear(nn.Linear(16, 16), Fp8Recipe())
+    layer.eval()
+    with torch.no_grad():
+        layer(torch.randn(2, 16))
+    assert layer.amax_history.abs().sum().item() == 0 and layer.scale.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_fp8_linear_takes_16_bit_inputs_under_an_ampkit_region() -> None:
+    model = _mlp()
+    convert_to_fp8(model)
+    with ampkit.autocast(ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")):
+        out = model(torch.randn(4, 32))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+# -- current scaling (torchao) ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_current_scaling_runs_on_torchao_and_matches_the_formula(granularity: str) -> None:
+    pytest.importorskip("torchao.float8")
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    convert_to_fp8(model, Fp8Recipe(scaling="current", granularity=granularity), include=["0"])
+    assert fp8.fp8_layers(model) == ["0", "2"]
+    x = torch.randn(8, 32)
+    layer, ref = model[0], reference[0]
+    dim = -1 if granularity == "row" else None  # one scale per row of x and of the weight
+    sx = 448.0 / x.abs().amax(dim=dim, keepdim=True).double().clamp(min=1e-12)
+    sw = 448.0 / ref.weight.detach().abs().amax(dim=dim, keepdim=True).double().clamp(min=1e-12)
+    expected = _fake(x, sx.float(), E4M3) @ _fake(ref.weight.detach(), sw.float(), E4M3).t() + ref.bias.detach()
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+
+# -- the module swap ---------------------------------------------------------------------------
+
+def test_first_last_and_odd_sized_linears_stay_unless_named() -> None:
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 48), nn.Linear(48, 20), nn.Linear(20, 32),
+                          nn.Linear(32, 16))
+    weights = [m.weight for m in model]
+    decisions = convert_to_fp8(model)
+    assert decisions == {"0": "kept: the first linear", "1": "fp8",
+                         "2": "kept: 48x20 is not a multiple of 16", "3": "kept: 20x32 is not a multiple of 16",
+                         "4": "kept: the last linear"}
+    assert [m.weight for m in model] == weights  # the optimizer's parameters are the model's still
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 48), nn.Linear(48, 16))
+    assert convert_to_fp8(model, keep=["1"], include=["2"]) == {
+        "0": "kept: the first linear", "1": "kept: named in keep=", "2": "fp8"}
+    with pytest.raises(ValueError, match=r"The pattern 'blocks.\*' matches no linear of the model"):
+        convert_to_fp8(_mlp(), keep=["blocks.*"])
+
+
+def test_resume_is_bit_identical_and_the_recipe_is_checked() -> None:
+    def setup() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _mlp()
+        convert_to_fp8(model, Fp8Recipe(amax_history_len=4))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            gen = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 32, generator=gen), torch.randint(0, 10, (8,), generator=gen)
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        return losses
+
+    model, optimizer = setup()
+    train(model, optimizer, range(3))
+    saved = copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict()})
+    expected = train(model, optimizer, range(3, 6))
+    resumed, resumed_optimizer = setup()
+    resumed.load_state_dict(saved["model"])
+    resumed_optimizer.load_state_dict(saved["optimizer"])
+    assert train(resumed, resumed_optimizer, range(3, 6)) == expected
+    assert torch.equal(resumed[2].amax_history, model[2].amax_history) and torch.equal(resumed[2].scale,
+                                                                                       model[2].scale)
+    other = _mlp()
+    convert_to_fp8(other, Fp8Recipe(amax_history_len=4, margin=2))
+    with pytest.raises(RuntimeError, match=r"The checkpoint's FP8 recipe .* differs from this model's"):
+        other.load_state_dict(saved["model"])
+
+
+# -- distributed -----------------------------------------------------------------------------
+
+def _amax_worker(rank: int, world: int, reduce: bool) -> list[float]:
+    torch.manual_seed(0)
+    layer = Fp8Linear.from_linear(nn.Linear(16, 16), Fp8Recipe(),
+                                  process_group=dist.group.WORLD if reduce else None)
+    x = torch.randn(4, 16) * (rank + 1)  # each rank sees other data
+    layer(x).sum().backward()
+    return layer.scale.tolist()
+
+
+@pytest.mark.distributed
+def test_amaxes_are_reduced_over_the_data_parallel_group() -> None:
+    reduced = run_ranks(_amax_worker, 2, True)
+    assert reduced[0] == reduced[1]
+    alone = run_ranks(_amax_worker, 2, False)
+    assert alone[0][fp8.INPUT] != alone[1][fp8.INPUT]  # without the group, each rank scales its own way
+    assert reduced[0][fp8.INPUT] == alone[1][fp8.INPUT]  # the group's scale is the widest rank's
+
+
+@pytest.mark.parametrize("margin", [0, 1])
+def test_a_growing_activation_is_followed_with_the_history_lag(margin: int) -> None:
+    """An input whose amax doubles every step: with ``most_recent`` the scale lags one step, so the
+    cast saturates by exactly 2x without margin; a margin of 1 (2x headroom) covers the growth."""
+    layer = Fp8Linear.from_linear(nn.Linear(16, 16), Fp8Recipe(amax_history_len=4, amax_compute_algo="most_recent",
+                                                                margin=margin))
+    saturated = []
+    for step in range(6):
+        amax = 2.0 ** step
+        x = torch.full((1, 16), amax)
+        scale_used = layer.scale[fp8.INPUT].item()
+        layer(x)
+        saturated.append(amax * scale_used > 448.0)
+        assert layer.scale[fp8.INPUT].item() == 448.0 / amax / 2**margin  # follows the amax just seen
+        assert layer.amax_history[fp8.INPUT, 0].item() == amax
+    # step 0 uses the initial scale 1 (amax 1: no saturation); afterwards each step is cast with the
+    # previous step's scale, 2x too large without margin
+    assert saturated == ([False] + [True] * 5 if margin == 0 else [False] * 6)
