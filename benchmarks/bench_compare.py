@@ -6,7 +6,7 @@ files), and keeps each comparison's results.json, curves.png and summary.png
 under benchmarks/results/compare-<name>-<device>/ with command.json beside them
 (replaced as a whole: this script's job is to refresh them).
 
-    python benchmarks/bench_compare.py [--device cuda] [--only digits|gpt]
+    python benchmarks/bench_compare.py [--device cuda] [--only digits|gpt|gpt-fp8]
 """
 
 from __future__ import annotations
@@ -22,7 +22,13 @@ from pathlib import Path
 
 from common import RESULTS
 
-WORKLOADS = {"digits": [], "gpt": ["--model", "gpt"]}
+WORKLOADS = {
+    "digits": [],
+    "gpt": ["--model", "gpt"],
+    # FP8 (issue 12): both recipes against bf16, long enough for the loss to fall well below its start
+    "gpt-fp8": ["--model", "gpt", "--precision", "bf16", "fp8", "fp8-current", "--opt-level", "O1",
+                "--steps", "60", "--no-probe"],
+}
 
 
 def main() -> None:

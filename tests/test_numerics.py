@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import ampkit
 from ampkit import Policy
 from ampkit.numerics import RangeStats, find_nonfinite, inspect_numerics, write_histogram
 
@@ -84,3 +85,30 @@ def test_histogram_png(tmp_path: Path) -> None:
     assert sum(report.log2_grad_hist.values()) > 0
     write_histogram(report, tmp_path / "h.png")
     assert matplotlib.image.imread(tmp_path / "h.png").shape[1] > 400
+
+
+class _Spread(nn.Module):
+    """Half the features scaled down by 1e-7: a range no single FP8 scale holds."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[:, :32], x[:, 32:] * 1e-7], dim=1)
+
+
+def test_inspect_names_the_linear_fp8_would_lose_values_of() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), _Spread(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    report = ampkit.inspect_numerics(model, torch.randn(16, 32), torch.randint(0, 10, (16,)),
+                                     fp8=ampkit.Fp8Recipe())
+    assert report.fp8_keep == ["2"]
+    assert any(r.startswith("2: 50.0% of its inputs flush to zero in E4M3 under one per-tensor scale") and
+               "convert_to_fp8(model, keep=['2'])" in r for r in report.reasons)
+    assert [m.input.fp8_e4m3_zero for m in report.modules if m.name == "0"] == [0.0]
+    plain = ampkit.inspect_numerics(model, torch.randn(16, 32), torch.randint(0, 10, (16,)))
+    assert plain.fp8_keep == [] and all(m.input is None for m in plain.modules)
+
+
+def test_fp8_flush_fractions_follow_the_formats_ranges() -> None:
+    values = torch.tensor([448.0, 1.0, 448.0 * 2.0**-10 / 448.0 * 0.99, 448.0 * 2.0**-17 / 57344.0 * 0.99])
+    stats = RangeStats.of(values)
+    assert stats.fp8_e4m3_zero == 0.5  # the last two are below amax * 2**-10 / 448
+    assert stats.fp8_e5m2_zero == 0.25  # only the last is below amax * 2**-17 / 57344

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -215,6 +216,9 @@ def _native_out_dtypes(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -
     return found
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
 class _UpcastGemms(TorchDispatchMode):
     """Run BACKEND_OPS that receive 16-bit tensors on float32 copies and round their
     outputs to the dtypes the native kernel returns; every other op runs untouched.
@@ -242,7 +246,9 @@ class _UpcastGemms(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        if not _is_backend_op(func):
+        if not _is_backend_op(func) or any(
+                isinstance(t, torch.Tensor) and type(t) not in _PLAIN for t in pytree.tree_leaves((args, kwargs))):
+            # A tensor subclass (torchao's FP8 tensors, for one) computes by its own rules: leave it alone.
             return func(*args, **kwargs)
         dtypes = _float_dtypes((args, list(kwargs.values())), set())
         low = dtypes & set(_LOW)

@@ -18,10 +18,9 @@ from ampkit.experiment import comparison as comparison_mod
 from ampkit.experiment import report
 from ampkit.experiment.data import DATASETS
 from ampkit.experiment.models import MODELS
-from ampkit.experiment.run import PRECISIONS, RunConfig, RunFailed
+from ampkit.experiment.run import PRECISIONS, RunConfig, RunFailed, low_dtype
 from ampkit.files import atomic_write
 from ampkit.master import OPT_LEVELS
-from ampkit.policy import resolve_dtype
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -122,7 +121,7 @@ def print_plan(console: Console, configs: list[RunConfig], estimate: comparison_
     )
     measured = hardware.measure(first.device)
     for precision, speedup in sorted(estimate.native_speedup.items()):
-        dtype = resolve_dtype(precision)
+        dtype = low_dtype(precision, first.device)
         line = ", ".join(f"{c} {measured.speedup(c, dtype):.3g}x" for c in compute_mod.GEMM_OPS)
         console.print(f"  native {precision} kernels here run at {line} float32's speed "
                       f"(this model: {speedup:.3g}x), measured on {measured.device_name}.")

@@ -17,6 +17,7 @@ from ampkit.alignment import check_alignment
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.models import MODELS, build
 from ampkit.experiment.run import CONTEXT
+from ampkit.fp8 import Fp8Recipe
 from ampkit.memory import estimate_memory
 from ampkit.numerics import find_nonfinite, inspect_numerics, write_histogram
 from ampkit.policy import Policy
@@ -32,6 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--opt-level", default="O2", choices=["O1", "O2", "O3"], help="for the memory estimate")
     parser.add_argument("--find-nonfinite", choices=["fp16", "bf16"], help="also run under this policy and name the "
                         "first op that makes inf/NaN (slow: checks every op)")
+    parser.add_argument("--fp8", action="store_true", help="also name the linears FP8 (E4M3/E5M2, per-tensor scales) "
+                        "would lose values of")
     parser.add_argument("--out", type=Path, help="directory for the histogram (default: ./ampkit-runs/inspect-<time>/)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(run=run)
@@ -60,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         # Copies, not views: a view keeps the whole dataset's storage, which the memory estimate would count.
         x, y = dataset.train_x[:batch].clone(), dataset.train_y[:batch].clone()
 
-    report = inspect_numerics(model, x, y)
+    report = inspect_numerics(model, x, y, fp8=Fp8Recipe() if args.fp8 else None)
     memory = estimate_memory(model, x, args.opt_level)
     alignment = check_alignment(model)
     nonfinite = None

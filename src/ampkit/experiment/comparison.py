@@ -19,12 +19,14 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from ampkit import compute as compute_mod
+from ampkit import fp8 as fp8_mod
 from ampkit import hardware
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.models import build, check_output, load_factory
-from ampkit.experiment.run import CONTEXT, PRECISE_BN_BATCHES, PRECISIONS, RunConfig, RunProcess, RunResult
+from ampkit.experiment.run import (
+    CONTEXT, FP8_RECIPES, PRECISE_BN_BATCHES, PRECISIONS, RunConfig, RunProcess, RunResult, low_dtype,
+)
 from ampkit.master import OPT_LEVELS
-from ampkit.policy import resolve_dtype
 
 RESULT_FILES = ("results.json", "curves.png", "summary.png")
 # Figures compared against float32, and whether lower is better.
@@ -183,6 +185,8 @@ def plan(
         raise ValueError(f"--lr {lr} is invalid: use a finite learning rate > 0, e.g. --lr 0.002.")
     if not 0 <= seed < 2**63:
         raise ValueError(f"--seed {seed} is out of range: use an integer in [0, 2**63).")
+    if any(p in FP8_RECIPES for p in precisions or ()):
+        _check_fp8(model, data, [p for p in precisions or () if p in FP8_RECIPES])
     if precisions is None and opt_levels is None:
         settings = default_settings(parsed_device)
     else:
@@ -217,7 +221,7 @@ def plan(
         for c in (computes or ("auto",))
     ]
     for precision in sorted({c.precision for c in configs if c.compute == "native"}):
-        slow = hardware.slow_native_message(parsed_device, resolve_dtype(precision))
+        slow = hardware.slow_native_message(parsed_device, low_dtype(precision, parsed_device))
         if slow:
             warnings.warn(slow, hardware.SlowPrecisionWarning, stacklevel=2)
     auto_in_float32 = [c for c in configs[1:] if c.compute == "auto" and c.float32_compute]
@@ -226,6 +230,24 @@ def plan(
         if first is not None:
             configs.append(dataclasses.replace(first, opt_level="O1", compute="native", steps=PROBE_STEPS, probe=True))
     return configs
+
+
+def _check_fp8(model: str, data: str, precisions: list[str]) -> None:
+    """Refuse an fp8 setting before training when the model has no linear FP8 can take, or torchao is missing."""
+    if "fp8-current" in precisions:
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError as error:
+            raise ValueError("--precision fp8-current runs on torchao's float8 training, which is not installed: "
+                             "pip install 'ampkit[fp8]', or use --precision fp8 (delayed scaling, ampkit's own).") \
+                from error
+    dataset = data_mod.load(data)
+    decisions = fp8_mod.eligible(build(model, **dataset.model_kwargs(CONTEXT)))
+    if "fp8" not in decisions.values():
+        found = "; ".join(f"{name}: {why}" for name, why in decisions.items()) or "it has no nn.Linear"
+        raise ValueError(f"--precision {precisions[0]}: {model} has no linear FP8 can take ({found}). FP8 keeps the "
+                         "first and last linears and those whose dimensions are not multiples of 16 in 16 bits; "
+                         "try --model gpt or mlp.")
 
 
 def _check_positive_int(value: int | None, name: str) -> None:
@@ -310,7 +332,7 @@ def estimate(configs: list[RunConfig]) -> Estimate:
     def time_factor(precision: str, native: Sequence[str]) -> float:
         """A step's time over float32's: native classes at their measured speed, the rest at float32's.
         A rough model: all of a step's time is taken as GEMM time."""
-        dtype = resolve_dtype(precision)
+        dtype = low_dtype(precision, device)
         return sum(f / measured.speedup(c, dtype) if c in native else f for c, f in share.items()) or 1.0
 
     precisions = sorted({c.precision for c in configs if c.precision != "fp32"})

@@ -37,13 +37,25 @@ from ampkit import compute as compute_mod
 from ampkit.compute import ComputeModeWarning
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.models import build
+from ampkit import hardware
+from ampkit.fp8 import Fp8Recipe, convert_to_fp8
 from ampkit.hardware import SlowPrecisionWarning
 from ampkit.master import initialize
 from ampkit.memory import saved_bytes_of_step
 from ampkit.policy import resolve_dtype
 from ampkit.scaler import DynamicLossScaler
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current")
+# FP8 recipes of the fp8 settings: delayed scaling (ampkit's own) and current scaling (torchao), both
+# E4M3 forward and E5M2 gradients; everything else runs at the 16-bit dtype the hardware recommends.
+FP8_RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current")}
+
+
+def low_dtype(precision: str, device: torch.device | str) -> torch.dtype:
+    """The 16-bit dtype of a mixed setting; for the fp8 settings, the one the rest of the model runs in."""
+    if precision in FP8_RECIPES:
+        return hardware.recommend_dtype(device)
+    return resolve_dtype(precision)
 CONTEXT = 256
 WARMUP_STEPS = 2
 PROBE_WARMUP_STEPS = 1
@@ -56,7 +68,7 @@ class RunConfig:
 
     model: str = "resnet18"
     data: str = "digits"
-    precision: str = "fp32"  # fp32, bf16 or fp16
+    precision: str = "fp32"  # one of PRECISIONS
     opt_level: str = "O0"  # O0 for fp32; O1/O2/O3 for 16-bit
     batch_size: int = 64
     steps: int = 44
@@ -72,7 +84,7 @@ class RunConfig:
         if self.precision == "fp32":
             return []
         device_type = torch.device(self.device).type
-        return sorted(compute_mod.float32_classes(device_type, resolve_dtype(self.precision), self.compute))
+        return sorted(compute_mod.float32_classes(device_type, low_dtype(self.precision, self.device), self.compute))
 
     @property
     def label(self) -> str:
@@ -138,12 +150,14 @@ def execute(
     torch.manual_seed(config.seed)
     model = build(config.model, **dataset.model_kwargs(CONTEXT)).to(device)
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    dtype = low_dtype(config.precision, device) if config.precision != "fp32" else torch.float32
+    if config.precision in FP8_RECIPES:
+        convert_to_fp8(model, FP8_RECIPES[config.precision])  # before initialize: O2 casts the rest
     if config.precision != "fp32":
-        dtype = resolve_dtype(config.precision)
         model, optimizer = initialize(  # type: ignore[assignment]
             model, optimizer, config.opt_level, dtype, compute=config.compute
         )
-    scaler = DynamicLossScaler(enabled=config.precision == "fp16")
+    scaler = DynamicLossScaler(enabled=dtype == torch.float16)
 
     def batch(index: torch.Tensor, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         xs = dataset.train_x if split == "train" else dataset.test_x
