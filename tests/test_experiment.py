@@ -297,3 +297,21 @@ def test_a_failing_run_reports_its_error(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.chdir(tmp_path)  # the run's process imports the factory from its working directory
     with pytest.raises(RuntimeError, match=r"(?s)The fp32 run failed \(exit code 1\).*factory exploded"):
         comparison.compare([RunConfig(model="broken_models:make", steps=1)])
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8-current"])
+def test_fp8_settings_train_the_mlp_with_fp8_linears(precision: str) -> None:
+    if precision == "fp8-current":
+        pytest.importorskip("torchao.float8")
+    configs = comparison.plan(model="mlp", precisions=[precision], opt_levels=["O2"], steps=2, batch_size=8,
+                              probe=False)
+    assert [c.label for c in configs] == ["fp32", f"{precision} O2 fp32-compute" if configs[1].float32_compute
+                                          else f"{precision} O2"]
+    result = execute(configs[1])
+    assert result.precision == precision and all(math.isfinite(loss) for loss in result.losses)
+
+
+def test_fp8_is_refused_before_training_for_a_model_without_an_eligible_linear() -> None:
+    with pytest.raises(ValueError, match=r"--precision fp8: resnet18 has no linear FP8 can take \(fc: kept: 512x10 "
+                                         r"is not a multiple of 16\)"):
+        comparison.plan(model="resnet18", precisions=["fp8"])
