@@ -129,3 +129,18 @@ def test_bad_arguments_are_named() -> None:
         prepare(accelerate.Accelerator(cpu=True), model, build()[0], optimizer)
     with pytest.raises(ValueError, match=r"compression=torch.float32 is invalid"):
         prepare(accelerate.Accelerator(cpu=True), model, optimizer, compression=torch.float32)
+
+
+def test_fp8_is_a_prepare_argument() -> None:
+    accelerator = accelerate.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    model, optimizer, batches = prepare(accelerator, model, optimizer, loader(32, 32 * STEPS), opt_level="O1",
+                                        dtype=torch.bfloat16, compute="float32", fp8=ampkit.Fp8Recipe())
+    for x, y in batches:
+        accelerator.backward(F.cross_entropy(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert ampkit.fp8.fp8_layers(model) == ["3"] and model[3].amax_history[0, 0] > 0

@@ -205,3 +205,23 @@ def test_importing_ampkit_imports_no_framework() -> None:
     code = "import sys, ampkit, ampkit.integrations; print(sorted({'lightning', 'accelerate'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "[]", done.stderr
+
+
+def test_fp8_is_a_plugin_argument(tmp_path: Path) -> None:
+    class Deeper(Digits):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 128), torch.nn.ReLU(),
+                                           torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+
+    torch.manual_seed(0)
+    model = Deeper()
+    plugin = AmpkitPrecision("O1", torch.bfloat16, compute="float32", device="cpu", fp8=ampkit.Fp8Recipe())
+    trainer = _trainer(plugin)
+    trainer.fit(model, loader(32, 32 * STEPS))
+    assert plugin.fp8_layers == {"net.1": "kept: the first linear", "net.3": "fp8",
+                                 "net.5": "kept: 64x10 is not a multiple of 16"}
+    assert all(torch.isfinite(torch.tensor(model.losses))) and model.net[3].amax_history[0, 0] > 0
+    trainer.save_checkpoint(tmp_path / "fp8.ckpt")
+    state = torch.load(tmp_path / "fp8.ckpt", weights_only=False)["state_dict"]
+    assert torch.equal(state["net.3.scale"], model.net[3].scale)  # the amax state travels with the checkpoint

@@ -31,6 +31,7 @@ from torch import nn
 
 from ampkit import hardware
 from ampkit.distributed import HookState, compression_hook
+from ampkit.fp8 import Fp8Recipe, convert_to_fp8
 from ampkit.master import cast_output_to_float32, initialize
 from ampkit.policy import Policy, resolve_dtype
 from ampkit.scaler import DynamicLossScaler, StaticLossScaler
@@ -46,6 +47,7 @@ def prepare(
     compute: str = "auto",
     compression: torch.dtype | None = None,
     predivide_factor: float | None = None,
+    fp8: Fp8Recipe | None = None,
 ) -> Any:
     """``accelerator.prepare(*objects)`` with ampkit's mixed precision.
 
@@ -59,6 +61,8 @@ def prepare(
         compression: None, torch.float16 or torch.bfloat16: under DDP, the dtype gradients are
             all-reduced in.
         predivide_factor: the compression hook's pre-divide factor (None: sqrt(world_size)).
+        fp8: an ``Fp8Recipe``: the model's eligible linears train in FP8 (``ampkit.convert_to_fp8``,
+            amaxes reduced over all processes), the rest as ``opt_level`` says.
 
     Returns:
         What ``accelerator.prepare`` returns for ``objects``, in the same order.
@@ -94,6 +98,9 @@ def prepare(
         dtype = resolve_dtype(dtype)
     else:
         dtype = policy.dtype if policy is not None else hardware.recommend_dtype(accelerator.device)
+    if fp8 is not None:
+        group = torch.distributed.group.WORLD if accelerator.num_processes > 1 else None
+        convert_to_fp8(model, fp8, process_group=group)
     model, optimizer = initialize(model, optimizer, opt_level, dtype, compute=compute, policy=policy)
     if opt_level == "O1":  # as Accelerate's own mixed precision does: the loss is computed in float32
         model.register_forward_hook(cast_output_to_float32)

@@ -30,6 +30,7 @@ from torch import nn
 from ampkit import compute as compute_mod
 from ampkit import hardware
 from ampkit.autocast import autocast
+from ampkit.fp8 import Fp8Recipe, convert_to_fp8
 from ampkit.master import OPT_LEVELS, MasterWeightOptimizer, cast_model_
 from ampkit.policy import LOW_DTYPES, Policy, resolve_dtype
 from ampkit.scaler import DynamicLossScaler, StaticLossScaler
@@ -129,6 +130,9 @@ class AmpkitPrecision(_AmpkitCore, Precision):
             all-reduced in (ampkit's ``compression_hook``).
         predivide_factor: the hook's pre-divide factor (None: sqrt(world_size)).
         device: ``"cpu"`` or ``"cuda"``; None: ``"cuda"`` when a GPU is visible, else ``"cpu"``.
+        fp8: an ``Fp8Recipe``: the eligible linears train in FP8 (``ampkit.convert_to_fp8``; amaxes
+            reduced over the DDP group), the rest as ``opt_level`` says. ``fp8_layers`` then holds
+            each linear's decision.
 
     Raises:
         ValueError: an unknown opt level, dtype, compute mode or compression dtype; a policy
@@ -154,14 +158,21 @@ class AmpkitPrecision(_AmpkitCore, Precision):
         compression: torch.dtype | None = None,
         predivide_factor: float | None = None,
         device: str | None = None,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         self._configure(opt_level, dtype, policy=policy, scaler=scaler, compute=compute, compression=compression,
                         predivide_factor=predivide_factor, device=device)
+        self.fp8 = fp8
+        self.fp8_layers: dict[str, str] = {}  # with fp8: each linear's name and "fp8" or why it stayed
 
     # -- setup -----------------------------------------------------------------------
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        """O2/O3: cast the model as ``ampkit.initialize`` does (in place: DDP wraps it next)."""
+        """FP8 linears if asked; O2/O3: cast the model as ``ampkit.initialize`` does (in place: DDP wraps it next)."""
+        if self.fp8 is not None:
+            dist = torch.distributed
+            group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+            self.fp8_layers = convert_to_fp8(module, self.fp8, process_group=group)
         if self.opt_level in ("O2", "O3"):
             if self.opt_level == "O2":
                 self._exact = {id(p): p.detach().clone() for p in module.parameters()}
