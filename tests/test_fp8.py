@@ -233,3 +233,17 @@ def test_a_growing_activation_is_followed_with_the_history_lag(margin: int) -> N
     # step 0 uses the initial scale 1 (amax 1: no saturation); afterwards each step is cast with the
     # previous step's scale, 2x too large without margin
     assert saturated == ([False] + [True] * 5 if margin == 0 else [False] * 6)
+
+
+def test_saved_for_backward_counts_the_fp8_input_not_the_fp8_weight() -> None:
+    from ampkit.memory import saved_bytes_of_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 16))
+    x = torch.randn(8, 64)
+    _, float32_bytes = saved_bytes_of_step(model, lambda: model(x).sum())
+    convert_to_fp8(model)
+    _, fp8_bytes = saved_bytes_of_step(model, lambda: model(x).sum())
+    # The FP8 linear saves its input in FP8 (8 x 256 bytes) and three scales; ReLU keeps its float32 output,
+    # and the 256 x 256 FP8 weight copy is a weight, not an activation.
+    assert fp8_bytes == float32_bytes + 8 * 256 + 3 * 4

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import weakref
 from typing import Any
 
 import torch
@@ -125,6 +126,14 @@ def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
 
 # -- delayed scaling ------------------------------------------------------------------------------
 
+_weight_copies: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # the FP8 weights live graphs hold
+
+
+def weight_storages() -> set[int]:
+    """Storage addresses of the FP8 weight copies that live delayed-scaling graphs hold."""
+    return {t.untyped_storage().data_ptr() for t in list(_weight_copies)}
+
+
 class _DelayedFp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
@@ -136,6 +145,7 @@ class _DelayedFp8Matmul(torch.autograd.Function):
         module.record_(WEIGHT, weight)
         native = native_fp8(x.device)
         out = scaled_mm(xq, scale[INPUT], wq.t(), scale[WEIGHT], x.dtype, native)
+        _weight_copies.add(wq)  # a weight, not an activation, for ampkit's saved-for-backward accounting
         ctx.save_for_backward(xq, wq, scale)
         ctx.module, ctx.native, ctx.x_dtype, ctx.w_dtype = module, native, x.dtype, weight.dtype
         return out.reshape(*x.shape[:-1], weight.shape[0])
