@@ -247,3 +247,22 @@ def test_saved_for_backward_counts_the_fp8_input_not_the_fp8_weight() -> None:
     # The FP8 linear saves its input in FP8 (8 x 256 bytes) and three scales; ReLU keeps its float32 output,
     # and the 256 x 256 FP8 weight copy is a weight, not an activation.
     assert fp8_bytes == float32_bytes + 8 * 256 + 3 * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
+                    reason="needs a GPU with FP8 matmuls (compute capability >= 8.9)")
+def test_native_fp8_matches_emulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch._scaled_mm against the emulated matmul on the same FP8 values and scales."""
+    results = []
+    for native in (True, False):
+        monkeypatch.setattr(fp8, "native_fp8", lambda device, native=native: native)
+        torch.manual_seed(0)
+        layer = Fp8Linear.from_linear(nn.Linear(64, 32).cuda(), Fp8Recipe())
+        x = torch.randn(16, 64, device="cuda", requires_grad=True)
+        for _ in range(3):  # the third step runs on delayed scales
+            out = layer(x)
+            out.backward(torch.ones_like(out))
+        results.append((out.detach(), x.grad.clone(), layer.weight.grad.clone()))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
