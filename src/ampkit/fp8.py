@@ -7,7 +7,7 @@ before the cast, as a loss scale does for a whole backward pass (Micikevicius et
   tensor or per row). One extra reduction over the tensor before every cast.
 - **delayed** scaling (Transformer Engine's): from a history of the amaxes seen in earlier steps,
   ``scale = fp8_max / amax / 2**margin`` with ``amax = max(history)`` or the most recent entry.
-  torchao dropped it; it is written here. The current tensor's amax enters the history after its
+  torchao 0.18 has none; it is written here. The current tensor's amax enters the history after its
   cast, so a sudden outlier saturates once and widens the scale for the next steps.
 Formats: ``"e4m3"`` everywhere, or ``"hybrid"``: E4M3 forward (inputs, weights), E5M2 for the
 gradients, whose range matters more than their precision.
