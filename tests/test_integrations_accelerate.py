@@ -144,3 +144,13 @@ def test_fp8_is_a_prepare_argument() -> None:
         optimizer.step()
         optimizer.zero_grad()
     assert ampkit.fp8.fp8_layers(model) == ["3"] and model[3].amax_history[0, 0] > 0
+
+
+def test_the_scaler_steps_only_when_gradients_sync() -> None:
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model, optimizer, scheduler = build()
+    model, optimizer, batches, scheduler = prepare(accelerator, model, optimizer, loader(32, 32 * 4), scheduler,
+                                                   opt_level="O2", dtype=torch.float16, compute="float32")
+    train(accelerator, model, optimizer, batches, scheduler, clip=1.0)  # 4 micro-batches: 2 optimizer steps
+    stats = accelerator.scaler.stats
+    assert (stats.steps, stats.skipped) == (2, 0) and scheduler.scheduler.last_epoch == 2
