@@ -66,3 +66,11 @@ def test_inspect_table_with_nonfinite_search(tmp_path, capsys: pytest.CaptureFix
                  "--find-nonfinite", "bf16"]) == 0
     out = capsys.readouterr().out
     assert "Memory estimate" in out and "First inf/NaN under bf16 (compute: " in out and "): none" in out
+
+
+def test_inspect_fp8_shows_each_linears_casts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--model", "mlp", "--fp8", "--batch-size", "8", "--out", str(tmp_path / "i")]) == 0
+    out = capsys.readouterr().out
+    assert "FP8 casts per linear" in out
+    rows = [line for line in out.splitlines() if "E5M2" in line]
+    assert len(rows) == 3 and all("gradient" in row for row in rows)  # one output gradient per linear, hybrid

@@ -19,7 +19,7 @@ from ampkit.experiment.models import MODELS, build
 from ampkit.experiment.run import CONTEXT
 from ampkit.fp8 import Fp8Recipe
 from ampkit.memory import estimate_memory
-from ampkit.numerics import find_nonfinite, inspect_numerics, write_histogram
+from ampkit.numerics import NumericsReport, find_nonfinite, inspect_numerics, write_histogram
 from ampkit.policy import Policy
 
 MIB = 2**20
@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
             "-" if g is None else f"{100 * g.fp16_zero:.2f}%", "-" if g is None else f"{100 * g.bf16_zero:.2f}%",
         )
     console.print(table)
+    if args.fp8:
+        console.print(_fp8_table(report))
     for reason in report.reasons:
         console.print(f"- {reason}")
     mem = Table(title=f"Memory estimate ({memory.parameters:,} parameters, AdamW)")
@@ -114,3 +116,18 @@ def run(args: argparse.Namespace) -> int:
             f"{nonfinite.op} in {nonfinite.module} ({nonfinite.phase}), input ranges {nonfinite.input_ranges}"))
     console.print(f"Wrote {histogram}")
     return 0
+
+
+def _fp8_table(report: NumericsReport) -> Table:
+    """Per linear, how FP8 casts its input, weight and output gradient (``--fp8``)."""
+    table = Table(title="FP8 casts per linear (scale: the layer's delayed scale, or current scaling's)")
+    for header in ("module", "tensor", "format", "amax", "scale", "clamped", "-> 0"):
+        table.add_column(header, justify="left" if header in ("module", "tensor", "format") else "right")
+    for m in report.modules:
+        if m.fp8 is None:
+            continue
+        for what, cast in (("input", m.fp8.input), ("weight", m.fp8.weight), ("gradient", m.fp8.gradient)):
+            if cast is not None:
+                table.add_row(m.name if what == "input" else "", what, cast.format, f"{cast.amax:.3g}",
+                              f"{cast.scale:.3g}", f"{100 * cast.overflow:.2f}%", f"{100 * cast.underflow:.2f}%")
+    return table
