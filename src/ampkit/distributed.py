@@ -56,6 +56,12 @@ class Compression:
     bf16 = Compressor(torch.bfloat16)
 
 
+def check_compression(dtype: object) -> None:
+    """Refuse a gradient compression dtype other than None, float16 and bfloat16 (ValueError)."""
+    if dtype not in (None, torch.float16, torch.bfloat16):
+        raise ValueError(f"compression={dtype!r} is invalid: choose None, torch.float16 or torch.bfloat16.")
+
+
 def _require_process_group(group: Any) -> int:
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(

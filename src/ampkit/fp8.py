@@ -202,9 +202,7 @@ class Fp8Linear(nn.Linear):
                  recipe: Fp8Recipe = Fp8Recipe(), process_group: Any = None, device: Any = None,
                  dtype: Any = None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
-        self.recipe, self.process_group = recipe, process_group
-        self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
-        self.register_buffer("scale", torch.ones(3, device=device))
+        self._init_fp8_state(recipe, process_group)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe, process_group: Any = None) -> Fp8Linear:
@@ -213,11 +211,14 @@ class Fp8Linear(nn.Linear):
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight, new.bias = linear.weight, linear.bias
-        new.recipe, new.process_group = recipe, process_group
-        device = linear.weight.device
-        new.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
-        new.register_buffer("scale", torch.ones(3, device=device))
+        new._init_fp8_state(recipe, process_group)
         return new
+
+    def _init_fp8_state(self, recipe: Fp8Recipe, process_group: Any) -> None:
+        self.recipe, self.process_group = recipe, process_group
+        device = self.weight.device
+        self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
+        self.register_buffer("scale", torch.ones(3, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _DelayedFp8Matmul.apply(x, self.weight, self)

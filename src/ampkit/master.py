@@ -259,12 +259,7 @@ def initialize(
     Example:
         >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
     """
-    if opt_level not in OPT_LEVELS:
-        raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
-    compute_mod.check_compute(compute)
-    if policy is not None and opt_level != "O1":
-        raise ValueError(f"policy= applies at O1 only (opt_level={opt_level!r} casts nothing by policy): drop "
-                         "policy=, or use opt_level='O1'.")
+    check_settings(opt_level, compute, policy)
     if getattr(model, "_ampkit_opt_level", None) is not None:
         raise ValueError(
             f"The model was initialized at {model._ampkit_opt_level} already; call ampkit.initialize once, on the "
@@ -285,6 +280,16 @@ def initialize(
     if compute_mod.float32_ops(model16):
         _wrap_forward(model, autocast(model16))
     return model, optimizer
+
+
+def check_settings(opt_level: str, compute: str, policy: Policy | None) -> None:
+    """Refuse an unknown opt level or compute mode, and a policy at levels other than O1 (ValueError)."""
+    if opt_level not in OPT_LEVELS:
+        raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
+    compute_mod.check_compute(compute)
+    if policy is not None and opt_level != "O1":
+        raise ValueError(f"policy= applies at O1 only (opt_level={opt_level!r} casts nothing by policy): drop "
+                         "policy=, or use opt_level='O1'.")
 
 
 def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype) -> None:

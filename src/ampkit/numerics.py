@@ -286,10 +286,10 @@ def inspect_numerics(
 def _measure_fp8_linear(module: nn.Linear, x: torch.Tensor, output: torch.Tensor, recipe: Fp8Recipe,
                         saved: dict[Fp8Linear, tuple[torch.Tensor, torch.Tensor]], found: dict[str, Any]) -> None:
     """How FP8 casts ``module``'s input and weight now, and its output gradient when backward reaches it."""
+    # An Fp8Linear casts with its own recipe and the scales it had before this pass (its forward has
+    # updated them since); any other linear as current scaling would (scale None: from the tensor).
     delayed = isinstance(module, Fp8Linear)
-    # an Fp8Linear casts with the scales it had before this pass (its forward has updated them since)
-    scales = saved[module][1] if isinstance(module, Fp8Linear) else None
-    used = module.recipe if isinstance(module, Fp8Linear) else recipe
+    scales, used = (saved[module][1], module.recipe) if isinstance(module, Fp8Linear) else (None, recipe)
     formats = {role: used.dtype(role) for role in (INPUT, WEIGHT, GRAD)}
 
     def scale(role: int) -> torch.Tensor | None:

@@ -431,6 +431,13 @@ def _total(found: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([f.to(device).reshape(()) for f in found]).sum()
 
 
+def check_scaler(scaler: object) -> None:
+    """Refuse anything but an ampkit scaler (or None) where one is passed in (ValueError)."""
+    if scaler is not None and not isinstance(scaler, (DynamicLossScaler, StaticLossScaler)):
+        raise ValueError(f"scaler={type(scaler).__name__} is not an ampkit scaler: pass "
+                         "ampkit.DynamicLossScaler(...) or ampkit.StaticLossScaler(...).")
+
+
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 

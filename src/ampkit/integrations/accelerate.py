@@ -30,11 +30,11 @@ from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
 from ampkit import hardware
-from ampkit.distributed import HookState, compression_hook
+from ampkit.distributed import HookState, check_compression, compression_hook
 from ampkit.fp8 import Fp8Recipe, convert_to_fp8
-from ampkit.master import cast_output_to_float32, initialize
+from ampkit.master import cast_output_to_float32, check_settings, initialize
 from ampkit.policy import Policy, resolve_dtype
-from ampkit.scaler import DynamicLossScaler, StaticLossScaler
+from ampkit.scaler import DynamicLossScaler, StaticLossScaler, check_scaler
 
 
 def prepare(
@@ -85,11 +85,9 @@ def prepare(
     if len(models) != 1 or len(optimizers) > 1:
         raise ValueError(f"prepare takes one model and at most one optimizer; got {len(models)} models and "
                          f"{len(optimizers)} optimizers. Prepare other models with accelerator.prepare.")
-    if scaler is not None and not isinstance(scaler, (DynamicLossScaler, StaticLossScaler)):
-        raise ValueError(f"scaler={type(scaler).__name__} is not an ampkit scaler: pass "
-                         "ampkit.DynamicLossScaler(...) or ampkit.StaticLossScaler(...).")
-    if compression not in (None, torch.float16, torch.bfloat16):
-        raise ValueError(f"compression={compression!r} is invalid: choose None, torch.float16 or torch.bfloat16.")
+    check_settings(opt_level, compute, policy)  # before anything changes the model
+    check_scaler(scaler)
+    check_compression(compression)
 
     items = list(objects)
     model = items[models[0]].to(accelerator.device)  # initialize reads the device from the weights

@@ -31,9 +31,10 @@ from ampkit import compute as compute_mod
 from ampkit import hardware
 from ampkit.autocast import autocast
 from ampkit.fp8 import Fp8Recipe, convert_to_fp8
-from ampkit.master import OPT_LEVELS, MasterWeightOptimizer, cast_model_
+from ampkit.distributed import HookState, check_compression, compression_hook
+from ampkit.master import MasterWeightOptimizer, cast_model_, check_settings
 from ampkit.policy import LOW_DTYPES, Policy, resolve_dtype
-from ampkit.scaler import DynamicLossScaler, StaticLossScaler
+from ampkit.scaler import DynamicLossScaler, StaticLossScaler, check_scaler
 
 
 class _AmpkitCore:
@@ -53,17 +54,9 @@ class _AmpkitCore:
         predivide_factor: float | None = None,
         device: str | None = None,
     ) -> None:
-        if opt_level not in OPT_LEVELS:
-            raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
-        compute_mod.check_compute(compute)
-        if policy is not None and opt_level != "O1":
-            raise ValueError(f"policy= applies at O1 only (opt_level={opt_level!r} trains a 16-bit model, which "
-                             "casts nothing): drop policy=, or use opt_level='O1'.")
-        if scaler is not None and not isinstance(scaler, (DynamicLossScaler, StaticLossScaler)):
-            raise ValueError(f"scaler={type(scaler).__name__} is not an ampkit scaler: pass "
-                             "ampkit.DynamicLossScaler(...) or ampkit.StaticLossScaler(...).")
-        if compression not in (None, torch.float16, torch.bfloat16):
-            raise ValueError(f"compression={compression!r} is invalid: choose None, torch.float16 or torch.bfloat16.")
+        check_settings(opt_level, compute, policy)
+        check_scaler(scaler)
+        check_compression(compression)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.opt_level = opt_level
         self.dtype = resolve_dtype(dtype) if dtype is not None else hardware.recommend_dtype(self.device)
@@ -190,8 +183,6 @@ class AmpkitPrecision(_AmpkitCore, Precision):
             if self.scaler.process_group is None:
                 self.scaler.process_group = torch.distributed.group.WORLD  # every rank skips the same steps
             if self.compression is not None and isinstance(model, nn.parallel.DistributedDataParallel):
-                from ampkit.distributed import HookState, compression_hook
-
                 self.hook_state = HookState()
                 model.register_comm_hook(self.hook_state, compression_hook(self.compression, self.predivide_factor))
         return model, optimizers, lr_schedulers
