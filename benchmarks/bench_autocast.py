@@ -42,7 +42,7 @@ def workload(name: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     if name == "resnet18":
         return ResNet18(), torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
     tokens = torch.randint(0, 256, (8, 257))
-    return GPT(), tokens[:, :-1], tokens[:, 1:]
+    return GPT(context=256, d_model=384, n_layers=4, n_heads=6), tokens[:, :-1], tokens[:, 1:]
 
 
 def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,

@@ -31,7 +31,7 @@ def main() -> None:
     warnings.simplefilter("ignore", ampkit.SlowPrecisionWarning)  # native kernels are the point here
     console = Console()
     torch.manual_seed(0)
-    base = GPT(context=CONTEXT)
+    base = GPT(context=CONTEXT, d_model=384, n_layers=4, n_heads=6)
     tokens = torch.randint(0, 256, (BATCH, CONTEXT + 1))
     x, y = tokens[:, :-1], tokens[:, 1:]
     dtype = ampkit.recommend_dtype("cpu")

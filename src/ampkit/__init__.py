@@ -11,6 +11,7 @@ from ampkit.policy import ModuleOverride, Policy
 # Loss scaling and master weights
 from ampkit.master import MasterWeightOptimizer, initialize
 from ampkit.scaler import DynamicLossScaler, NonFiniteError, ScalerStats, StaticLossScaler
+from ampkit.adaptive_scaler import AdaptiveLossScaler, LayerScaleStats
 from ampkit.checkpoint import load_checkpoint, save_checkpoint
 
 # FP8
@@ -39,6 +40,8 @@ __all__ = [
     # Loss scaling and master weights
     "DynamicLossScaler",
     "StaticLossScaler",
+    "AdaptiveLossScaler",
+    "LayerScaleStats",
     "ScalerStats",
     "NonFiniteError",
     "MasterWeightOptimizer",

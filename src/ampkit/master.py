@@ -22,6 +22,12 @@ from ampkit.policy import LOW_DTYPES, Policy, resolve_dtype
 STATE_VERSION = 1
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+# What O2 keeps in float32: normalization layers (their statistics need the range and
+# precision) and embeddings. A float32 embedding starts a transformer's residual stream in
+# float32, and ``x + f(x)`` with a 16-bit ``f(x)`` stays float32 by type promotion, so the
+# stream never rounds to 8 significant bits (Megatron-LM's ``fp32_residual_connection``).
+# A weight tied to an embedding (a language-model head) stays float32 with it.
+O2_FLOAT32_TYPES = (*NORM_TYPES, nn.Embedding, nn.EmbeddingBag)
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -293,13 +299,24 @@ def check_settings(opt_level: str, compute: str, policy: Policy | None) -> None:
 
 
 def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype) -> None:
-    """The model half of O2 and O3: cast the weights to ``dtype`` (O2 keeps normalization layers
-    in float32), and cast floating inputs to ``dtype`` and 16-bit outputs to float32 at ``model``'s
-    forward. Parameter objects are kept, so optimizers built on them still hold them."""
+    """The model half of O2 and O3: cast the weights to ``dtype``, and cast floating inputs to
+    ``dtype`` and 16-bit outputs to float32 at ``model``'s forward. Parameter objects are kept,
+    so optimizers built on them still hold them.
+
+    O2 keeps ``O2_FLOAT32_TYPES`` (normalization layers, embeddings and weights tied to them) in
+    float32; every module whose own weights are 16-bit then casts its floating inputs to ``dtype``,
+    so float32 activations (a transformer's residual stream) meet 16-bit weights without a dtype
+    error. torch's norms take 16-bit inputs with float32 weights as they are.
+    """
+    kept = {id(p) for m in model.modules() if opt_level == "O2" and isinstance(m, O2_FLOAT32_TYPES)
+            for p in m.parameters(recurse=False)}
     for module in model.modules():
-        if opt_level == "O2" and isinstance(module, NORM_TYPES):
-            continue  # normalization statistics stay float32; torch's norms take 16-bit inputs
-        _cast_own(module, dtype)
+        if opt_level == "O2" and isinstance(module, O2_FLOAT32_TYPES):
+            continue
+        _cast_own(module, dtype, kept)
+        own = list(module.parameters(recurse=False))
+        if opt_level == "O2" and module is not model and own and all(p.dtype == dtype for p in own):
+            module.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
     model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
     model.register_forward_hook(cast_output_to_float32)
 
@@ -308,13 +325,15 @@ def _wrap_forward(model: nn.Module, region: autocast) -> None:
     model.forward = types.MethodType(region(type(model).forward), model)  # type: ignore[method-assign]
 
 
-def _cast_own(module: nn.Module, dtype: torch.dtype) -> None:
-    """Cast a module's own parameters and floating buffers, not its children's.
+def _cast_own(module: nn.Module, dtype: torch.dtype, kept: frozenset[int] | set[int] = frozenset()) -> None:
+    """Cast a module's own parameters (but those in ``kept``, by id) and floating buffers,
+    not its children's.
 
     ``param.data`` is replaced, so the Parameter objects (which optimizers hold) stay.
     """
     for param in module.parameters(recurse=False):
-        param.data = param.data.to(dtype)
+        if id(param) not in kept:
+            param.data = param.data.to(dtype)
     for name, buf in module.named_buffers(recurse=False):
         if buf.is_floating_point():
             setattr(module, name, buf.to(dtype))

@@ -235,14 +235,13 @@ class DynamicLossScaler:
         overflow = self._iteration_overflow
         self._history.append((self._updates, self._state.scale, overflow))
         self._updates += 1
+        backoff = self._scale_overflowed(overflow)
         if overflow:
             self._overflows += 1
-            # The scale cannot go lower: at min_scale, or a backoff_factor of 1.0 keeps it.
-            at_min = self._state.scale <= self.rule.min_scale or self.rule.backoff_factor == 1.0
-            self._min_scale_overflows = self._min_scale_overflows + 1 if at_min else 0
+            self._min_scale_overflows = self._min_scale_overflows + 1 if self._at_min_scale(backoff) else 0
         else:
             self._min_scale_overflows = 0
-        self._state = scaling.next_scale(self._state, overflow, self.rule)
+        self._state = scaling.next_scale(self._state, backoff, self.rule)
         last_loss = self._last_loss
         self._begin_iteration()
         if self._min_scale_overflows >= self.max_min_scale_overflows:
@@ -358,6 +357,16 @@ class DynamicLossScaler:
         self._scaled = False
         self._last_loss = None
 
+    def _scale_overflowed(self, overflow: bool) -> bool:
+        """Whether this iteration's overflow is the (global) scale's: it backs off. Subclasses with
+        more than one scale say which overflowed."""
+        return overflow
+
+    def _at_min_scale(self, backoff: bool) -> bool:
+        """Whether the scale that overflowed cannot go lower: at min_scale, or a backoff_factor of
+        1.0 keeps it."""
+        return self._state.scale <= self.rule.min_scale or self.rule.backoff_factor == 1.0
+
     def _unscale_grads(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
         grads = []
         for p in params:
@@ -433,9 +442,9 @@ def _total(found: list[torch.Tensor]) -> torch.Tensor:
 
 def check_scaler(scaler: object) -> None:
     """Refuse anything but an ampkit scaler (or None) where one is passed in (ValueError)."""
-    if scaler is not None and not isinstance(scaler, (DynamicLossScaler, StaticLossScaler)):
-        raise ValueError(f"scaler={type(scaler).__name__} is not an ampkit scaler: pass "
-                         "ampkit.DynamicLossScaler(...) or ampkit.StaticLossScaler(...).")
+    if scaler is not None and not isinstance(scaler, DynamicLossScaler):  # Static and Adaptive derive from it
+        raise ValueError(f"scaler={type(scaler).__name__} is not an ampkit scaler: pass ampkit.DynamicLossScaler(...), "
+                         "ampkit.StaticLossScaler(...) or ampkit.AdaptiveLossScaler(model, ...).")
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -39,7 +39,7 @@ RATIO_FIELDS = {
     "test_accuracy": False,
 }
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "gpt": {"data": "text", "batch_size": 16, "steps": 30, "lr": 1e-3},
+    "gpt": {"data": "text", "batch_size": 32, "steps": 400, "lr": 6e-3},
 }
 IMAGE_DEFAULTS = {"data": "digits", "batch_size": 64, "epochs": 2, "lr": 2e-3}
 PROBE_STEPS = 2  # one warm-up step, then one timed: native 16-bit steps can take tens of seconds
@@ -146,7 +146,7 @@ def plan(
     """The runs of a comparison: float32 first, then the mixed settings, then a probe.
 
     Unset options take the model's defaults (ResNet-18 and MLP: digits, batch 64,
-    2 epochs, lr 2e-3; GPT: text, batch 16, 30 steps, lr 1e-3). ``precisions`` and
+    2 epochs, lr 2e-3; GPT: text, batch 32, 400 steps, lr 6e-3). ``precisions`` and
     ``opt_levels`` default to what the hardware supports (on a CPU: bf16 with O1
     and O2; on CUDA: fp16 with O1 and O2, and bf16 too from compute capability 8.0).
     ``computes`` (default ``["auto"]``: native where the measured 16-bit kernels

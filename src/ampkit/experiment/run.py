@@ -56,7 +56,7 @@ def low_dtype(precision: str, device: torch.device | str) -> torch.dtype:
     if precision in FP8_RECIPES:
         return hardware.recommend_dtype(device)
     return resolve_dtype(precision)
-CONTEXT = 256
+CONTEXT = 64  # bytes per text window (the GPT's context)
 WARMUP_STEPS = 2
 PROBE_WARMUP_STEPS = 1
 PRECISE_BN_BATCHES = 8
