@@ -12,6 +12,7 @@ from ampkit.policy import ModuleOverride, Policy
 from ampkit.master import MasterWeightOptimizer, initialize
 from ampkit.scaler import DynamicLossScaler, NonFiniteError, ScalerStats, StaticLossScaler
 from ampkit.adaptive_scaler import AdaptiveLossScaler, LayerScaleStats
+from ampkit.pure16 import StochasticRoundingOptimizer, pure16_optimizer, stochastic_round
 from ampkit.checkpoint import load_checkpoint, save_checkpoint
 
 # FP8
@@ -45,6 +46,9 @@ __all__ = [
     "ScalerStats",
     "NonFiniteError",
     "MasterWeightOptimizer",
+    "pure16_optimizer",
+    "StochasticRoundingOptimizer",
+    "stochastic_round",
     "initialize",
     "save_checkpoint",
     "load_checkpoint",

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ampkit import compute as compute_mod
-from ampkit import hardware
+from ampkit import hardware, pure16
 from ampkit.autocast import autocast
 from ampkit.policy import LOW_DTYPES, Policy, resolve_dtype
 
@@ -235,6 +235,7 @@ def initialize(
     dtype: torch.dtype | str | None = None,
     compute: str = "auto",
     policy: Policy | None = None,
+    update: str = "plain",
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Prepare a float32 model and its optimizer for mixed precision (Apex's levels).
 
@@ -254,18 +255,24 @@ def initialize(
             that casts nothing.
         policy: the O1 policy (default ``Policy.default(device, dtype, compute=compute)``);
             O2 and O3 models are 16-bit and take none.
+        update: at O3, how the optimizer's updates reach the 16-bit weights (see ``ampkit.pure16``):
+            ``"plain"`` (default: the optimizer as given; updates smaller than half a weight's
+            spacing are lost), ``"kahan"`` (torch-optimi with Kahan summation: a 16-bit
+            compensation buffer per weight) or ``"stochastic"`` (unbiased stochastic rounding).
+            ``"kahan"`` and ``"stochastic"`` take a torch.optim SGD or AdamW and return their own.
 
     Returns:
         (model, optimizer): the model is changed in place; the optimizer is wrapped
         in ``MasterWeightOptimizer`` for O2.
 
     Raises:
-        ValueError: an unknown ``opt_level``, dtype or compute mode; a policy with O0, O2 or O3.
+        ValueError: an unknown ``opt_level``, dtype, compute mode or update; a policy with O0, O2 or O3;
+            an update other than ``"plain"`` below O3.
 
     Example:
         >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
     """
-    check_settings(opt_level, compute, policy)
+    check_settings(opt_level, compute, policy, update)
     if getattr(model, "_ampkit_opt_level", None) is not None:
         raise ValueError(
             f"The model was initialized at {model._ampkit_opt_level} already; call ampkit.initialize once, on the "
@@ -282,17 +289,24 @@ def initialize(
     if opt_level == "O2" and optimizer is not None:
         optimizer = MasterWeightOptimizer(optimizer)  # before the cast: masters are exact
     cast_model_(model, opt_level, dtype)
+    if optimizer is not None and update != "plain":
+        optimizer = pure16.pure16_optimizer(optimizer, update)
     model16 = Policy.for_16bit_model(device.type, dtype, compute)
     if compute_mod.float32_ops(model16):
         _wrap_forward(model, autocast(model16))
     return model, optimizer
 
 
-def check_settings(opt_level: str, compute: str, policy: Policy | None) -> None:
-    """Refuse an unknown opt level or compute mode, and a policy at levels other than O1 (ValueError)."""
+def check_settings(opt_level: str, compute: str, policy: Policy | None, update: str = "plain") -> None:
+    """Refuse an unknown opt level, compute mode or update, a policy at levels other than O1 and
+    a pure 16-bit update below O3 (ValueError)."""
     if opt_level not in OPT_LEVELS:
         raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
     compute_mod.check_compute(compute)
+    pure16.check_update(update)
+    if update != "plain" and opt_level != "O3":
+        raise ValueError(f"update={update!r} applies at O3 only (opt_level={opt_level!r} keeps float32 weights or "
+                         "master weights, which take small updates as they are): drop update=, or use opt_level='O3'.")
     if policy is not None and opt_level != "O1":
         raise ValueError(f"policy= applies at O1 only (opt_level={opt_level!r} casts nothing by policy): drop "
                          "policy=, or use opt_level='O1'.")

@@ -80,8 +80,15 @@ def estimate_memory(
     optimizer: str = "adamw",
     dtype: torch.dtype | str = torch.bfloat16,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    update: str = "plain",
 ) -> MemoryEstimate:
     """Estimate training memory in float32 and at ``opt_level``.
+
+    O2 counts the float32 masters and their float32 gradient copies (``gradients`` holds
+    both the model's 16-bit gradients and the masters' float32 copies of them) and keeps
+    normalization layers and embeddings in float32, as ``initialize`` does; O3 keeps the
+    optimizer states in 16 bits, plus a 16-bit Kahan compensation buffer per weight with
+    ``update="kahan"``. ``measured_state_bytes`` gives the same figures from real tensors.
 
     Args:
         model: a float32 model (left untouched: copies are traced).
@@ -90,16 +97,18 @@ def estimate_memory(
         optimizer: one of OPTIMIZER_STATES' keys (default ``"adamw"``: two states).
         dtype: the 16-bit dtype.
         loss_fn: ``loss_fn(output) -> loss`` (default: mean square of the output).
+        update: O3's update rule (``ampkit.pure16``): ``"plain"``, ``"kahan"`` or ``"stochastic"``.
 
     Raises:
-        ValueError: an unknown optimizer or opt level.
+        ValueError: an unknown optimizer, opt level or update, or an update other than plain below O3.
     """
-    from ampkit.master import NORM_TYPES, OPT_LEVELS, initialize
+    from ampkit.master import O2_FLOAT32_TYPES, OPT_LEVELS, check_settings, initialize
 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"Unknown optimizer {optimizer!r}. Choose one of {sorted(OPTIMIZER_STATES)}.")
     if opt_level not in OPT_LEVELS[1:]:
         raise ValueError(f"Unknown opt_level {opt_level!r} for a mixed estimate. Choose one of {list(OPT_LEVELS[1:])}.")
+    check_settings(opt_level, "auto", None, update)
     dtype = resolve_dtype(dtype)
     states = OPTIMIZER_STATES[optimizer]
     args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -112,24 +121,56 @@ def estimate_memory(
         _, saved = saved_bytes_of_step(traced, lambda: loss_fn(traced(*args)))
         return saved
 
-    # Frozen parameters take weight memory but have no gradients, masters or optimizer states.
-    params = [(m, p) for m in model.modules() for p in m.parameters(recurse=False)]
-    n = sum(p.numel() for _, p in params)
-    trained = [(m, p) for m, p in params if p.requires_grad]
-    t = sum(p.numel() for _, p in trained)
+    # Each parameter once (a tied weight belongs to two modules); O2 keeps it float32 if any owner is kept.
+    params: dict[int, tuple[torch.Tensor, bool]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            kept = opt_level == "O2" and isinstance(module, O2_FLOAT32_TYPES)
+            params[id(p)] = (p, kept or params.get(id(p), (p, False))[1])
+    n = sum(p.numel() for p, _ in params.values())
+    trained = [(p, kept) for p, kept in params.values() if p.requires_grad]  # frozen: no gradients or states
+    t = sum(p.numel() for p, _ in trained)
     low = torch.finfo(dtype).bits // 8
 
-    def model_bytes(pairs: Sequence[tuple[nn.Module, torch.Tensor]]) -> int:
-        """16-bit bytes of ``pairs`` at opt_level; O2 keeps normalization layers in float32."""
-        kept = sum(p.numel() for m, p in pairs if opt_level == "O2" and isinstance(m, NORM_TYPES))
-        return low * (sum(p.numel() for _, p in pairs) - kept) + 4 * kept
+    def model_bytes(pairs: Sequence[tuple[torch.Tensor, bool]]) -> int:
+        """Bytes of ``pairs`` at opt_level: 16-bit, but the float32 ones O2 keeps."""
+        return sum(p.numel() * (4 if kept else low) for p, kept in pairs)
 
     fp32 = MemoryBreakdown("float32", 4 * n, 4 * t, 0, 4 * states * t, activations("O0"))
     if opt_level == "O1":
         mixed = MemoryBreakdown(f"{opt_level} {dtype}", 4 * n, 4 * t, 0, 4 * states * t, activations("O1"))
+    elif opt_level == "O2":
+        # A float32 parameter's master gradient is its own gradient (no copy); the others get a float32 copy.
+        copies = 4 * sum(p.numel() for p, kept in trained if not kept)
+        mixed = MemoryBreakdown(f"O2 {dtype}", model_bytes(list(params.values())), model_bytes(trained) + copies,
+                                4 * t, 4 * states * t, activations("O2"))
     else:
-        masters = 4 * t if opt_level == "O2" else 0
-        state_bytes = states * (4 * t if opt_level == "O2" else model_bytes(trained))
-        mixed = MemoryBreakdown(f"{opt_level} {dtype}", model_bytes(params), model_bytes(trained), masters,
-                                state_bytes, activations(opt_level))
+        compensation = model_bytes(trained) if update == "kahan" else 0
+        label = f"O3 {dtype}" + (f" {update}" if update != "plain" else "")
+        mixed = MemoryBreakdown(label, model_bytes(list(params.values())), model_bytes(trained), 0,
+                                states * model_bytes(trained) + compensation, activations("O3"))
     return MemoryEstimate(n, fp32, mixed)
+
+
+def measured_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of what training keeps between steps, from the tensors themselves: the model's
+    weights (and floating buffers), their gradients, and the optimizer's parameters (float32
+    masters), their gradients and its states (moments, Kahan buffers). Storages count once."""
+    seen: dict[int, int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+
+    for tensor in [*model.parameters(), *model.buffers()]:
+        add(tensor)
+        add(tensor.grad)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            add(p)
+            add(p.grad)
+    for state in optimizer.state.values():
+        for value in state.values():
+            add(value)
+    return sum(seen.values())

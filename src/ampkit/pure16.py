@@ -1,0 +1,211 @@
+"""Pure 16-bit training: no float32 master weights, and updates that are not lost anyway.
+
+A bfloat16 weight of 1.0 cannot take an update of 1e-4: the spacing of bfloat16 at
+1.0 is 2**-7, and ``1.0 - 1e-4`` rounds back to ``1.0`` every step. float32 master
+weights (O2) fix that at 4 bytes (plus a 4-byte gradient copy) per parameter.
+Zamirai et al., "Revisiting BFloat16 Training" (2020), fix it in the update instead:
+
+- **Kahan summation**: a 16-bit buffer per weight keeps what the last rounding lost
+  and adds it back into the next update (2 bytes per parameter). From torch-optimi
+  (``optimi.SGD`` / ``optimi.AdamW`` with ``kahan_sum=True``), which computes each
+  update in float32 and keeps its optimizer states in the weights' dtype.
+- **Stochastic rounding**: the float32 result rounds up or down at random, with
+  probabilities that make the rounding unbiased, so small updates survive on
+  average (0 bytes). ampkit's own (``StochasticRoundingOptimizer``): torchao's
+  ``_AdamW(bf16_stochastic_round=True)`` covers AdamW on bfloat16 only, and compiles
+  every step function with torch.compile, which takes seconds per shape on a CPU.
+
+``pure16_optimizer`` turns a torch.optim SGD or AdamW into either;
+``initialize(model, optimizer, "O3", update="kahan")`` does it for O3.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+UPDATES = ("plain", "kahan", "stochastic")
+
+
+def stochastic_round(values: torch.Tensor, dtype: torch.dtype, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round float32 ``values`` to ``dtype``, up or down at random, unbiased.
+
+    Each value goes to one of its two neighbours in ``dtype`` with probability
+    proportional to its closeness, so ``E[round(x)] == x``: 10,000 additions of
+    1e-4 to 1.0 in bfloat16 land near 2.0 instead of staying at 1.0.
+
+    Args:
+        values: a float32 tensor.
+        dtype: torch.bfloat16 or torch.float16.
+        generator: for reproducible draws (default: torch's global generator).
+
+    Returns:
+        A ``dtype`` tensor; values exactly representable come back unchanged,
+        inf/NaN as nearest rounding gives them.
+    """
+    nearest = values.to(dtype)
+    error = values - nearest.float()
+    # The other neighbour, on the side of the error; its distance is the local spacing.
+    other = torch.nextafter(nearest, torch.where(error > 0, math.inf, -math.inf).to(dtype))
+    spacing = (other.float() - nearest.float()).abs()
+    probability = torch.where(spacing > 0, error.abs() / spacing, torch.zeros_like(error))
+    draw = torch.rand(values.shape, generator=generator, device=values.device)
+    return torch.where((draw < probability) & (error != 0), other, nearest)
+
+
+class StochasticRoundingOptimizer(torch.optim.Optimizer):
+    """SGD (with momentum and weight decay) or AdamW on 16-bit weights, each update
+    computed in float32 and stochastically rounded into the weight.
+
+    Optimizer states are kept in the weights' dtype, as torch-optimi does.
+
+    Args:
+        params: 16-bit parameters (or groups).
+        kind: ``"sgd"`` or ``"adamw"``.
+        lr: learning rate.
+        momentum, weight_decay: SGD's (default 0); AdamW's weight decay is decoupled as
+            torch.optim.AdamW's (default 0.01).
+        betas, eps: AdamW's (defaults as torch.optim.AdamW).
+        seed: seed of the rounding's random draws (default 0: reproducible runs).
+
+    Raises:
+        ValueError: an unknown kind or a bad hyperparameter.
+    """
+
+    def __init__(self, params: Any, kind: str, lr: float, momentum: float = 0.0, weight_decay: float | None = None,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, seed: int = 0) -> None:
+        if kind not in ("sgd", "adamw"):
+            raise ValueError(f"Unknown kind {kind!r}: choose 'sgd' or 'adamw'.")
+        if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+            raise ValueError(f"lr={lr!r} is invalid: use a finite learning rate >= 0.")
+        weight_decay = (0.01 if kind == "adamw" else 0.0) if weight_decay is None else weight_decay
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "betas": betas,
+                                  "eps": eps})
+        self.kind = kind
+        self.generator = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """One update of every parameter with a gradient."""
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                weight, grad = p.float(), p.grad.float()
+                if self.kind == "sgd":
+                    update = _sgd_update(weight, grad, state, group, p.dtype)
+                else:
+                    update = _adamw_update(weight, grad, state, group, p.dtype)
+                draw = stochastic_round(weight - update, p.dtype, self._generator_for(p))
+                p.copy_(draw)
+        return loss
+
+    def _generator_for(self, p: torch.Tensor) -> torch.Generator | None:
+        # A CPU generator draws for CPU tensors; on other devices torch's own generator for the device.
+        return self.generator if p.device.type == "cpu" else None
+
+
+def _sgd_update(weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
+                dtype: torch.dtype) -> torch.Tensor:
+    """SGD's step (torch.optim.SGD without dampening or Nesterov) in float32; the momentum buffer is kept in ``dtype``."""
+    if group["weight_decay"]:
+        grad = grad + group["weight_decay"] * weight
+    if group["momentum"]:
+        if "momentum_buffer" not in state:
+            buffer = grad
+        else:
+            buffer = state["momentum_buffer"].float() * group["momentum"] + grad
+        state["momentum_buffer"] = buffer.to(dtype)
+        grad = buffer
+    return group["lr"] * grad
+
+
+def _adamw_update(weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
+                  dtype: torch.dtype) -> torch.Tensor:
+    """AdamW's step (torch.optim.AdamW's formula) in float32; the moments are kept in ``dtype``."""
+    beta1, beta2 = group["betas"]
+    if "step" not in state:
+        state["step"] = 0
+        state["exp_avg"] = torch.zeros_like(weight, dtype=dtype)
+        state["exp_avg_sq"] = torch.zeros_like(weight, dtype=dtype)
+    state["step"] += 1
+    exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
+    exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    state["exp_avg"].copy_(exp_avg)
+    state["exp_avg_sq"].copy_(exp_avg_sq)
+    step = state["step"]
+    denominator = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
+    update = group["lr"] * (exp_avg / (1 - beta1**step)) / denominator
+    return update + group["lr"] * group["weight_decay"] * weight
+
+
+def check_update(update: str) -> None:
+    """Refuse an unknown update rule (ValueError naming the choices)."""
+    if update not in UPDATES:
+        raise ValueError(f"Unknown update {update!r}. Choose one of {list(UPDATES)}: 'plain' rounds every update to "
+                         "the nearest 16-bit value (small ones are lost), 'kahan' keeps the rounding error in a 16-bit "
+                         "buffer, 'stochastic' rounds at random, unbiased.")
+
+
+def pure16_optimizer(optimizer: torch.optim.Optimizer, update: str = "kahan") -> torch.optim.Optimizer:
+    """The same optimizer (SGD or AdamW, same groups and hyperparameters) with an update that keeps
+    small steps on 16-bit weights.
+
+    Args:
+        optimizer: a ``torch.optim.SGD`` (no dampening, no Nesterov) or ``torch.optim.AdamW``
+            (no amsgrad) over the model's parameters, before it has stepped.
+        update: ``"kahan"`` (default: torch-optimi with Kahan summation, a 16-bit compensation
+            buffer per weight), ``"stochastic"`` (StochasticRoundingOptimizer) or ``"plain"``
+            (``optimizer`` itself: every update rounds to nearest).
+
+    Returns:
+        The new optimizer (``optimizer`` for ``"plain"``).
+
+    Raises:
+        ValueError: an unknown update, another optimizer class, or an option the pure 16-bit
+            optimizers do not have (named, with the fix).
+
+    Example:
+        >>> model.to(torch.bfloat16)
+        >>> optimizer = ampkit.pure16_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "kahan")
+    """
+    check_update(update)
+    if update == "plain":
+        return optimizer
+    kind = {torch.optim.SGD: "sgd", torch.optim.AdamW: "adamw"}.get(type(optimizer))  # type: ignore[call-overload]
+    if kind is None:
+        raise ValueError(f"update={update!r} needs a torch.optim.SGD or torch.optim.AdamW, got "
+                         f"{type(optimizer).__name__}: build one of those (or use update='plain').")
+    if optimizer.state:
+        raise ValueError("The optimizer has already stepped: convert it before training (its state would be lost).")
+    unsupported = {"sgd": {"dampening": 0, "nesterov": False, "maximize": False},
+                   "adamw": {"amsgrad": False, "maximize": False}}[kind]
+    groups = []
+    for group in optimizer.param_groups:
+        for option, plain in unsupported.items():
+            if group.get(option, plain) != plain:
+                raise ValueError(f"{option}={group[option]!r} is not supported by the pure 16-bit {kind} optimizers: "
+                                 f"use {option}={plain!r}, or O2 (float32 master weights).")
+        lr = float(group["lr"])
+        hyper = ({"lr": lr, "momentum": group["momentum"], "weight_decay": group["weight_decay"]} if kind == "sgd"
+                 else {"lr": lr, "betas": tuple(group["betas"]), "eps": group["eps"],
+                       "weight_decay": group["weight_decay"]})
+        groups.append({"params": group["params"], **hyper})
+    if update == "stochastic":
+        return StochasticRoundingOptimizer(groups, kind, lr=groups[0]["lr"])
+    try:
+        import optimi  # torch-optimi: the `pure16` extra
+    except ImportError as error:
+        raise ImportError("update='kahan' uses torch-optimi, which is not installed: pip install 'ampkit[pure16]' "
+                          "(or torch-optimi), or use update='stochastic'.") from error
+
+    if kind == "sgd":
+        # optimi.SGD's momentum is torch's (without dampening) when torch_init=True.
+        return optimi.SGD(groups, lr=groups[0]["lr"], kahan_sum=True, torch_init=True)
+    for group in groups:  # optimi's groups name the betas apart
+        group["beta1"], group["beta2"] = group.pop("betas")
+    return optimi.AdamW(groups, lr=groups[0]["lr"], kahan_sum=True)
