@@ -6,7 +6,7 @@ files), and keeps each comparison's results.json, curves.png and summary.png
 under benchmarks/results/compare-<name>-<device>/ with command.json beside them
 (replaced as a whole: this script's job is to refresh them).
 
-    python benchmarks/bench_compare.py [--device cuda] [--only digits|gpt|gpt-fp8]
+    python benchmarks/bench_compare.py [--device cuda] [--only NAME ...]  (NAME: a key of WORKLOADS)
 """
 
 from __future__ import annotations
@@ -28,16 +28,27 @@ WORKLOADS = {
     # FP8 (issue 12): both recipes against bf16, long enough for the loss to fall well below its start
     "gpt-fp8": ["--model", "gpt", "--precision", "bf16", "fp8", "fp8-current", "--opt-level", "O1",
                 "--steps", "60", "--no-probe"],
+    # Numerics (issue 13). The paper's experiment: float16 with no, static, dynamic and per-layer loss scaling.
+    "gpt-loss-scaling": ["--model", "gpt", "--precision", "fp16", "--opt-level", "O1",
+                         "--loss-scale", "none", "static", "dynamic", "adaptive", "--no-probe"],
+    # O2 against float32 and O1 on two more seeds (trajectories of one seed differ by a few percent).
+    "gpt-seed1": ["--model", "gpt", "--seed", "1", "--no-probe"],
+    "gpt-seed2": ["--model", "gpt", "--seed", "2", "--no-probe"],
+    # Pure bfloat16 (no masters) with plain, Kahan and stochastic-rounding updates, against O2.
+    "gpt-pure16": ["--model", "gpt", "--precision", "bf16", "--opt-level", "O2", "O3",
+                   "--update", "plain", "kahan", "stochastic", "--no-probe"],
+    "digits-pure16": ["--precision", "bf16", "--opt-level", "O2", "O3", "--update", "plain", "kahan", "stochastic",
+                      "--no-probe"],
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--only", choices=sorted(WORKLOADS))
+    parser.add_argument("--only", nargs="+", choices=sorted(WORKLOADS))
     args = parser.parse_args()
     for name, options in WORKLOADS.items():
-        if args.only and name != args.only:
+        if args.only and name not in args.only:
             continue
         target = RESULTS / f"compare-{name}-{args.device}"
         RESULTS.mkdir(exist_ok=True)

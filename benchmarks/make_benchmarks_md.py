@@ -68,6 +68,16 @@ def compare_table(results: dict[str, Any]) -> str:
             f"| {run['saved_for_backward_bytes'] / MIB:.1f} MiB{r('saved_for_backward_bytes')} "
             f"| {loss} | {accuracy} | {run['skipped_steps']} | {scale} |"
         )
+    extra = [run for run in results["runs"] if run.get("parameters") and not run.get("probe")]
+    if extra:  # numerics records (issue 13): training state per parameter, zero gradient values, skipped steps
+        rows += ["", "| run | weights + gradients + masters + optimizer states | zero gradient values "
+                 "| final train loss vs float32 | skipped steps |", "|---|---|---|---|---|"]
+        for run in extra:
+            zeros = "-" if run.get("zero_grad_fraction") is None else f"{100 * run['zero_grad_fraction']:.2f}%"
+            ratio = run["ratio_to_fp32"]["final_train_loss"]
+            loss = "-" if ratio is None else f"{ratio:.3f}x"
+            rows.append(f"| {run['label']} | {run['state_bytes'] / run['parameters']:.1f} bytes/parameter | {zeros} "
+                        f"| {loss} | {run['skipped_steps']} |")
     if results.get("wall_s"):  # version 2: the runs' processes live side by side, stepped in lockstep
         rows += ["", f"The {len(results['runs'])} runs took {results['wall_s']:.0f} s of wall time (each in its own "
                  "process, their steps interleaved)"]
@@ -293,6 +303,23 @@ def inspect_section(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def gradients_section(results: dict[str, Any], relative: str) -> str:
+    """Where the GPT's float32 gradients sit against float16's range, at three loss scales."""
+    rows = [f"One step of `ampkit compare`'s GPT after {results['steps_before']} float32 steps, "
+            f"{results['created']}, on {machine_line(results['machine'])} (`python benchmarks/bench_gradients.py`). "
+            "Fractions of the nonzero values that float16 would flush to zero (below 2^-25) or keep only as "
+            "subnormals (below 2^-14, fewer significant bits) once multiplied by the loss scale:", "",
+            "| gradients | values | median log2 | loss scale | flushed to zero | subnormal | overflow |",
+            "|---|---|---|---|---|---|---|"]
+    for name, summary in results["summaries"].items():
+        for scale, fractions in summary["fractions"].items():
+            rows.append(f"| {name} | {summary['values']:,} | {summary['log2_median']:.1f} | {scale} "
+                        f"| {100 * fractions['flushed']:.2f}% | {100 * fractions['subnormal']:.2f}% "
+                        f"| {100 * fractions['overflow']:.2f}% |")
+    rows += ["", f"![gradient histograms]({relative}/gradients.png)"]
+    return "\n".join(rows)
+
+
 def load(directory: Path, name: str) -> dict[str, Any] | None:
     path = directory / name
     return json.loads(path.read_text()) if path.exists() else None
@@ -321,6 +348,9 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
         if name == "compare-digits-cpu":
             blocks["compare"] = compare_table(results)
             digits = results
+    gradients = load(directory, "gradients.json")
+    if gradients:
+        sections += [f"{level} Gradients against float16's range", "", gradients_section(gradients, relative), ""]
     hardware = load(directory, "hardware.json")
     if hardware:
         blocks["hardware"] = hardware_section(hardware, digits)

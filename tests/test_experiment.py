@@ -316,3 +316,32 @@ def test_fp8_is_refused_before_training_for_a_model_without_an_eligible_linear()
     with pytest.raises(ValueError, match=r"--precision fp8: resnet18 has no linear FP8 can take \(fc: kept: 512x10 "
                                          r"is not a multiple of 16\)"):
         comparison.plan(model="resnet18", precisions=["fp8"])
+
+
+def test_loss_scalings_and_o3_updates_multiply_the_settings_with_labels_saying_so() -> None:
+    configs = comparison.plan(model="mlp", precisions=["fp16"], opt_levels=["O1"], steps=2, batch_size=8,
+                              loss_scales=["none", "static", "adaptive"], computes=["float32"])
+    assert [c.label for c in configs] == ["fp32", "fp16 O1 fp32-compute no-scaling", "fp16 O1 fp32-compute "
+                                          "static-scaling", "fp16 O1 fp32-compute adaptive-scaling"]
+    configs = comparison.plan(model="mlp", precisions=["bf16"], opt_levels=["O2", "O3"], updates=["plain", "kahan"],
+                              steps=2, computes=["float32"])
+    assert [c.label for c in configs][1:] == ["bf16 O2 fp32-compute", "bf16 O3 fp32-compute",
+                                              "bf16 O3 fp32-compute kahan"]
+    with pytest.raises(ValueError, match="--update kahan applies to O3 runs only: add --opt-level O3"):
+        comparison.plan(model="mlp", updates=["kahan"])
+    with pytest.raises(ValueError, match=r"Unknown loss scaling 'global'. Choose from \['auto', 'none'"):
+        comparison.plan(model="mlp", loss_scales=["global"])
+
+
+@pytest.mark.parametrize("loss_scale, update", [("none", "plain"), ("adaptive", "plain"), ("auto", "kahan")])
+def test_numerics_settings_train_and_report_state_bytes_and_zero_gradients(loss_scale: str, update: str) -> None:
+    precision, level = ("bf16", "O3") if update != "plain" else ("fp16", "O2")
+    config = RunConfig(model="mlp", steps=3, batch_size=8, precision=precision, opt_level=level, compute="float32",
+                       loss_scale=loss_scale, update=update)
+    result = execute(config)
+    assert all(math.isfinite(loss) for loss in result.losses)
+    assert (result.final_loss_scale is None) == (config.scaling == "none")  # auto: none for bf16
+    assert 0.0 <= result.zero_grad_fraction < 0.5
+    # AdamW: 16-bit weights and gradients; O2 adds float32 masters, their gradients and moments (20 bytes in
+    # all); O3 with Kahan keeps 16-bit moments and a 16-bit compensation buffer (10 bytes).
+    assert result.state_bytes / result.parameters == pytest.approx(20 if level == "O2" else 10, abs=0.1)

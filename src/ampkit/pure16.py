@@ -45,6 +45,12 @@ def stochastic_round(values: torch.Tensor, dtype: torch.dtype, generator: torch.
         A ``dtype`` tensor; values exactly representable come back unchanged,
         inf/NaN as nearest rounding gives them.
     """
+    if dtype == torch.bfloat16:
+        # bfloat16 is float32's upper 16 bits: add 16 random low bits to the magnitude and cut them
+        # off. A value rounds away from zero with probability (its low bits) / 2**16: unbiased.
+        noise = torch.randint(0, 1 << 16, values.shape, dtype=torch.int32, device=values.device, generator=generator)
+        cut = ((values.contiguous().view(torch.int32) + noise) & -65536).view(torch.float32)
+        return torch.where(values.isnan(), values, cut).to(dtype)  # exact: the low bits are zero
     nearest = values.to(dtype)
     error = values - nearest.float()
     # The other neighbour, on the side of the error; its distance is the local spacing.
@@ -182,8 +188,8 @@ def pure16_optimizer(optimizer: torch.optim.Optimizer, update: str = "kahan") ->
                          f"{type(optimizer).__name__}: build one of those (or use update='plain').")
     if optimizer.state:
         raise ValueError("The optimizer has already stepped: convert it before training (its state would be lost).")
-    unsupported = {"sgd": {"dampening": 0, "nesterov": False, "maximize": False},
-                   "adamw": {"amsgrad": False, "maximize": False}}[kind]
+    unsupported: dict[str, object] = ({"dampening": 0, "nesterov": False, "maximize": False} if kind == "sgd"
+                                      else {"amsgrad": False, "maximize": False})
     groups = []
     for group in optimizer.param_groups:
         for option, plain in unsupported.items():

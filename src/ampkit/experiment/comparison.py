@@ -24,8 +24,9 @@ from ampkit import hardware
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.models import build, check_output, load_factory
 from ampkit.experiment.run import (
-    CONTEXT, FP8_RECIPES, PRECISE_BN_BATCHES, PRECISIONS, RunConfig, RunProcess, RunResult, low_dtype,
+    CONTEXT, FP8_RECIPES, LOSS_SCALES, PRECISE_BN_BATCHES, PRECISIONS, RunConfig, RunProcess, RunResult, low_dtype,
 )
+from ampkit.pure16 import UPDATES
 from ampkit.master import OPT_LEVELS
 
 RESULT_FILES = ("results.json", "curves.png", "summary.png")
@@ -142,6 +143,8 @@ def plan(
     seed: int = 0,
     computes: Sequence[str] | None = None,
     probe: bool | None = None,
+    loss_scales: Sequence[str] | None = None,
+    updates: Sequence[str] | None = None,
 ) -> list[RunConfig]:
     """The runs of a comparison: float32 first, then the mixed settings, then a probe.
 
@@ -151,6 +154,10 @@ def plan(
     and O2; on CUDA: fp16 with O1 and O2, and bf16 too from compute capability 8.0).
     ``computes`` (default ``["auto"]``: native where the measured 16-bit kernels
     beat float32, else float32 GEMMs on 16-bit values) multiplies the settings.
+
+    ``loss_scales`` (default ``["auto"]``: dynamic for fp16, none for the others; or
+    ``none``, ``static``, ``dynamic``, ``adaptive``) and, for O3 settings, ``updates``
+    (``plain``, ``kahan``, ``stochastic``; default ``["plain"]``) multiply the settings too.
 
     ``probe`` (default: where an ``auto`` setting computes in float32) adds a short
     run of the first mixed precision at O1 with native 16-bit kernels,
@@ -174,7 +181,15 @@ def plan(
         _check_choice(level, OPT_LEVELS[1:], "opt level for a mixed run:")
     for compute in computes or ():
         _check_choice(compute, compute_mod.COMPUTE_MODES, "compute mode")
-    for name, values in (("--precision", precisions), ("--opt-level", opt_levels), ("--compute", computes)):
+    for scaling in loss_scales or ():
+        _check_choice(scaling, LOSS_SCALES, "loss scaling")
+    for update in updates or ():
+        _check_choice(update, UPDATES, "update")
+    if updates and "O3" not in (opt_levels or ()):
+        raise ValueError(f"--update {' '.join(updates)} applies to O3 runs only: add --opt-level O3 (pure 16-bit "
+                         "weights; O1 and O2 keep float32 weights or masters, which take small updates as they are).")
+    for name, values in (("--precision", precisions), ("--opt-level", opt_levels), ("--compute", computes),
+                         ("--loss-scale", loss_scales), ("--update", updates)):
         repeated = sorted({v for v in values or () if list(values or ()).count(v) > 1})
         if repeated:
             raise ValueError(f"{name} names {', '.join(repeated)} more than once; name each setting once.")
@@ -216,9 +231,11 @@ def plan(
     )
     configs = [RunConfig(precision="fp32", opt_level="O0", **common)]
     configs += [
-        RunConfig(precision=p, opt_level=level, compute=c, **common)
+        RunConfig(precision=p, opt_level=level, compute=c, loss_scale=scaling, update=update, **common)
         for p, level in settings
         for c in (computes or ("auto",))
+        for scaling in (loss_scales or ("auto",))
+        for update in ((updates or ("plain",)) if level == "O3" else ("plain",))
     ]
     for precision in sorted({c.precision for c in configs if c.compute == "native"}):
         slow = hardware.slow_native_message(parsed_device, low_dtype(precision, parsed_device))

@@ -43,9 +43,13 @@ from ampkit.hardware import SlowPrecisionWarning
 from ampkit.master import initialize
 from ampkit.memory import saved_bytes_of_step
 from ampkit.policy import resolve_dtype
-from ampkit.scaler import DynamicLossScaler
+from ampkit.adaptive_scaler import AdaptiveLossScaler
+from ampkit.memory import measured_state_bytes
+from ampkit.scaler import DynamicLossScaler, StaticLossScaler
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current")
+LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
+STATIC_SCALE = 2.0**10  # the static setting's loss scale (Micikevicius et al. used 8 to 32768 per task)
 # FP8 recipes of the fp8 settings: delayed scaling (ampkit's own) and current scaling (torchao), both
 # E4M3 forward and E5M2 gradients; everything else runs at the 16-bit dtype the hardware recommends.
 FP8_RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current")}
@@ -60,6 +64,7 @@ CONTEXT = 64  # bytes per text window (the GPT's context)
 WARMUP_STEPS = 2
 PROBE_WARMUP_STEPS = 1
 PRECISE_BN_BATCHES = 8
+ZERO_GRAD_EVERY = 10  # steps between counts of zero gradient values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +82,15 @@ class RunConfig:
     seed: int = 0
     compute: str = "auto"  # how 16-bit GEMMs compute: auto, native or float32 (Policy.compute)
     probe: bool = False  # a few timed steps only: no evaluation, no accuracy
+    loss_scale: str = "auto"  # one of LOSS_SCALES; auto: dynamic for float16, none otherwise
+    update: str = "plain"  # O3's update rule (ampkit.pure16): plain, kahan or stochastic
+
+    @property
+    def scaling(self) -> str:
+        """The loss scaling this run uses (``auto`` resolved): none, static, dynamic or adaptive."""
+        if self.loss_scale != "auto":
+            return self.loss_scale
+        return "dynamic" if self.precision == "fp16" else "none"
 
     @property
     def float32_compute(self) -> list[str]:
@@ -101,6 +115,10 @@ class RunConfig:
             label += " fp32-compute" if len(classes) == len(compute_mod.GEMM_OPS) else f" fp32-{classes[0]}"
         elif self.compute == "native" and self.probe:
             label += " native"
+        if self.loss_scale != "auto":
+            label += f" {self.loss_scale}-scaling" if self.loss_scale != "none" else " no-scaling"
+        if self.update != "plain":
+            label += f" {self.update}"
         return label + (" probe" if self.probe else "")
 
 
@@ -119,14 +137,17 @@ class RunResult:
     # memory during training minus the resident memory before the model was built.
     peak_memory_bytes: int
     saved_for_backward_bytes: int  # activation memory of one step, exact on any device
-    final_train_loss: float | None  # mean of the last 5 steps (None for a probe)
+    final_train_loss: float | None  # mean of the last final_steps(steps) steps (None for a probe)
     test_accuracy: float | None  # images: class accuracy; text: next-byte accuracy (None for a probe)
     skipped_steps: int
-    final_loss_scale: float | None  # None without loss scaling
+    final_loss_scale: float | None  # None without loss scaling (adaptive: the global scale)
     steps: int
     losses: list[float]
     wall_s: float
     diverged: str | None = None  # why training stopped early (a non-finite loss), else None
+    state_bytes: int = 0  # weights, gradients, masters and optimizer states after training (measured)
+    parameters: int = 0  # the model's parameters (a tied weight once)
+    zero_grad_fraction: float | None = None  # of gradient values exactly zero, mean over sampled steps
 
 
 def execute(
@@ -158,9 +179,9 @@ def execute(
         convert_to_fp8(model, FP8_RECIPES[config.precision])  # before initialize: O2 casts the rest
     if config.precision != "fp32":
         model, optimizer = initialize(  # type: ignore[assignment]
-            model, optimizer, config.opt_level, dtype, compute=config.compute
+            model, optimizer, config.opt_level, dtype, compute=config.compute, update=config.update
         )
-    scaler = DynamicLossScaler(enabled=dtype == torch.float16)
+    scaler = make_scaler(config.scaling, model)
 
     def batch(index: torch.Tensor, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
         xs = dataset.train_x if split == "train" else dataset.test_x
@@ -180,6 +201,7 @@ def execute(
     times: list[float] = []
     saved = 0
     diverged = None
+    zeros: list[float] = []
     model.train()
     for i, index in enumerate(plan):
         x, y = batch(index)
@@ -191,6 +213,8 @@ def execute(
         else:
             loss = loss_of(x, y)
         scaler.scale(loss).backward()
+        if i % ZERO_GRAD_EVERY == 0:
+            zeros.append(zero_fraction(model))
         scaler.step(optimizer)
         scaler.update()
         loss_value = loss.item()  # syncs, so the step's time is complete
@@ -221,7 +245,7 @@ def execute(
         samples_per_s=config.batch_size / median_s,
         peak_memory_bytes=peak,
         saved_for_backward_bytes=saved,
-        final_train_loss=None if config.probe or diverged else statistics.fmean(losses[-5:]),
+        final_train_loss=None if config.probe or diverged else statistics.fmean(losses[-final_steps(len(losses)):]),
         test_accuracy=accuracy,
         skipped_steps=stats.skipped,
         final_loss_scale=stats.scale if scaler.enabled else None,
@@ -229,7 +253,33 @@ def execute(
         losses=losses,
         wall_s=time.perf_counter() - start,
         diverged=diverged,
+        state_bytes=measured_state_bytes(model, optimizer),
+        parameters=sum(p.numel() for p in model.parameters()),
+        zero_grad_fraction=statistics.fmean(zeros) if zeros else None,
     )
+
+
+def final_steps(steps: int) -> int:
+    """How many last steps the final train loss averages: 5, or a tenth of a longer run (one
+    batch's loss is noisy; all runs see the same batches)."""
+    return max(5, steps // 10)
+
+
+def make_scaler(scaling: str, model: nn.Module) -> DynamicLossScaler:
+    """The loss scaler of a run's scaling setting (a disabled one for ``none``)."""
+    if scaling == "static":
+        return StaticLossScaler(STATIC_SCALE)
+    if scaling == "adaptive":
+        return AdaptiveLossScaler(model)
+    return DynamicLossScaler(enabled=scaling == "dynamic")
+
+
+@torch.no_grad()
+def zero_fraction(model: nn.Module) -> float:
+    """The fraction of the model's gradient values that are exactly zero (flushed, or never reached)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = sum(g.numel() for g in grads)
+    return sum(int((g == 0).sum()) for g in grads) / total if total else 0.0
 
 
 @torch.no_grad()
