@@ -25,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 from ampkit.experiment import data as data_mod  # noqa: E402
 from ampkit.experiment.comparison import MODEL_DEFAULTS  # noqa: E402
 from ampkit.experiment.models import GPT  # noqa: E402
-from ampkit.experiment.run import CONTEXT, STATIC_SCALE  # noqa: E402
+from ampkit.experiment.run import CONTEXT, STATIC_SCALE, lr_factor  # noqa: E402
 from ampkit.files import atomic_write  # noqa: E402
 from common import RESULTS, save  # noqa: E402
 
@@ -41,6 +41,8 @@ def collect(steps: int) -> dict[str, torch.Tensor]:
     model = GPT(vocab_size=256, context=CONTEXT)
     optimizer = torch.optim.AdamW(model.parameters(), lr=defaults["lr"])
     plan = data_mod.batches(dataset, defaults["batch_size"], steps + 1, 0, CONTEXT)
+    # compare's schedule over its default run length: the recorded step is where a compare run would be
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, defaults["steps"]))
 
     def loss_of(index: torch.Tensor) -> torch.Tensor:
         x, y = data_mod.windows(dataset.train_x, index, CONTEXT)
@@ -50,6 +52,7 @@ def collect(steps: int) -> dict[str, torch.Tensor]:
         optimizer.zero_grad()
         loss_of(index).backward()
         optimizer.step()
+        scheduler.step()
     activations: list[torch.Tensor] = []
     hooks = [m.register_full_backward_hook(lambda m, gi, go: activations.append(go[0].detach().flatten()))
              for m in model.modules() if any(True for _ in m.parameters(recurse=False))]

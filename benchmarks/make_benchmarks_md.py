@@ -320,6 +320,36 @@ def gradients_section(results: dict[str, Any], relative: str) -> str:
     return "\n".join(rows)
 
 
+def gpt_head_section(results: dict[str, Any]) -> str:
+    """The ablation of what bf16 O1/O2 keep in float32 on the GPT."""
+    settings = results["settings"]
+    base = settings["fp32"]["final_train_loss"]
+    rows = [f"`python benchmarks/bench_gpt_head.py`, {results['created']}, on {machine_line(results['machine'])}: "
+            "`ampkit compare`'s GPT, seed 0, the same 400 batches for every setting, bf16 GEMMs computed in float32; "
+            "final train loss = mean of the last 40 steps.", "",
+            "| setting | final train loss | vs float32 |", "|---|---|---|"]
+    for name, result in settings.items():
+        rows.append(f"| {name} | {result['final_train_loss']:.4f} | {result['final_train_loss'] / base:.3f}x |")
+    return "\n".join(rows)
+
+
+def seeds_section(directory: Path) -> str | None:
+    """bf16 O1 and O2 against float32 on the GPT, per seed (the compare-gpt records)."""
+    rows = []
+    for name in ("compare-gpt-cpu", "compare-gpt-seed1-cpu", "compare-gpt-seed2-cpu"):
+        results = load(directory / name, "results.json")
+        if results is None:
+            continue
+        runs = {run["label"].split(" fp32-compute")[0]: run for run in results["runs"] if not run.get("probe")}
+        base = runs["fp32"]["final_train_loss"]
+        cells = [f"{runs[k]['final_train_loss']:.4f} ({runs[k]['final_train_loss'] / base:.3f}x)" if k in runs else "-"
+                 for k in ("bf16 O1", "bf16 O2")]
+        rows.append(f"| {results['config']['seed']} | {base:.4f} | {' | '.join(cells)} |")
+    if len(rows) < 2:
+        return None
+    return "\n".join(["| seed | fp32 | bf16 O1 | bf16 O2 |", "|---|---|---|---|", *rows])
+
+
 def load(directory: Path, name: str) -> dict[str, Any] | None:
     path = directory / name
     return json.loads(path.read_text()) if path.exists() else None
@@ -348,6 +378,14 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
         if name == "compare-digits-cpu":
             blocks["compare"] = compare_table(results)
             digits = results
+    seeds = seeds_section(directory)
+    if seeds:
+        sections += [f"{level} GPT: bf16 O1 and O2 against float32, per seed", "",
+                     "Final train losses (mean of the last 40 of 400 steps) from the compare-gpt records above; "
+                     "each seed is its own initialisation and batch order.", "", seeds, ""]
+    head = load(directory, "gpt-head.json")
+    if head:
+        sections += [f"{level} GPT: what bf16 keeps in float32 (an ablation)", "", gpt_head_section(head), ""]
     gradients = load(directory, "gradients.json")
     if gradients:
         sections += [f"{level} Gradients against float16's range", "", gradients_section(gradients, relative), ""]
