@@ -347,11 +347,11 @@ def test_numerics_settings_train_and_report_state_bytes_and_zero_gradients(loss_
     assert result.state_bytes / result.parameters == pytest.approx(20 if level == "O2" else 10, abs=0.1)
 
 
-def test_learning_rate_schedule_warms_up_then_decays_to_a_tenth() -> None:
+def test_learning_rate_schedule_decays_to_a_tenth() -> None:
     from ampkit.experiment.run import lr_factor
 
-    factors = [lr_factor(step, 400) for step in range(400)]
-    assert factors[0] == pytest.approx(1 / 20) and factors[19] == 1.0  # 20 warm-up steps
-    assert all(a >= b for a, b in zip(factors[19:], factors[20:]))  # then never up again
-    assert factors[-1] == pytest.approx(0.1, abs=1e-4)
+    factors = [lr_factor(step, 400) for step in range(401)]
+    assert factors[0] == 1.0 and factors[200] == pytest.approx(0.55)
+    assert all(a > b for a, b in zip(factors, factors[1:]))
+    assert factors[-1] == pytest.approx(0.1)
     assert lr_factor(0, 1) == 1.0  # a one-step run trains at lr

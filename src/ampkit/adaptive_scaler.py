@@ -77,6 +77,13 @@ class _RescaleGrad(torch.autograd.Function):
         return grad * ctx.factor, None, None
 
 
+def _rescaled(value: Any, factor: float, record: Any) -> Any:
+    """``value`` behind a _RescaleGrad when gradients flow into it; anything else as it is."""
+    if isinstance(value, torch.Tensor) and value.requires_grad and value.is_floating_point():
+        return _RescaleGrad.apply(value, factor, record)
+    return value
+
+
 class AdaptiveLossScaler(DynamicLossScaler):
     """Loss scaling with one scale per layer, set from its gradients (see the module docstring).
 
@@ -173,6 +180,7 @@ class AdaptiveLossScaler(DynamicLossScaler):
         self._handles = []
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """DynamicLossScaler.unscale_, each layer's gradients divided by the scale they were computed at."""
         self._map_masters(optimizer)
         super().unscale_(optimizer)
 
@@ -232,13 +240,8 @@ class AdaptiveLossScaler(DynamicLossScaler):
                 return None
             factor = self._state.scale / self._layer_scales[group]
             record = self._record(group, "input")
-
-            def wrap(v: Any) -> Any:
-                if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point():
-                    return _RescaleGrad.apply(v, factor, record)
-                return v
-
-            return tuple(wrap(a) for a in args), {k: wrap(v) for k, v in kwargs.items()}
+            return (tuple(_rescaled(a, factor, record) for a in args),
+                    {k: _rescaled(v, factor, record) for k, v in kwargs.items()})
 
         return hook
 
@@ -248,15 +251,9 @@ class AdaptiveLossScaler(DynamicLossScaler):
                 return None
             factor = self._layer_scales[group] / self._state.scale
             record = self._record(group, "incoming")
-
-            def wrap(v: Any) -> Any:
-                if isinstance(v, torch.Tensor) and v.requires_grad and v.is_floating_point():
-                    return _RescaleGrad.apply(v, factor, record)
-                return v
-
             if isinstance(output, (tuple, list)):
-                return type(output)(wrap(v) for v in output)
-            return wrap(output)
+                return type(output)(_rescaled(v, factor, record) for v in output)
+            return _rescaled(output, factor, record)
 
         return hook
 

@@ -25,8 +25,10 @@ NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMS
 # What O2 keeps in float32: normalization layers (their statistics need the range and
 # precision) and embeddings. A float32 embedding starts a transformer's residual stream in
 # float32, and ``x + f(x)`` with a 16-bit ``f(x)`` stays float32 by type promotion, so the
-# stream never rounds to 8 significant bits (Megatron-LM's ``fp32_residual_connection``).
-# A weight tied to an embedding (a language-model head) stays float32 with it.
+# stream never rounds to 8 significant bits (Megatron-LM's ``fp32_residual_connection``);
+# a weight tied to an embedding (a language-model head) stays float32 with it, so the logits
+# are float32. On the GPT of `ampkit compare` the logits are what mattered
+# (benchmarks/bench_gpt_head.py: bf16 logits cost O1 and the old O2 a few percent of final loss).
 O2_FLOAT32_TYPES = (*NORM_TYPES, nn.Embedding, nn.EmbeddingBag)
 
 
