@@ -159,3 +159,25 @@ def test_bad_checkpoints_are_named() -> None:
         opt.load_state_dict({"weights": 1})
     with pytest.raises(RuntimeError, match="has 1 master weights, this optimizer 6"):
         opt.load_state_dict({"version": 1, "optimizer": {}, "master_params": [torch.zeros(1)]})
+
+
+def test_o2_keep_float32_embeddings_keeps_the_residual_stream_and_a_tied_head_in_float32() -> None:
+    from ampkit.experiment.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=32, context=8, d_model=32, n_layers=1, n_heads=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = ampkit.initialize(model, optimizer, "O2", torch.bfloat16, compute="float32",
+                                         keep_float32=[nn.Embedding])
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert dtypes["tok.weight"] == dtypes["pos.weight"] == torch.float32  # and the head tied to tok
+    assert dtypes["blocks.0.attn.qkv.weight"] == torch.bfloat16
+    streams = []
+    model.blocks[0].register_forward_hook(lambda m, args, out: streams.append(out.dtype))
+    model(torch.randint(0, 32, (2, 8))).float().sum().backward()  # 16-bit layers cast their float32 inputs
+    optimizer.step()
+    assert streams == [torch.float32]
+    with pytest.raises(ValueError, match="keep_float32= applies at O2 only"):
+        ampkit.initialize(nn.Linear(2, 2), None, "O1", keep_float32=[nn.Embedding])
+    with pytest.raises(ValueError, match="must list nn.Module subclasses"):
+        ampkit.initialize(nn.Linear(2, 2), None, "O2", keep_float32=["Embedding"])  # type: ignore[list-item]

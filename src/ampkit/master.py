@@ -9,6 +9,7 @@ float32 copy of every weight for the optimizer (Micikevicius et al., 2018,
 from __future__ import annotations
 
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,14 +23,6 @@ from ampkit.policy import LOW_DTYPES, Policy, resolve_dtype
 STATE_VERSION = 1
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 NORM_TYPES = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
-# What O2 keeps in float32: normalization layers (their statistics need the range and
-# precision) and embeddings. A float32 embedding starts a transformer's residual stream in
-# float32, and ``x + f(x)`` with a 16-bit ``f(x)`` stays float32 by type promotion, so the
-# stream never rounds to 8 significant bits (Megatron-LM's ``fp32_residual_connection``);
-# a weight tied to an embedding (a language-model head) stays float32 with it, so the logits
-# are float32. On the GPT of `ampkit compare` the logits are what mattered
-# (benchmarks/bench_gpt_head.py: bf16 logits cost O1 and the old O2 a few percent of final loss).
-O2_FLOAT32_TYPES = (*NORM_TYPES, nn.Embedding, nn.EmbeddingBag)
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -238,6 +231,7 @@ def initialize(
     compute: str = "auto",
     policy: Policy | None = None,
     update: str = "plain",
+    keep_float32: Sequence[type[nn.Module]] = (),
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Prepare a float32 model and its optimizer for mixed precision (Apex's levels).
 
@@ -262,6 +256,12 @@ def initialize(
             spacing are lost), ``"kahan"`` (torch-optimi with Kahan summation: a 16-bit
             compensation buffer per weight) or ``"stochastic"`` (unbiased stochastic rounding).
             ``"kahan"`` and ``"stochastic"`` take a torch.optim SGD or AdamW and return their own.
+        keep_float32: at O2, module types kept in float32 besides the normalization layers, e.g.
+            ``[nn.Embedding]``: a float32 embedding keeps a transformer's residual stream in float32
+            (``x + f(x)`` with a 16-bit ``f(x)`` promotes to float32) and a head tied to it computes
+            float32 logits; the 16-bit modules then cast their inputs. Measured on the GPT of
+            `ampkit compare`: no difference in final loss beyond seed-to-seed noise, and 0.61x float32's
+            saved-for-backward bytes instead of 0.53x (benchmarks/bench_gpt_head.py), hence not the default.
 
     Returns:
         (model, optimizer): the model is changed in place; the optimizer is wrapped
@@ -275,6 +275,12 @@ def initialize(
         >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
     """
     check_settings(opt_level, compute, policy, update)
+    if keep_float32 and opt_level != "O2":
+        raise ValueError(f"keep_float32= applies at O2 only (opt_level={opt_level!r}): drop it, or use opt_level='O2'.")
+    bad = [t for t in keep_float32 if not (isinstance(t, type) and issubclass(t, nn.Module))]
+    if bad:
+        raise ValueError(f"keep_float32={list(keep_float32)!r} must list nn.Module subclasses, e.g. [nn.Embedding]; "
+                         f"not {bad}.")
     if getattr(model, "_ampkit_opt_level", None) is not None:
         raise ValueError(
             f"The model was initialized at {model._ampkit_opt_level} already; call ampkit.initialize once, on the "
@@ -290,7 +296,7 @@ def initialize(
         return model, optimizer
     if opt_level == "O2" and optimizer is not None:
         optimizer = MasterWeightOptimizer(optimizer)  # before the cast: masters are exact
-    cast_model_(model, opt_level, dtype)
+    cast_model_(model, opt_level, dtype, tuple(keep_float32))
     if optimizer is not None and update != "plain":
         optimizer = pure16.pure16_optimizer(optimizer, update)
     model16 = Policy.for_16bit_model(device.type, dtype, compute)
@@ -314,24 +320,25 @@ def check_settings(opt_level: str, compute: str, policy: Policy | None, update: 
                          "policy=, or use opt_level='O1'.")
 
 
-def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype) -> None:
-    """The model half of O2 and O3: cast the weights to ``dtype``, and cast floating inputs to
-    ``dtype`` and 16-bit outputs to float32 at ``model``'s forward. Parameter objects are kept,
+def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype,
+                keep_float32: tuple[type[nn.Module], ...] = ()) -> None:
+    """The model half of O2 and O3: cast the weights to ``dtype`` (O2 keeps normalization layers
+    and ``keep_float32`` types in float32, with any weight tied to theirs), and cast floating inputs
+    to ``dtype`` and 16-bit outputs to float32 at ``model``'s forward. Parameter objects are kept,
     so optimizers built on them still hold them.
 
-    O2 keeps ``O2_FLOAT32_TYPES`` (normalization layers, embeddings and weights tied to them) in
-    float32; every module whose own weights are 16-bit then casts its floating inputs to ``dtype``,
-    so float32 activations (a transformer's residual stream) meet 16-bit weights without a dtype
-    error. torch's norms take 16-bit inputs with float32 weights as they are.
+    With ``keep_float32``, float32 activations can reach 16-bit layers (a transformer's residual
+    stream from a float32 embedding), so every module whose own weights are 16-bit casts its
+    floating inputs to ``dtype``. torch's norms take 16-bit inputs with float32 weights as they are.
     """
-    kept = {id(p) for m in model.modules() if opt_level == "O2" and isinstance(m, O2_FLOAT32_TYPES)
-            for p in m.parameters(recurse=False)}
+    kept_types = (*NORM_TYPES, *keep_float32) if opt_level == "O2" else ()
+    kept = {id(p) for m in model.modules() if isinstance(m, kept_types) for p in m.parameters(recurse=False)}
     for module in model.modules():
-        if opt_level == "O2" and isinstance(module, O2_FLOAT32_TYPES):
+        if isinstance(module, kept_types):
             continue
         _cast_own(module, dtype, kept)
         own = list(module.parameters(recurse=False))
-        if opt_level == "O2" and module is not model and own and all(p.dtype == dtype for p in own):
+        if keep_float32 and module is not model and own and all(p.dtype == dtype for p in own):
             module.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
     model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
     model.register_forward_hook(cast_output_to_float32)

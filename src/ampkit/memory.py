@@ -86,7 +86,7 @@ def estimate_memory(
 
     O2 counts the float32 masters and their float32 gradient copies (``gradients`` holds
     both the model's 16-bit gradients and the masters' float32 copies of them) and keeps
-    normalization layers and embeddings in float32, as ``initialize`` does; O3 keeps the
+    normalization layers in float32, as ``initialize`` does; O3 keeps the
     optimizer states in 16 bits, plus a 16-bit Kahan compensation buffer per weight with
     ``update="kahan"``. ``measured_state_bytes`` gives the same figures from real tensors.
 
@@ -102,7 +102,7 @@ def estimate_memory(
     Raises:
         ValueError: an unknown optimizer, opt level or update, or an update other than plain below O3.
     """
-    from ampkit.master import O2_FLOAT32_TYPES, OPT_LEVELS, check_settings, initialize
+    from ampkit.master import NORM_TYPES, OPT_LEVELS, check_settings, initialize
 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"Unknown optimizer {optimizer!r}. Choose one of {sorted(OPTIMIZER_STATES)}.")
@@ -121,11 +121,11 @@ def estimate_memory(
         _, saved = saved_bytes_of_step(traced, lambda: loss_fn(traced(*args)))
         return saved
 
-    # Each parameter once (a tied weight belongs to two modules); O2 keeps it float32 if any owner is kept.
+    # Each parameter once (a tied weight belongs to two modules); O2 keeps it float32 if any owner is a norm.
     params: dict[int, tuple[torch.Tensor, bool]] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
-            kept = opt_level == "O2" and isinstance(module, O2_FLOAT32_TYPES)
+            kept = opt_level == "O2" and isinstance(module, NORM_TYPES)
             params[id(p)] = (p, kept or params.get(id(p), (p, False))[1])
     n = sum(p.numel() for p, _ in params.values())
     trained = [(p, kept) for p, kept in params.values() if p.requires_grad]  # frozen: no gradients or states
