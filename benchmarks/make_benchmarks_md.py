@@ -73,7 +73,7 @@ def compare_table(results: dict[str, Any]) -> str:
         rows += ["", "| run | weights + gradients + masters + optimizer states | zero gradient values "
                  "| final train loss vs float32 | skipped steps |", "|---|---|---|---|---|"]
         for run in extra:
-            zeros = "-" if run.get("zero_grad_fraction") is None else f"{100 * run['zero_grad_fraction']:.2f}%"
+            zeros = "-" if run.get("zero_grad_fraction") is None else f"{100 * run['zero_grad_fraction']:.2g}%"
             ratio = run["ratio_to_fp32"]["final_train_loss"]
             loss = "-" if ratio is None else f"{ratio:.3f}x"
             rows.append(f"| {run['label']} | {run['state_bytes'] / run['parameters']:.1f} bytes/parameter | {zeros} "
