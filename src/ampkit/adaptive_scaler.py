@@ -98,8 +98,9 @@ class AdaptiveLossScaler(DynamicLossScaler):
             bfloat16 has float32's range and needs no loss scaling).
         margin: powers of two of headroom above a layer's largest gradient (default 2:
             the layer's gradients may grow 4x from one step to the next before they overflow).
-        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
-            max_scale, max_min_scale_overflows, enabled, process_group: as DynamicLossScaler;
+        scaler_args: DynamicLossScaler's keyword arguments (init_scale, growth_factor,
+            backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+            max_min_scale_overflows, enabled, process_group), for the global scale;
             ``min_scale`` and ``max_scale`` bound the layer scales too, and ``init_scale`` is
             every layer's scale until its first clean step. ``process_group`` also reduces the
             layer statistics, so every rank keeps the same scales.
@@ -114,24 +115,9 @@ class AdaptiveLossScaler(DynamicLossScaler):
         >>> [(s.name, s.scale) for s in scaler.layer_stats]
     """
 
-    def __init__(
-        self,
-        model: nn.Module,
-        dtype: torch.dtype = torch.float16,
-        margin: int = 2,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
-        max_min_scale_overflows: int = 10,
-        enabled: bool = True,
-        process_group: Any = None,
-    ) -> None:
-        super().__init__(init_scale, growth_factor, backoff_factor, growth_interval, hysteresis, min_scale,
-                         max_scale, max_min_scale_overflows, enabled, process_group)
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.float16, margin: int = 2,
+                 **scaler_args: Any) -> None:
+        super().__init__(**scaler_args)  # the global scale: DynamicLossScaler's own arguments and checks
         if not isinstance(model, nn.Module):
             raise ValueError(f"AdaptiveLossScaler(model=...) takes the nn.Module it scales, got {type(model).__name__}.")
         if dtype not in (torch.float16, torch.bfloat16):
@@ -142,13 +128,14 @@ class AdaptiveLossScaler(DynamicLossScaler):
         self.names, self._group_of, layers = _layer_groups(model)
         if not self._group_of:
             raise ValueError("The model has no trainable parameters: there is nothing to scale.")
-        self._layer_scales = [float(init_scale)] * len(self.names)
+        self._layer_scales = [self._state.scale] * len(self.names)
         self._layer_amax: list[float | None] = [None] * len(self.names)
         self._layer_overflows = [0] * len(self.names)
         self._faulted: list[int] = []  # layers whose own gradients overflowed in the last update
         self._master_of: dict[int, int] = {}  # id of a float32 master -> id of its model parameter
+        self._mapped: set[int] = set()  # optimizers whose masters are in _master_of
         self._handles: list[Any] = []
-        if enabled:
+        if self.enabled:
             for module, group in layers:
                 self._handles.append(module.register_forward_pre_hook(self._bracket_inputs(group), with_kwargs=True))
                 self._handles.append(module.register_forward_hook(self._bracket_output(group)))
@@ -326,7 +313,10 @@ class AdaptiveLossScaler(DynamicLossScaler):
 
     def _map_masters(self, optimizer: Any) -> None:
         """Let gradients of float32 masters (MasterWeightOptimizer, possibly inside a
-        DistributedOptimizer) find their model parameters' layers."""
+        DistributedOptimizer) find their model parameters' layers. Once per optimizer."""
+        if id(optimizer) in self._mapped:
+            return
+        self._mapped.add(id(optimizer))
         inner = optimizer
         while inner is not None and not hasattr(inner, "master_params"):
             inner = inner.__dict__.get("optimizer")

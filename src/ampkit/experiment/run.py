@@ -292,7 +292,9 @@ def zero_fraction(model: nn.Module) -> float:
     """The fraction of the model's gradient values that are exactly zero (flushed, or never reached)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     total = sum(g.numel() for g in grads)
-    return sum(int((g == 0).sum()) for g in grads) / total if total else 0.0
+    if not total:
+        return 0.0
+    return torch.stack([(g == 0).sum() for g in grads]).sum().item() / total  # one sync, not one per tensor
 
 
 @torch.no_grad()
