@@ -31,6 +31,10 @@ WORKLOADS = {
     # Numerics (issue 13). The paper's experiment: float16 with no, static, dynamic and per-layer loss scaling.
     "gpt-loss-scaling": ["--model", "gpt", "--precision", "fp16", "--opt-level", "O1",
                          "--loss-scale", "none", "static", "dynamic", "adaptive", "--no-probe"],
+    # The same at the gradient magnitudes of a 16x larger batch (32,768 tokens a step): there float16 without
+    # loss scaling stalls, and bf16 (float32's exponent range) needs none.
+    "gpt-underflow": ["--model", "gpt", "--precision", "bf16", "fp16", "--opt-level", "O1", "--loss-scale", "none",
+                      "static", "dynamic", "adaptive", "--loss-divisor", "16", "--no-probe"],
     # O2 against float32 and O1 on two more seeds (trajectories of one seed differ by a few percent).
     "gpt-seed1": ["--model", "gpt", "--seed", "1", "--no-probe"],
     "gpt-seed2": ["--model", "gpt", "--seed", "2", "--no-probe"],

@@ -4,7 +4,8 @@ Trains `ampkit compare`'s GPT on the stdlib text in float32 for a while, then re
 one step's gradients: the activation gradients (each layer's output gradient) and
 the weight gradients, as a histogram of log2|g|, and the fraction of nonzero values
 that float16 would flush to zero (below half its smallest subnormal, 2**-25) or hold
-as subnormals (below 2**-14) at loss scales 1, 2**10 (the static setting) and 2**16.
+as subnormals (below 2**-14) at loss scales 1, 1/16 (no scaling, the loss divided by 16
+as in the gpt-underflow record), 2**10 (the static setting) and 2**16.
 Writes results/gradients.json and results/gradients.png.
 
     python benchmarks/bench_gradients.py [--steps 100]
@@ -29,7 +30,8 @@ from ampkit.experiment.run import CONTEXT, STATIC_SCALE, lr_factor  # noqa: E402
 from ampkit.files import atomic_write  # noqa: E402
 from common import RESULTS, save  # noqa: E402
 
-SCALES = {"1": 1.0, "static 2^10": STATIC_SCALE, "2^16": 2.0**16}
+# 1/16: no scaling with the loss divided by 16, as `compare --loss-divisor 16` (gradients of a 16x larger batch)
+SCALES = {"1": 1.0, "1/16 (loss / 16)": 2.0**-4, "static 2^10": STATIC_SCALE, "2^16": 2.0**16}
 BINS = torch.arange(-50, 21)  # log2 bins
 
 

@@ -44,9 +44,10 @@ def compare_table(results: dict[str, Any]) -> str:
     config = results["config"]
     v2 = results.get("version", 1) >= 2
     memory = "memory added" if v2 else "peak memory (RSS)"
+    divided = f", training loss divided by {config['loss_divisor']:g}" if config.get("loss_divisor", 1) != 1 else ""
     rows = [
         f"`ampkit compare --model {config['model']} --data {config['data']}` (batch {config['batch_size']}, "
-        f"{config['steps']} steps, lr {config['lr']}), {results['created']}, on {machine_line(results['machine'])}.",
+        f"{config['steps']} steps, lr {config['lr']}{divided}), {results['created']}, on {machine_line(results['machine'])}.",
         "",
         f"| run | compute | ms/step | samples/s | {memory} | saved for backward | final train loss "
         "| test accuracy | skipped | loss scale |",
@@ -304,7 +305,7 @@ def inspect_section(results: dict[str, Any]) -> str:
 
 
 def gradients_section(results: dict[str, Any], relative: str) -> str:
-    """Where the GPT's float32 gradients sit against float16's range, at three loss scales."""
+    """Where the GPT's float32 gradients sit against float16's range, at several loss scales."""
     rows = [f"One step of `ampkit compare`'s GPT after {results['steps_before']} float32 steps, "
             f"{results['created']}, on {machine_line(results['machine'])} (`python benchmarks/bench_gradients.py`). "
             "Fractions of the nonzero values that float16 would flush to zero (below 2^-25) or keep only as "
@@ -350,6 +351,48 @@ def seeds_section(directory: Path) -> str | None:
     return "\n".join(["| seed | fp32 | bf16 O1 | bf16 O2 |", "|---|---|---|---|", *rows])
 
 
+def underflow_section(directory: Path, relative: str) -> str | None:
+    """Micikevicius et al.'s claim on the GPT: float16 loss scaling at the workload's own gradient magnitudes
+    (compare-gpt-loss-scaling) and at a 16x larger batch's (compare-gpt-underflow, the loss divided by 16)."""
+    records = [load(directory / name, "results.json") for name in ("compare-gpt-loss-scaling-cpu",
+                                                                    "compare-gpt-underflow-cpu", "compare-gpt-cpu")]
+    if any(r is None for r in records[:2]):
+        return None
+
+    def by_setting(results: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+        runs = results["runs"] if results else []
+        return {run["label"].replace(" fp32-compute", ""): run for run in runs if not run.get("probe")}
+
+    own, divided, default = (by_setting(r) for r in records)
+    if "bf16 O1" in default and default["fp32"]["final_train_loss"] == own["fp32"]["final_train_loss"]:
+        own["bf16 O1"] = default["bf16 O1"]  # compare-gpt: the same float32 run, so its bf16 O1 belongs here
+    divisor = records[1]["config"]["loss_divisor"]  # type: ignore[index]
+    rows = [f"Final train loss against float32's (mean of the last 40 of 400 steps), zero gradient values and "
+            f"skipped steps of the records compare-gpt-loss-scaling (the GPT's own batch, 2,048 tokens) and "
+            f"compare-gpt-underflow (the training loss divided by {divisor:g}: each gradient value where a "
+            f"{2048 * divisor:,.0f}-token batch puts it; AdamW's eps divided too, so float32 trains as before).", "",
+            f"| setting | own batch: loss vs float32 | zero gradients | skipped | loss / {divisor:g}: loss vs "
+            "float32 | zero gradients | skipped |", "|---|---|---|---|---|---|---|"]
+
+    def cells(run: dict[str, Any] | None) -> list[str]:
+        if run is None:
+            return ["-", "-", "-"]
+        zeros = run.get("zero_grad_fraction")
+        return [f"{run['ratio_to_fp32']['final_train_loss']:.3f}x ({run['final_train_loss']:.4f})",
+                "-" if zeros is None else f"{100 * zeros:.2g}%", str(run["skipped_steps"])]
+
+    for label in dict.fromkeys([*own, *divided]):
+        rows.append(f"| {label} | {' | '.join(cells(own.get(label)) + cells(divided.get(label)))} |")
+    same = [label for label in ("fp32", "bf16 O1")
+            if label in own and label in divided and own[label]["losses"] == divided[label]["losses"]]
+    if same:
+        rows += ["", f"{' and '.join(same)} lost the same value at every step with the loss divided by {divisor:g} "
+                 "as without (bit for bit: their exponent range holds the smaller gradients), so what changes in the "
+                 "last columns is float16's range at work."]
+    rows += ["", f"![loss curves, loss / {divisor:g}]({relative}/compare-gpt-underflow-cpu/curves.png)"]
+    return "\n".join(rows)
+
+
 def load(directory: Path, name: str) -> dict[str, Any] | None:
     path = directory / name
     return json.loads(path.read_text()) if path.exists() else None
@@ -383,6 +426,9 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
         sections += [f"{level} GPT: bf16 O1 and O2 against float32, per seed", "",
                      "Final train losses (mean of the last 40 of 400 steps) from the compare-gpt records above; "
                      "each seed is its own initialisation and batch order.", "", seeds, ""]
+    underflow = underflow_section(directory, relative)
+    if underflow:
+        sections += [f"{level} GPT: float16 with and without loss scaling (the paper's experiment)", "", underflow, ""]
     head = load(directory, "gpt-head.json")
     if head:
         sections += [f"{level} GPT: what bf16 keeps in float32 (an ablation)", "", gpt_head_section(head), ""]

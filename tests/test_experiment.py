@@ -331,6 +331,36 @@ def test_loss_scalings_and_o3_updates_multiply_the_settings_with_labels_saying_s
         comparison.plan(model="mlp", updates=["kahan"])
     with pytest.raises(ValueError, match=r"Unknown loss scaling 'global'. Choose from \['auto', 'none'"):
         comparison.plan(model="mlp", loss_scales=["global"])
+    configs = comparison.plan(model="mlp", precisions=["bf16", "fp16"], opt_levels=["O1"], computes=["float32"],
+                              loss_scales=["none", "dynamic"])  # bf16 needs no scaling: it runs once
+    assert [c.label for c in configs][1:] == ["bf16 O1 fp32-compute", "fp16 O1 fp32-compute no-scaling",
+                                              "fp16 O1 fp32-compute dynamic-scaling"]
+    with pytest.raises(ValueError, match="--loss-scale dynamic applies to fp16 runs only: add --precision fp16"):
+        comparison.plan(model="mlp", precisions=["bf16"], loss_scales=["dynamic"])
+
+
+def test_loss_divisor_leaves_float32_training_as_it_was_and_makes_float16_need_loss_scaling() -> None:
+    common = dict(model="mlp", steps=4, batch_size=8)
+    plain = execute(RunConfig(**common))
+    divided = execute(comparison.plan(**common, precisions=["fp32"], loss_divisor=2**12)[0])
+    assert divided.losses == pytest.approx(plain.losses, rel=1e-5)  # AdamW's eps is divided too
+    assert divided.final_train_loss == pytest.approx(plain.final_train_loss, rel=1e-5)  # reported undivided
+    fp16 = dict(common, precision="fp16", opt_level="O1", compute="float32", loss_divisor=2.0**16)
+    unscaled = execute(RunConfig(**fp16, loss_scale="none"))
+    scaled = execute(RunConfig(**fp16, loss_scale="dynamic"))
+    # A fifth of the MLP's gradient values are zero in any precision (ReLUs that are off, constant pixels);
+    # 2**16 times smaller, most of the others fall below float16's range too, unless the loss is scaled.
+    zero = execute(RunConfig(**common)).zero_grad_fraction
+    assert 0.1 < zero < 0.3
+    assert unscaled.zero_grad_fraction > zero + 0.4
+    assert scaled.zero_grad_fraction == pytest.approx(zero, abs=1e-3) and scaled.skipped_steps == 0
+
+
+@pytest.mark.parametrize("divisor", [0, -4, math.inf, math.nan])
+def test_loss_divisor_must_be_a_finite_positive_number(divisor: float) -> None:
+    with pytest.raises(ValueError, match=rf"--loss-divisor {divisor} is invalid: use a finite number > 0, e.g. "
+                                         r"--loss-divisor 16"):
+        comparison.plan(model="mlp", loss_divisor=divisor)
 
 
 @pytest.mark.parametrize("loss_scale, update", [("none", "plain"), ("adaptive", "plain"), ("auto", "kahan")])

@@ -38,10 +38,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--compute", nargs="+", choices=compute_mod.COMPUTE_MODES,
                         help="how the mixed runs' GEMMs compute (default: auto, native where measured faster here)")
     parser.add_argument("--loss-scale", nargs="+", choices=LOSS_SCALES,
-                        help="loss scaling of the mixed runs (default auto: dynamic for fp16, none otherwise; static "
+                        help="loss scaling of the fp16 runs (default auto: dynamic for fp16, none otherwise; static "
                              "is 1024; adaptive is per layer)")
     parser.add_argument("--update", nargs="+", choices=UPDATES,
                         help="how O3 runs update their 16-bit weights: plain (default), kahan, stochastic")
+    parser.add_argument("--loss-divisor", type=float, default=1.0,
+                        help="divide every run's training loss (and AdamW's eps) by this: gradients as a this-times "
+                             "larger batch's, where float16 needs loss scaling (default 1)")
     parser.add_argument("--no-probe", action="store_true",
                         help="skip the short native 16-bit probe run added where auto computes in float32")
     parser.add_argument("--batch-size", type=int)
@@ -67,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             model=args.model, data=args.data, precisions=args.precision, opt_levels=args.opt_level,
             batch_size=args.batch_size, epochs=args.epochs, steps=args.steps, lr=args.lr, device=args.device,
             seed=args.seed, computes=args.compute, probe=False if args.no_probe else None,
-            loss_scales=args.loss_scale, updates=args.update,
+            loss_scales=args.loss_scale, updates=args.update, loss_divisor=args.loss_divisor,
         )
         estimate = comparison_mod.estimate(configs)  # builds and steps the model: a bad model fails here
         out = comparison_mod.reserve_out_dir(args.out)  # before training: a bad location fails now

@@ -145,6 +145,7 @@ def plan(
     probe: bool | None = None,
     loss_scales: Sequence[str] | None = None,
     updates: Sequence[str] | None = None,
+    loss_divisor: float = 1.0,
 ) -> list[RunConfig]:
     """The runs of a comparison: float32 first, then the mixed settings, then a probe.
 
@@ -156,8 +157,17 @@ def plan(
     beat float32, else float32 GEMMs on 16-bit values) multiplies the settings.
 
     ``loss_scales`` (default ``["auto"]``: dynamic for fp16, none for the others; or
-    ``none``, ``static``, ``dynamic``, ``adaptive``) and, for O3 settings, ``updates``
-    (``plain``, ``kahan``, ``stochastic``; default ``["plain"]``) multiply the settings too.
+    ``none``, ``static``, ``dynamic``, ``adaptive``) multiply the fp16 settings; bf16 and
+    fp8 settings, whose 16-bit parts have float32's exponent range, run once without
+    scaling. For O3 settings, ``updates`` (``plain``, ``kahan``, ``stochastic``; default
+    ``["plain"]``) multiply the settings too.
+
+    ``loss_divisor`` (default 1) divides every run's training loss, float32's too, and
+    AdamW's eps with it, so float32 trains as without it. Each gradient value then sits
+    where a ``loss_divisor``-times larger batch's mean puts it, as gradient accumulation
+    over that many micro-batches divides each one's loss: the regime of large-batch
+    training (GPT-2's ~2**19 tokens a step against the GPT workload's 2**11), where float16
+    without loss scaling flushes gradients to zero. Reported losses are undivided.
 
     ``probe`` (default: where an ``auto`` setting computes in float32) adds a short
     run of the first mixed precision at O1 with native 16-bit kernels,
@@ -198,6 +208,9 @@ def plan(
     _check_positive_int(steps, "--steps")
     if lr is not None and not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"--lr {lr} is invalid: use a finite learning rate > 0, e.g. --lr 0.002.")
+    if not (isinstance(loss_divisor, (int, float)) and math.isfinite(loss_divisor) and loss_divisor > 0):
+        raise ValueError(f"--loss-divisor {loss_divisor} is invalid: use a finite number > 0, e.g. --loss-divisor 16 "
+                         "(gradients as a 16-times larger batch's), or 1 to train on the loss as it is.")
     if not 0 <= seed < 2**63:
         raise ValueError(f"--seed {seed} is out of range: use an integer in [0, 2**63).")
     if any(p in FP8_RECIPES for p in precisions or ()):
@@ -207,6 +220,9 @@ def plan(
     else:
         mixed = [p for p in (precisions or ("bf16" if parsed_device.type == "cpu" else "fp16",)) if p != "fp32"]
         settings = [(p, level) for p in mixed for level in (opt_levels or ("O1", "O2"))]
+    if loss_scales and not any(p == "fp16" for p, _ in settings):
+        raise ValueError(f"--loss-scale {' '.join(loss_scales)} applies to fp16 runs only: add --precision fp16 "
+                         "(bf16 and fp8 keep float32's exponent range, so their runs take no loss scaling).")
     batch_size = defaults["batch_size"] if batch_size is None else batch_size
     if data != "text":
         train_size = _train_size(data)
@@ -228,13 +244,14 @@ def plan(
         lr=defaults["lr"] if lr is None else lr,
         device=device,
         seed=seed,
+        loss_divisor=float(loss_divisor),
     )
     configs = [RunConfig(precision="fp32", opt_level="O0", **common)]
     configs += [
         RunConfig(precision=p, opt_level=level, compute=c, loss_scale=scaling, update=update, **common)
         for p, level in settings
         for c in (computes or ("auto",))
-        for scaling in (loss_scales or ("auto",))
+        for scaling in ((loss_scales or ("auto",)) if p == "fp16" else ("auto",))
         for update in ((updates or ("plain",)) if level == "O3" else ("plain",))
     ]
     for precision in sorted({c.precision for c in configs if c.compute == "native"}):

@@ -33,6 +33,8 @@ def table(comparison: Comparison) -> Table:
         f"ampkit compare: {config['model']} on {config['data']}, batch {config['batch_size']}, "
         f"{config['steps']} steps, {machine['device_name']} (torch {machine['torch']})"
     )
+    if config.get("loss_divisor", 1) != 1:
+        title += f", training loss divided by {config['loss_divisor']:g}"
     caption = "memory in MiB; below each figure, its ratio to float32"
     if any(run.float32_compute for run in comparison.runs):
         caption += "; fp32-compute: GEMMs and convolutions computed in float32 on 16-bit values"
@@ -79,7 +81,9 @@ def write_curves(comparison: Comparison, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")
-    ax.set_title(f"{comparison.config['model']} on {comparison.config['data']}: loss per step")
+    divisor = comparison.config.get("loss_divisor", 1)
+    divided = f" (trained on the loss / {divisor:g})" if divisor != 1 else ""
+    ax.set_title(f"{comparison.config['model']} on {comparison.config['data']}: loss per step{divided}")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -83,6 +83,9 @@ class RunConfig:
     probe: bool = False  # a few timed steps only: no evaluation, no accuracy
     loss_scale: str = "auto"  # one of LOSS_SCALES; auto: dynamic for float16, none otherwise
     update: str = "plain"  # O3's update rule (ampkit.pure16): plain, kahan or stochastic
+    # The training loss is divided by this (and AdamW's eps with it, so float32 trains as with 1): each gradient
+    # value then sits where a loss_divisor-times larger batch's mean puts it (see ``plan``).
+    loss_divisor: float = 1.0
 
     @property
     def scaling(self) -> str:
@@ -172,7 +175,9 @@ def execute(
     baseline = memory_baseline(device)
     torch.manual_seed(config.seed)
     model = build(config.model, **dataset.model_kwargs(CONTEXT)).to(device)
-    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
+    # AdamW's update is unchanged when its gradients and eps shrink by one factor (up to float32 rounding)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                                         eps=1e-8 / config.loss_divisor)
     dtype = low_dtype(config.precision, device) if config.precision != "fp32" else torch.float32
     if config.precision in FP8_RECIPES:
         convert_to_fp8(model, FP8_RECIPES[config.precision])  # before initialize: O2 casts the rest
@@ -212,7 +217,7 @@ def execute(
             loss, saved = saved_bytes_of_step(model, lambda: loss_of(x, y))
         else:
             loss = loss_of(x, y)
-        scaler.scale(loss).backward()
+        scaler.scale(loss / config.loss_divisor if config.loss_divisor != 1 else loss).backward()
         counting_s = 0.0
         if i % ZERO_GRAD_EVERY == 0:  # a measurement, not training: its time is not the step's
             c0 = time.perf_counter()
