@@ -46,11 +46,7 @@ def stochastic_round(values: torch.Tensor, dtype: torch.dtype, generator: torch.
         inf/NaN as nearest rounding gives them.
     """
     if dtype == torch.bfloat16:
-        # bfloat16 is float32's upper 16 bits: add 16 random low bits to the magnitude and cut them
-        # off. A value rounds away from zero with probability (its low bits) / 2**16: unbiased.
-        noise = torch.randint(0, 1 << 16, values.shape, dtype=torch.int32, device=values.device, generator=generator)
-        cut = ((values.contiguous().view(torch.int32) + noise) & -65536).view(torch.float32)
-        return torch.where(values.isnan(), values, cut).to(dtype)  # exact: the low bits are zero
+        return _cut_to_bfloat16(values, generator).to(dtype)  # exact: the low bits are zero
     nearest = values.to(dtype)
     error = values - nearest.float()
     # The other neighbour, on the side of the error; its distance is the local spacing.
@@ -59,6 +55,27 @@ def stochastic_round(values: torch.Tensor, dtype: torch.dtype, generator: torch.
     probability = torch.where(spacing > 0, error.abs() / spacing, torch.zeros_like(error))
     draw = torch.rand(values.shape, generator=generator, device=values.device)
     return torch.where((draw < probability) & (error != 0), other, nearest)
+
+
+def _cut_to_bfloat16(values: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """float32 ``values`` stochastically rounded to bfloat16's precision, still float32 (low 16 bits zero).
+
+    bfloat16 is float32's upper 16 bits: add 16 random low bits to the magnitude and cut
+    them off. A value rounds away from zero with probability (its low bits) / 2**16: unbiased.
+    """
+    bits = values.contiguous().view(torch.int32) + _random_low_bits(values.numel(), values.device, generator).view(
+        values.shape)
+    cut = bits.bitwise_and_(-65536).view(torch.float32)
+    if values.sum().isnan():  # one read of the values; a NaN's carry could reach the sign bit: keep NaN a NaN
+        cut = torch.where(values.isnan(), values, cut)
+    return cut
+
+
+def _random_low_bits(n: int, device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """``n`` int32 values uniform in [0, 2**16): four from each full-range 64-bit draw
+    (torch draws 64 random bits for about the cost of one 32-bit ``randint`` value)."""
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None, generator=generator)
+    return words.view(torch.int16)[:n].to(torch.int32).bitwise_and_(0xFFFF)
 
 
 class StochasticRoundingOptimizer(torch.optim.Optimizer):
@@ -103,11 +120,14 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
                 state = self.state[p]
                 weight, grad = p.float(), p.grad.float()
                 if self.kind == "sgd":
-                    update = _sgd_update(weight, grad, state, group, p.dtype)
+                    _sgd_update(weight, grad, state, group, p.dtype)
                 else:
-                    update = _adamw_update(weight, grad, state, group, p.dtype)
-                draw = stochastic_round(weight - update, p.dtype, self._generator_for(p))
-                p.copy_(draw)
+                    _adamw_update(weight, grad, state, group, p.dtype)
+                generator = self._generator_for(p)
+                if p.dtype == torch.bfloat16:
+                    p.copy_(_cut_to_bfloat16(weight, generator))  # exact: the low bits are zero
+                else:
+                    p.copy_(stochastic_round(weight, p.dtype, generator))
         return loss
 
     def _generator_for(self, p: torch.Tensor) -> torch.Generator | None:
@@ -116,37 +136,39 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
 
 
 def _sgd_update(weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-                dtype: torch.dtype) -> torch.Tensor:
-    """SGD's step (torch.optim.SGD without dampening or Nesterov) in float32; the momentum buffer is kept in ``dtype``."""
+                dtype: torch.dtype) -> None:
+    """torch.optim.SGD's step (no dampening or Nesterov) applied to float32 ``weight`` in place;
+    the momentum buffer is kept in ``dtype``."""
     if group["weight_decay"]:
-        grad = grad + group["weight_decay"] * weight
+        grad = grad.add(weight, alpha=group["weight_decay"])  # not in place: may be the gradient itself
     if group["momentum"]:
         if "momentum_buffer" not in state:
             buffer = grad
         else:
-            buffer = state["momentum_buffer"].float() * group["momentum"] + grad
+            buffer = state["momentum_buffer"].float().mul_(group["momentum"]).add_(grad)
         state["momentum_buffer"] = buffer.to(dtype)
         grad = buffer
-    return group["lr"] * grad
+    weight.add_(grad, alpha=-group["lr"])
 
 
 def _adamw_update(weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-                  dtype: torch.dtype) -> torch.Tensor:
-    """AdamW's step (torch.optim.AdamW's formula) in float32; the moments are kept in ``dtype``."""
+                  dtype: torch.dtype) -> None:
+    """torch.optim.AdamW's step (its formula, in its order) applied to float32 ``weight`` in place;
+    the moments are kept in ``dtype``."""
     beta1, beta2 = group["betas"]
     if "step" not in state:
         state["step"] = 0
         state["exp_avg"] = torch.zeros_like(weight, dtype=dtype)
         state["exp_avg_sq"] = torch.zeros_like(weight, dtype=dtype)
     state["step"] += 1
+    step = state["step"]
+    weight.mul_(1 - group["lr"] * group["weight_decay"])
     exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     state["exp_avg"].copy_(exp_avg)
     state["exp_avg_sq"].copy_(exp_avg_sq)
-    step = state["step"]
-    denominator = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
-    update = group["lr"] * (exp_avg / (1 - beta1**step)) / denominator
-    return update + group["lr"] * group["weight_decay"] * weight
+    denominator = exp_avg_sq.sqrt().div_(math.sqrt(1 - beta2**step)).add_(group["eps"])
+    weight.addcdiv_(exp_avg, denominator, value=-group["lr"] / (1 - beta1**step))
 
 
 def check_update(update: str) -> None:
