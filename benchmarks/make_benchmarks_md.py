@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ampkit.experiment.run import CONTEXT, final_steps
 from ampkit.files import atomic_write
 from common import RESULTS
 
@@ -47,7 +48,8 @@ def compare_table(results: dict[str, Any]) -> str:
     divided = f", training loss divided by {config['loss_divisor']:g}" if config.get("loss_divisor", 1) != 1 else ""
     rows = [
         f"`ampkit compare --model {config['model']} --data {config['data']}` (batch {config['batch_size']}, "
-        f"{config['steps']} steps, lr {config['lr']}{divided}), {results['created']}, on {machine_line(results['machine'])}.",
+        f"{config['steps']} steps, lr {config['lr']}{divided}), {results['created']}, "
+        f"on {machine_line(results['machine'])}.",
         "",
         f"| run | compute | ms/step | samples/s | {memory} | saved for backward | final train loss "
         "| test accuracy | skipped | loss scale |",
@@ -366,11 +368,13 @@ def underflow_section(directory: Path, relative: str) -> str | None:
     own, divided, default = (by_setting(r) for r in records)
     if "bf16 O1" in default and default["fp32"]["final_train_loss"] == own["fp32"]["final_train_loss"]:
         own["bf16 O1"] = default["bf16 O1"]  # compare-gpt: the same float32 run, so its bf16 O1 belongs here
-    divisor = records[1]["config"]["loss_divisor"]  # type: ignore[index]
-    rows = [f"Final train loss against float32's (mean of the last 40 of 400 steps), zero gradient values and "
-            f"skipped steps of the records compare-gpt-loss-scaling (the GPT's own batch, 2,048 tokens) and "
-            f"compare-gpt-underflow (the training loss divided by {divisor:g}: each gradient value where a "
-            f"{2048 * divisor:,.0f}-token batch puts it; AdamW's eps divided too, so float32 trains as before).", "",
+    config = records[1]["config"]  # type: ignore[index]
+    divisor, tokens, steps = config["loss_divisor"], config["batch_size"] * CONTEXT, config["steps"]
+    rows = [f"Final train loss against float32's (mean of the last {final_steps(steps)} of {steps} steps), zero "
+            f"gradient values and skipped steps of the records compare-gpt-loss-scaling (the GPT's own batch, "
+            f"{tokens:,} tokens) and compare-gpt-underflow (the training loss divided by {divisor:g}: each gradient "
+            f"value where a {tokens * divisor:,.0f}-token batch puts it; AdamW's eps divided too, so float32 trains "
+            "as before).", "",
             f"| setting | own batch: loss vs float32 | zero gradients | skipped | loss / {divisor:g}: loss vs "
             "float32 | zero gradients | skipped |", "|---|---|---|---|---|---|---|"]
 
