@@ -315,3 +315,48 @@ def test_attention_forward_and_backward_compute_as_the_mode_says(mode: str) -> N
     assert out.dtype == torch.bfloat16 and q.grad is not None and q.grad.dtype == torch.bfloat16
     assert len(spy.dtypes) == 2  # the fused kernel forward and backward
     assert set(spy.dtypes) == {torch.float32 if mode == "float32" else torch.bfloat16}
+
+
+def test_a_linear_after_a_gelu_recomputes_its_input_bit_for_bit_and_saves_one_hidden_tensor(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(32, 128), nn.GELU(approximate="tanh"), nn.Linear(128, 32))
+    x = torch.randn(64, 32)
+    policy = ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")
+
+    def step() -> torch.Tensor:
+        with ampkit.autocast(policy):
+            return mlp(x).float().square().mean()
+
+    def gradients() -> list[torch.Tensor]:
+        grads = [p.grad.clone() for p in mlp.parameters()]
+        mlp.zero_grad()
+        return grads
+
+    loss, recomputing = saved_bytes_of_step(mlp, step)  # its hook only looks: the GELU output is recomputed
+    loss.backward()
+    recomputed = gradients()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # another's hooks: saved as before
+        saved_loss = step()
+    saved_loss.backward()
+    assert torch.equal(loss, saved_loss)
+    assert all(torch.equal(a, b) for a, b in zip(recomputed, gradients()))
+    monkeypatch.setattr(compute, "_gelu_input", lambda x: None)
+    _, saving = saved_bytes_of_step(mlp, step)
+    assert saving - recomputing == 64 * 128 * 2  # the bf16 GELU output, which the second linear no longer saves
+
+
+def test_the_gelu_recompute_stays_out_of_activation_checkpointing() -> None:
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(8, 16)
+    with ampkit.autocast(ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")):
+        plain = mlp(x).float().sum()
+    plain.backward()
+    want = [p.grad.clone() for p in mlp.parameters()]
+    mlp.zero_grad()
+    with ampkit.autocast(ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")):
+        checkpointed = torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=False).float().sum()
+    checkpointed.backward()
+    assert torch.equal(plain, checkpointed)
+    assert all(torch.equal(a, p.grad) for a, p in zip(want, mlp.parameters()))

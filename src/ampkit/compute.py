@@ -9,7 +9,8 @@ emulates them in software, many times slower than float32 (as
 ops in float32 on the 16-bit values and rounds the result back to 16 bits,
 forward and backward:
 
-- memory is a native run's: autograd saves the 16-bit tensors;
+- memory is a native run's: autograd saves the 16-bit tensors (less where a linear
+  reads a GELU's output: it recomputes that instead of saving it, see ``_Linear``);
 - the numerics are a tensor core's (16-bit inputs, float32 accumulation,
   output rounded once), so the same mode emulates GPU numerics on any CPU,
   float16 overflow to inf and subnormals included;
@@ -352,19 +353,53 @@ class _Float32Compute(torch.autograd.Function):
 # on the same values for a fraction of that.
 
 
+def passthrough(pack_hook: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """Mark a ``saved_tensors_hooks`` pack hook that returns its tensor as it is (one that
+    only looks, as ``memory.saved_bytes_of_step`` does): under it, ``_Linear`` still
+    recomputes a GELU output instead of saving it (see ``_gelu_input``)."""
+    pack_hook._ampkit_passthrough = True  # type: ignore[attr-defined]
+    return pack_hook
+
+
+def _gelu_input(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+    """When ``x`` is the output of a GELU (a transformer MLP's hidden layer), the GELU's
+    input and mode: autograd keeps that input for the GELU's own backward, so a linear
+    reading ``x`` can save nothing more and recompute ``x`` in its backward (the same
+    kernel on the same 16-bit values: bit for bit). None otherwise, or when saved-tensor
+    hooks other than a ``passthrough`` one are active (offloading, checkpointing), whose
+    unpacking during forward is theirs to decide."""
+    fn = x.grad_fn
+    if fn is None or x._base is not None or fn.name() != "GeluBackward0":
+        return None
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if hooks is not None and not getattr(hooks[0], "_ampkit_passthrough", False):
+        return None
+    source = fn._saved_self  # type: ignore[attr-defined]
+    if source.dtype != x.dtype or source.shape != x.shape:
+        return None
+    return source, fn._saved_approximate  # type: ignore[attr-defined]
+
+
 class _Linear(torch.autograd.Function):
     """``F.linear`` in float32 on 16-bit ``x``, ``w`` (and ``b``), each GEMM's result rounded
-    once, as torch's own linear (addmm) and its backward (two mm, a sum) are."""
+    once, as torch's own linear (addmm) and its backward (two mm, a sum) are.
+
+    A GELU output ``x`` is not saved: its backward recomputes it from the GELU's input,
+    which autograd keeps anyway (a transformer MLP then saves one hidden-size tensor, not two)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x, w)
+        gelu = _gelu_input(x)
+        ctx.gelu = None if gelu is None else gelu[1]
+        ctx.save_for_backward(x if gelu is None else gelu[0], w)
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         x, w = ctx.saved_tensors
+        if ctx.gelu is not None:
+            x = F.gelu(x, approximate=ctx.gelu)
         grad32 = grad.float()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
