@@ -154,7 +154,7 @@ def describe(policy: Policy) -> str:
         speeds = ", ".join(f"{c} {measured.speedup(c, policy.dtype):.3g}x" for c in sorted(classes))
         text += (
             f": measured on {measured.device_name}, native {dtype} kernels run at {speeds} float32's speed. "
-            f"Tensors stay {dtype} (memory as a native run) and results are rounded as a tensor core rounds "
+            f"Tensors stay {dtype} (memory as a native run's, or less) and results are rounded as a tensor core rounds "
             "them; Policy(compute='native') forces the 16-bit kernels."
         )
     else:
