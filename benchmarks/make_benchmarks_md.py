@@ -336,6 +336,12 @@ def gpt_head_section(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _by_setting(results: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """A compare record's trained runs by setting, the compute mode left out of the label (``bf16 O1``)."""
+    runs = results["runs"] if results else []
+    return {run["label"].replace(" fp32-compute", ""): run for run in runs if not run.get("probe")}
+
+
 def seeds_section(directory: Path) -> str | None:
     """bf16 O1 and O2 against float32 on the GPT, per seed (the compare-gpt records)."""
     rows = []
@@ -343,7 +349,7 @@ def seeds_section(directory: Path) -> str | None:
         results = load(directory / name, "results.json")
         if results is None:
             continue
-        runs = {run["label"].split(" fp32-compute")[0]: run for run in results["runs"] if not run.get("probe")}
+        runs = _by_setting(results)
         base = runs["fp32"]["final_train_loss"]
         cells = [f"{runs[k]['final_train_loss']:.4f} ({runs[k]['final_train_loss'] / base:.3f}x)" if k in runs else "-"
                  for k in ("bf16 O1", "bf16 O2")]
@@ -361,11 +367,7 @@ def underflow_section(directory: Path, relative: str) -> str | None:
     if any(r is None for r in records[:2]):
         return None
 
-    def by_setting(results: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
-        runs = results["runs"] if results else []
-        return {run["label"].replace(" fp32-compute", ""): run for run in runs if not run.get("probe")}
-
-    own, divided, default = (by_setting(r) for r in records)
+    own, divided, default = (_by_setting(r) for r in records)
     if "bf16 O1" in default and default["fp32"]["final_train_loss"] == own["fp32"]["final_train_loss"]:
         own["bf16 O1"] = default["bf16 O1"]  # compare-gpt: the same float32 run, so its bf16 O1 belongs here
     config = records[1]["config"]  # type: ignore[index]

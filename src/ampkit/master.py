@@ -260,8 +260,9 @@ def initialize(
             ``[nn.Embedding]``: a float32 embedding keeps a transformer's residual stream in float32
             (``x + f(x)`` with a 16-bit ``f(x)`` promotes to float32) and a head tied to it computes
             float32 logits; the 16-bit modules then cast their inputs. Measured on the GPT of
-            `ampkit compare`: no difference in final loss beyond seed-to-seed noise, and 0.61x float32's
-            saved-for-backward bytes instead of 0.53x (benchmarks/bench_gpt_head.py), hence not the default.
+            `ampkit compare`: no difference in final loss beyond seed-to-seed noise
+            (benchmarks/bench_gpt_head.py), and more saved for backward (every LayerNorm then saves
+            a float32 input), hence not the default.
 
     Returns:
         (model, optimizer): the model is changed in place; the optimizer is wrapped
