@@ -7,6 +7,7 @@ import copy
 import importlib
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
-from ampkit import compute
+from ampkit import compute, hardware
 from ampkit.memory import saved_bytes_of_step
 from conftest import LOW_DTYPES, fake_throughput, requires_cuda
 
@@ -306,6 +307,7 @@ def test_linear_and_convolutions_take_the_fast_paths_and_the_rest_the_generic_on
 def test_attention_forward_and_backward_compute_as_the_mode_says(mode: str) -> None:
     q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16, requires_grad=True)
     policy = ampkit.Policy.default("cpu", torch.bfloat16, compute=mode)
+    hardware.measure("cpu")  # its timed matmuls (once per machine) must not run under the spy
     spy = _Spy()
     with spy, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -315,6 +317,29 @@ def test_attention_forward_and_backward_compute_as_the_mode_says(mode: str) -> N
     assert out.dtype == torch.bfloat16 and q.grad is not None and q.grad.dtype == torch.bfloat16
     assert len(spy.dtypes) == 2  # the fused kernel forward and backward
     assert set(spy.dtypes) == {torch.float32 if mode == "float32" else torch.bfloat16}
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
+def test_attention_takes_a_fast_path_bit_identical_to_the_generic_one(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    qkv = torch.randn(2, 16, 3, 2, 8).to(dtype).requires_grad_()  # q, k, v: views of one tensor, as in a GPT
+    grad = torch.randn(2, 2, 16, 8).to(dtype)
+
+    def run(fn: Callable[..., torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, str]:
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        out = compute.run_in_float32(fn, q, k, v, **kwargs)
+        (g,) = torch.autograd.grad(out, qkv, grad)
+        return out, g, out.grad_fn.name()
+
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    for kwargs in ({"is_causal": True}, {"scale": 0.3}):
+        fast, generic = run(sdpa, **kwargs), run(F.scaled_dot_product_attention, **kwargs)  # a Python function: generic
+        assert (fast[2], generic[2]) == ("_AttentionBackward", "_Float32ComputeBackward")
+        assert torch.equal(fast[0], generic[0]) and torch.equal(fast[1], generic[1])
+        assert fast[0].dtype == fast[1].dtype == dtype
+    # A mask or dropout (its random draws) is the generic path's: torch converts the mask before the kernel.
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()
+    assert run(sdpa, attn_mask=mask)[2] == run(sdpa, dropout_p=0.1)[2] == "_Float32ComputeBackward"
 
 
 def test_a_linear_after_a_gelu_recomputes_its_input_bit_for_bit_and_saves_one_hidden_tensor(

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
@@ -220,30 +221,36 @@ def _native_out_dtypes(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
-class _UpcastGemms(TorchDispatchMode):
-    """Run BACKEND_OPS that receive 16-bit tensors on float32 copies and round their
-    outputs to the dtypes the native kernel returns; every other op runs untouched.
-
-    One instance serves one nested forward or backward: its upcasts are memoized per
-    storage, so a weight or gradient that several GEMMs read (a linear's backward reads
-    its output gradient twice; attention's q, k and v share a storage) is converted once.
-    """
+class _Upcasts:
+    """float32 copies of 16-bit tensors, memoized per storage: a weight or gradient that
+    several GEMMs read (a linear's backward reads its output gradient twice; attention's
+    q, k and v are views of one projection's output) is converted once. One instance
+    serves one forward or backward; float32 tensors pass through."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self._upcasts: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
+        self._memo: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
-    def _upcast(self, t: torch.Tensor) -> torch.Tensor:
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if t.dtype not in _LOW:
             return t
         storage = t.untyped_storage()
         if storage.nbytes() > 4 * max(t.numel() * t.element_size(), 1) or storage.nbytes() % t.element_size():
             return t.float()  # a small view of a big storage: convert just the view
         key = (storage.data_ptr(), t._version, t.dtype)
-        whole = self._upcasts.get(key)
+        whole = self._memo.get(key)
         if whole is None:
-            whole = self._upcasts[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage).float()
+            whole = self._memo[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage).float()
         return whole.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+class _UpcastGemms(TorchDispatchMode):
+    """Run BACKEND_OPS that receive 16-bit tensors on float32 copies (``_Upcasts``) and
+    round their outputs to the dtypes the native kernel returns; every other op runs
+    untouched. One instance serves one nested forward or backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._upcast = _Upcasts()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
@@ -435,6 +442,37 @@ class _Convolution(torch.autograd.Function):
         return (*rounded, *(None for _ in ctx.params))
 
 
+class _Attention(torch.autograd.Function):
+    """``scaled_dot_product_attention`` through CPU's flash kernel in float32 on 16-bit q, k,
+    v: what the generic path runs (the same kernel on the same float32 copies, its output
+    rounded, backward reading that rounded output), without a dispatch mode and a nested
+    graph. Saves what the native kernel saves: q, k, v, the 16-bit output and the float32
+    log-sum-exp."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,  # type: ignore[override]
+                scale: float | None) -> torch.Tensor:
+        up = _Upcasts()  # q, k and v are often views of one tensor: one conversion
+        out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            up(q), up(k), up(v), 0.0, is_causal, scale=scale
+        )
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, logsumexp)
+        ctx.is_causal, ctx.scale = is_causal, scale
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        q, k, v, out, logsumexp = ctx.saved_tensors
+        up = _Upcasts()
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.float(), up(q), up(k), up(v), out.float(), logsumexp, 0.0, ctx.is_causal, scale=ctx.scale
+        )
+        rounded = [g.to(t.dtype) if wanted else None for g, t, wanted in zip(grads, (q, k, v), ctx.needs_input_grad)]
+        return (*rounded, None, None)
+
+
 def _same_low_dtype(*tensors: torch.Tensor | None) -> bool:
     dtypes = {t.dtype for t in tensors if t is not None}
     return len(dtypes) == 1 and dtypes.pop() in _LOW
@@ -467,7 +505,23 @@ def _convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *para
     return _Convolution.apply(x, w, b, *params)
 
 
+_FLASH = SDPBackend.FLASH_ATTENTION.value
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
+               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+               enable_gqa: bool = False) -> Any:
+    # The case the flash kernel serves on the CPU, as torch itself would pick it for these 16-bit
+    # inputs; masks (converted by torch before the kernel), dropout (its random draws) and
+    # grouped-query attention take the generic path.
+    if (attn_mask is not None or dropout_p or enable_gqa or not q.is_cpu or not _same_low_dtype(q, k, v)
+            or torch._fused_sdp_choice(q, k, v, None, 0.0, is_causal, scale=scale) != _FLASH):
+        return NotImplemented
+    return _Attention.apply(q, k, v, is_causal, scale)
+
+
 _FAST: dict[Any, Callable[..., Any]] = {
+    torch.ops.aten.scaled_dot_product_attention.default: _attention,
     torch.ops.aten.linear.default: _linear,
     torch.ops.aten.conv1d.default: _convnd(1),
     torch.ops.aten.conv2d.default: _convnd(2),
