@@ -77,3 +77,30 @@ def test_a_tied_weight_is_counted_once() -> None:
     assert est.parameters == sum(p.numel() for p in model.parameters())  # the tied head is not counted twice
     norms = sum(p.numel() for name, p in model.named_parameters() if "ln" in name)
     assert est.mixed.weights == 4 * norms + 2 * (est.parameters - norms)
+
+
+def test_keep_float32_is_estimated_as_initialize_keeps_it() -> None:
+    """Float32 embeddings (and the head tied to them) at O2: the estimate counts the real tensors."""
+    import ampkit
+    from ampkit.experiment.models import GPT
+    from ampkit.memory import measured_state_bytes
+
+    torch.manual_seed(0)
+    model = GPT(vocab_size=64, context=8, d_model=32, n_layers=1, n_heads=2)
+    tokens = torch.randint(0, 64, (2, 8))
+    kept = estimate_memory(model, tokens, "O2", keep_float32=[nn.Embedding])
+    plain = estimate_memory(model, tokens, "O2")
+    embeddings = model.tok.weight.numel() + model.pos.weight.numel()
+    assert kept.mixed.weights == plain.mixed.weights + 2 * embeddings  # 4 bytes each instead of 2
+    mixed = kept.mixed
+    estimated = mixed.weights + mixed.gradients + mixed.master_weights + mixed.optimizer_states
+    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters()), "O2", torch.bfloat16,
+                                         compute="float32", keep_float32=[nn.Embedding])
+    model(tokens).float().sum().backward()
+    optimizer.step()
+    assert model.tok.weight.dtype == model.lm_head.weight.dtype == torch.float32
+    assert measured_state_bytes(model, optimizer) == pytest.approx(estimated, abs=64)
+    with pytest.raises(ValueError, match=r"keep_float32= applies at O2 only \(opt_level='O3'\)"):
+        estimate_memory(model, tokens, "O3", keep_float32=[nn.Embedding])
+    with pytest.raises(ValueError, match=r"must list nn.Module subclasses"):
+        estimate_memory(model, tokens, "O2", keep_float32=["Embedding"])  # type: ignore[list-item]

@@ -276,12 +276,7 @@ def initialize(
         >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
     """
     check_settings(opt_level, compute, policy, update)
-    if keep_float32 and opt_level != "O2":
-        raise ValueError(f"keep_float32= applies at O2 only (opt_level={opt_level!r}): drop it, or use opt_level='O2'.")
-    bad = [t for t in keep_float32 if not (isinstance(t, type) and issubclass(t, nn.Module))]
-    if bad:
-        raise ValueError(f"keep_float32={list(keep_float32)!r} must list nn.Module subclasses, e.g. [nn.Embedding]; "
-                         f"not {bad}.")
+    check_keep_float32(opt_level, keep_float32)
     if getattr(model, "_ampkit_opt_level", None) is not None:
         raise ValueError(
             f"The model was initialized at {model._ampkit_opt_level} already; call ampkit.initialize once, on the "
@@ -319,6 +314,16 @@ def check_settings(opt_level: str, compute: str, policy: Policy | None, update: 
     if policy is not None and opt_level != "O1":
         raise ValueError(f"policy= applies at O1 only (opt_level={opt_level!r} casts nothing by policy): drop "
                          "policy=, or use opt_level='O1'.")
+
+
+def check_keep_float32(opt_level: str, keep_float32: Sequence[type[nn.Module]]) -> None:
+    """Raise ValueError unless ``keep_float32`` lists nn.Module subclasses, at O2 (or is empty)."""
+    if keep_float32 and opt_level != "O2":
+        raise ValueError(f"keep_float32= applies at O2 only (opt_level={opt_level!r}): drop it, or use opt_level='O2'.")
+    bad = [t for t in keep_float32 if not (isinstance(t, type) and issubclass(t, nn.Module))]
+    if bad:
+        raise ValueError(f"keep_float32={list(keep_float32)!r} must list nn.Module subclasses, e.g. [nn.Embedding]; "
+                         f"not {bad}.")
 
 
 def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype,

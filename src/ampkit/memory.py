@@ -82,12 +82,14 @@ def estimate_memory(
     dtype: torch.dtype | str = torch.bfloat16,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     update: str = "plain",
+    keep_float32: Sequence[type[nn.Module]] = (),
 ) -> MemoryEstimate:
     """Estimate training memory in float32 and at ``opt_level``.
 
     O2 counts the float32 masters and their float32 gradient copies (``gradients`` holds
     both the model's 16-bit gradients and the masters' float32 copies of them) and keeps
-    normalization layers in float32, as ``initialize`` does; O3 keeps the
+    normalization layers (and ``keep_float32`` types, with weights tied to theirs) in
+    float32, as ``initialize`` does; O3 keeps the
     optimizer states in 16 bits, plus a 16-bit Kahan compensation buffer per weight with
     ``update="kahan"``. ``measured_state_bytes`` gives the same figures from real tensors.
 
@@ -99,17 +101,22 @@ def estimate_memory(
         dtype: the 16-bit dtype.
         loss_fn: ``loss_fn(output) -> loss`` (default: mean square of the output).
         update: O3's update rule (``ampkit.pure16``): ``"plain"``, ``"kahan"`` or ``"stochastic"``.
+        keep_float32: at O2, module types kept in float32 besides the normalization layers, as
+            ``initialize(..., keep_float32=...)`` keeps them (e.g. ``[nn.Embedding]``).
 
     Raises:
-        ValueError: an unknown optimizer, opt level or update, or an update other than plain below O3.
+        ValueError: an unknown optimizer, opt level or update, an update other than plain below O3,
+            or ``keep_float32`` below or above O2 or listing something that is not an nn.Module type.
     """
-    from ampkit.master import NORM_TYPES, OPT_LEVELS, check_settings, initialize
+    from ampkit.master import NORM_TYPES, OPT_LEVELS, check_keep_float32, check_settings, initialize
 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"Unknown optimizer {optimizer!r}. Choose one of {sorted(OPTIMIZER_STATES)}.")
     if opt_level not in OPT_LEVELS[1:]:
         raise ValueError(f"Unknown opt_level {opt_level!r} for a mixed estimate. Choose one of {list(OPT_LEVELS[1:])}.")
     check_settings(opt_level, "auto", None, update)
+    check_keep_float32(opt_level, keep_float32)
+    kept_types = (*NORM_TYPES, *keep_float32)
     dtype = resolve_dtype(dtype)
     states = OPTIMIZER_STATES[optimizer]
     args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -118,15 +125,15 @@ def estimate_memory(
     def activations(level: str) -> int:
         traced = copy.deepcopy(model)
         if level != "O0":
-            traced, _ = initialize(traced, None, level, dtype)
+            traced, _ = initialize(traced, None, level, dtype, keep_float32=keep_float32)  # empty below O2
         _, saved = saved_bytes_of_step(traced, lambda: loss_fn(traced(*args)))
         return saved
 
-    # Each parameter once (a tied weight belongs to two modules); O2 keeps it float32 if any owner is a norm.
+    # Each parameter once (a tied weight belongs to two modules); O2 keeps it float32 if any owner is kept.
     params: dict[int, tuple[torch.Tensor, bool]] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
-            kept = opt_level == "O2" and isinstance(module, NORM_TYPES)
+            kept = opt_level == "O2" and isinstance(module, kept_types)
             params[id(p)] = (p, kept or params.get(id(p), (p, False))[1])
     n = sum(p.numel() for p, _ in params.values())
     trained = [(p, kept) for p, kept in params.values() if p.requires_grad]  # frozen: no gradients or states
