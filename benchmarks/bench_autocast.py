@@ -27,7 +27,7 @@ import ampkit
 from ampkit import compute
 from ampkit.experiment.models import GPT, ResNet18
 from ampkit.memory import saved_bytes_of_step
-from common import interleaved_medians, save
+from common import interleaved_medians, paired_ratio_quartiles, save
 
 WARMUP, REPEATS = 1, 31
 BUDGET_S = 45.0  # per variant: torch.autocast's 16-bit kernels take tens of seconds a step on AVX2-only CPUs
@@ -86,7 +86,9 @@ def bench_models() -> list[dict]:
                                                    torch.bfloat16)
         steps["ampkit O2 bf16, auto"] = step_fn(o2_model, x, y, contextlib.nullcontext, o2_optimizer)
         counts: dict[str, int] = {}
-        medians = interleaved_medians(steps, warmup=WARMUP, repeats=REPEATS, budget_s=BUDGET_S, counts=counts)
+        samples: dict[str, list[float]] = {}
+        medians = interleaved_medians(steps, warmup=WARMUP, repeats=REPEATS, budget_s=BUDGET_S, counts=counts,
+                                      samples=samples)
         saved = {label: saved_bytes_of_step(step.model, step.forward)[1]  # type: ignore[attr-defined]
                  for label, step in steps.items()}
         reference = "torch.autocast bf16"
@@ -101,6 +103,7 @@ def bench_models() -> list[dict]:
                 "ms_per_step": medians[label] * 1e3,
                 "timed_steps": counts[label],
                 "ratio_to_float32": medians[label] / medians["float32"],
+                "ratio_to_float32_quartiles": paired_ratio_quartiles(samples[label], samples["float32"]),
                 "ratio_to_torch_autocast": medians[label] / medians[reference],
                 "saved_for_backward_bytes": saved[label],
                 "saved_ratio_to_float32": saved[label] / saved["float32"],

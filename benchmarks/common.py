@@ -17,7 +17,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def interleaved_medians(
     variants: dict[str, Callable[[], Any]], warmup: int, repeats: int, budget_s: float | None = None,
-    counts: dict[str, int] | None = None,
+    counts: dict[str, int] | None = None, samples: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
     """Median seconds per call of each variant, timed in alternation.
 
@@ -30,7 +30,7 @@ def interleaved_medians(
     With ``budget_s``, a variant leaves the rotation once its timed calls add up to
     that many seconds and it has been timed 3 times (a 16-bit kernel emulated in
     software can take tens of seconds a call); ``counts`` receives how many times
-    each variant was timed.
+    each variant was timed, ``samples`` every timing (seconds, in round order).
     """
     for fn in variants.values():
         for _ in range(warmup):
@@ -48,6 +48,8 @@ def interleaved_medians(
             times[name].append(time.perf_counter() - start)
     if counts is not None:
         counts.update({name: len(ts) for name, ts in times.items()})
+    if samples is not None:
+        samples.update(times)
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -57,3 +59,14 @@ def save(name: str, payload: dict[str, Any]) -> Path:
     payload = {"machine": hardware.machine_summary(), "created": time.strftime("%Y-%m-%d %H:%M"), **payload}
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=2) + "\n"))
     return path
+
+
+def paired_ratio_quartiles(times: list[float], reference: list[float]) -> list[float] | None:
+    """The first and third quartiles of ``times[i] / reference[i]`` over the rounds of
+    ``interleaved_medians`` (each round times every variant once): how far one run's ratio
+    moves with the machine's noise. None when the two were not timed in the same rounds."""
+    if len(times) != len(reference) or len(times) < 4:
+        return None
+    q1, _, q3 = statistics.quantiles([t / r for t, r in zip(times, reference)], n=4)
+    return [q1, q3]
+

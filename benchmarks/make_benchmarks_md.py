@@ -120,7 +120,10 @@ def autocast_table(results: dict[str, Any]) -> str:
     rows = [
         f"`python benchmarks/bench_autocast.py`, {results['created']}, on {machine_line(results['machine'])}. "
         f"Training steps, {timed} after {warmup} warm-up step{'s' if warmup > 1 else ''}, variants "
-        "timed in alternation.",
+        "timed in alternation"
+        + ("; after a ratio to float32, in brackets, the middle half of the per-round ratios (each round times "
+           "every variant once): how far the figure moves with this machine's noise."
+           if "ratio_to_float32_quartiles" in results["models"][0] else "."),
         "",
     ]
     if v2:
@@ -139,7 +142,9 @@ def autocast_table(results: dict[str, Any]) -> str:
         steps = f" ({row['timed_steps']})" if "timed_steps" in row else ""
         cells = [row["model"], f"{row['variant']}{edits}{mode}", f"{row['ms_per_step']:.1f}{steps}"]
         if v2:
-            cells += [f"{row['ratio_to_float32']:.3f}x", f"{row['ratio_to_torch_autocast']:.3f}x",
+            quartiles = row.get("ratio_to_float32_quartiles")
+            spread = f" ({quartiles[0]:.2f}-{quartiles[1]:.2f})" if quartiles and row["variant"] != "float32" else ""
+            cells += [f"{row['ratio_to_float32']:.3f}x{spread}", f"{row['ratio_to_torch_autocast']:.3f}x",
                       f"{row['saved_for_backward_bytes'] / MIB:.1f} MiB", f"{row['saved_ratio_to_float32']:.2f}x"]
         else:
             cells += [f"{row['ratio_to_torch_autocast']:.3f}x", f"{row['saved_for_backward_bytes'] / MIB:.1f} MiB",
