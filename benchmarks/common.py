@@ -69,4 +69,3 @@ def paired_ratio_quartiles(times: list[float], reference: list[float]) -> list[f
         return None
     q1, _, q3 = statistics.quantiles([t / r for t, r in zip(times, reference)], n=4)
     return [q1, q3]
-
