@@ -106,6 +106,33 @@ def test_an_overflowing_layer_backs_off_alone_and_the_step_is_skipped() -> None:
     assert [s.overflows for s in scaler.layer_stats] == [0, 1]
 
 
+def test_an_iteration_reads_the_device_once_as_dynamic_loss_scaling_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer statistics travel with the overflow flag: one host read per step + update."""
+    reads: list[str] = []
+    for method in ("item", "tolist", "__bool__", "__float__"):
+        original = getattr(torch.Tensor, method)
+
+        def counting(self, *args, _original=original, _method=method):  # type: ignore[no-untyped-def]
+            reads.append(_method)
+            return _original(self, *args)
+
+        monkeypatch.setattr(torch.Tensor, method, counting)
+    x = torch.randn(4, 8).half()
+    for make in (DynamicLossScaler, AdaptiveLossScaler):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).half()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = make(model) if make is AdaptiveLossScaler else make()
+        counts = []
+        for _ in range(3):
+            reads.clear()
+            scaler.scale(model(x).float().sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            counts.append(len(reads))
+        assert counts == [1, 1, 1], (make.__name__, counts)
+
+
 def test_gradients_match_float32_through_residuals_and_tied_weights() -> None:
     """Outside the brackets all gradients are at the global scale, so a residual sum and a weight
     tied across two modules get the same gradients as unscaled float32."""

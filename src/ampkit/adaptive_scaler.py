@@ -132,6 +132,7 @@ class AdaptiveLossScaler(DynamicLossScaler):
         self._layer_amax: list[float | None] = [None] * len(self.names)
         self._layer_overflows = [0] * len(self.names)
         self._faulted: list[int] = []  # layers whose own gradients overflowed in the last update
+        self._table: list[list[float]] = []  # per group: largest incoming, input and weight gradient (last sync)
         self._master_of: dict[int, int] = {}  # id of a float32 master -> id of its model parameter
         self._mapped: set[int] = set()  # optimizers whose masters are in _master_of
         self._handles: list[Any] = []
@@ -269,22 +270,28 @@ class AdaptiveLossScaler(DynamicLossScaler):
             self._events[group]["weights"].append(torch.stack([n.float() for n in norms]).amax())
         return _total(found)
 
-    def _scale_overflowed(self, overflow: bool) -> bool:
-        """Blame the overflow, update the layer scales; True when the global scale backs off."""
-        names = list(range(len(self.names))) + [_GLOBAL]
+    def _agree(self, found: torch.Tensor) -> bool:
+        """DynamicLossScaler's overflow check, with this iteration's layer statistics in the
+        same host sync (and the same all-reduce across ranks): one sync per ``step``."""
         kinds = ("incoming", "input", "weights")
         rows = []
-        for group in names:
+        for group in [*range(len(self.names)), _GLOBAL]:
             events = self._events.get(group, {"incoming": [], "input": [], "weights": []})
             # -1: nothing seen this iteration; inf stands for inf/NaN (NaN does not survive a MAX reduction).
             rows.append(torch.stack([torch.nan_to_num(torch.stack(events[k]).amax(), nan=math.inf, posinf=math.inf)
-                                     if events[k] else torch.tensor(-1.0) for k in kinds]))
-        table = torch.stack(rows)
+                                     if events[k] else torch.tensor(-1.0, device=found.device) for k in kinds]))
+        packed = torch.cat([torch.stack(rows).flatten(), found.detach().float().reshape(1)])
         if self.process_group is not None:
             import torch.distributed as dist
 
-            dist.all_reduce(table, op=dist.ReduceOp.MAX, group=self.process_group)
-        values = table.tolist()  # syncs once
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.process_group)
+        *table, overflow = packed.tolist()  # the one sync
+        self._table = [table[i:i + len(kinds)] for i in range(0, len(table), len(kinds))]
+        return overflow > 0
+
+    def _scale_overflowed(self, overflow: bool) -> bool:
+        """Blame the overflow, update the layer scales; True when the global scale backs off."""
+        values = self._table  # from the last step's sync: every gradient of the iteration was seen by then
         faulted = [g for g in range(len(self.names))
                    if math.isfinite(values[g][0]) and not all(math.isfinite(v) for v in values[g][1:])]
         self._faulted = faulted
