@@ -157,6 +157,36 @@ def test_gradients_match_float32_through_residuals_and_tied_weights() -> None:
     assert len({s.scale for s in scaler.layer_stats}) > 1  # the layers did get different scales
 
 
+def test_float32_compute_still_recomputes_a_gelu_output_behind_the_brackets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The brackets' identity rescaling sits between a GELU and the next linear; the linear sees
+    through it (``compute.identity_forward``) and saves one hidden tensor, not two."""
+    from ampkit import compute
+    from ampkit.memory import saved_bytes_of_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(8, 16)
+    policy = ampkit.Policy.default("cpu", torch.float16, compute="float32")
+    scaler = AdaptiveLossScaler(model)
+
+    def run() -> tuple[int, list[torch.Tensor]]:
+        model.zero_grad()
+
+        def step() -> torch.Tensor:
+            with ampkit.autocast(policy):
+                return model(x).float().square().mean()
+
+        loss, saved = saved_bytes_of_step(model, step)
+        scaler.scale(loss).backward()
+        return saved, [p.grad.clone() for p in model.parameters()]
+
+    recomputing, grads = run()
+    monkeypatch.setattr(compute, "_gelu_input", lambda t: None)
+    saving, saved_grads = run()
+    assert saving - recomputing == 8 * 64 * 2  # the float16 GELU output
+    assert all(torch.equal(a, b) for a, b in zip(grads, saved_grads))
+
+
 def test_state_dict_round_trip_resumes_identically() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).half()

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import scaling
+from ampkit import compute, scaling
 from ampkit.scaler import DynamicLossScaler, _total
 
 STATE_VERSION = 1
@@ -63,6 +63,7 @@ class LayerScaleStats:
     overflows: int
 
 
+@compute.identity_forward  # a float32-compute linear still recomputes a GELU output behind it
 class _RescaleGrad(torch.autograd.Function):
     """Identity forward; backward records the incoming gradient's amax, then multiplies by ``factor``."""
 

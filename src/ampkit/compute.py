@@ -368,15 +368,27 @@ def passthrough(pack_hook: Callable[[torch.Tensor], Any]) -> Callable[[torch.Ten
     return pack_hook
 
 
+def identity_forward(cls: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """Mark an autograd Function whose forward returns its first input unchanged, whole (a
+    view, as a gradient rescaling does; ``AdaptiveLossScaler``'s brackets): ``_Linear`` looks
+    through it for a GELU output (see ``_gelu_input``)."""
+    cls._ampkit_identity_forward = True  # type: ignore[attr-defined]
+    return cls
+
+
 def _gelu_input(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
-    """When ``x`` is the output of a GELU (a transformer MLP's hidden layer), the GELU's
-    input and mode: autograd keeps that input for the GELU's own backward, so a linear
-    reading ``x`` can save nothing more and recompute ``x`` in its backward (the same
-    kernel on the same 16-bit values: bit for bit). None otherwise, or when saved-tensor
-    hooks other than a ``passthrough`` one are active (offloading, checkpointing), whose
-    unpacking during forward is theirs to decide."""
+    """When ``x`` is the output of a GELU (a transformer MLP's hidden layer), possibly behind
+    ``identity_forward`` Functions, the GELU's input and mode: autograd keeps that input for
+    the GELU's own backward, so a linear reading ``x`` can save nothing more and recompute
+    ``x`` in its backward (the same kernel on the same 16-bit values: bit for bit). None
+    otherwise, or when saved-tensor hooks other than a ``passthrough`` one are active
+    (offloading, checkpointing), whose unpacking during forward is theirs to decide."""
     fn = x.grad_fn
-    if fn is None or x._base is not None or fn.name() != "GeluBackward0":
+    while fn is not None and getattr(getattr(fn, "_forward_cls", None), "_ampkit_identity_forward", False):
+        fn = fn.next_functions[0][0]
+    whole = x._base is None or (x.shape == x._base.shape and x.stride() == x._base.stride()
+                                and x.storage_offset() == x._base.storage_offset())
+    if fn is None or not whole or fn.name() != "GeluBackward0":
         return None
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is not None and not getattr(hooks[0], "_ampkit_passthrough", False):
