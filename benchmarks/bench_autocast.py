@@ -85,10 +85,8 @@ def bench_models() -> list[dict]:
         o2_model, o2_optimizer = ampkit.initialize(o2_model, torch.optim.SGD(o2_model.parameters(), lr=1e-4), "O2",
                                                    torch.bfloat16)
         steps["ampkit O2 bf16, auto"] = step_fn(o2_model, x, y, contextlib.nullcontext, o2_optimizer)
-        counts: dict[str, int] = {}
         samples: dict[str, list[float]] = {}
-        medians = interleaved_medians(steps, warmup=WARMUP, repeats=REPEATS, budget_s=BUDGET_S, counts=counts,
-                                      samples=samples)
+        medians = interleaved_medians(steps, warmup=WARMUP, repeats=REPEATS, budget_s=BUDGET_S, samples=samples)
         saved = {label: saved_bytes_of_step(step.model, step.forward)[1]  # type: ignore[attr-defined]
                  for label, step in steps.items()}
         reference = "torch.autocast bf16"
@@ -101,7 +99,7 @@ def bench_models() -> list[dict]:
                 if label.endswith("auto") else [],
                 "edits": EDITS[name] if label.startswith("ampkit edited") else None,
                 "ms_per_step": medians[label] * 1e3,
-                "timed_steps": counts[label],
+                "timed_steps": len(samples[label]),
                 "ratio_to_float32": medians[label] / medians["float32"],
                 "ratio_to_float32_quartiles": paired_ratio_quartiles(samples[label], samples["float32"]),
                 "ratio_to_torch_autocast": medians[label] / medians[reference],

@@ -17,7 +17,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def interleaved_medians(
     variants: dict[str, Callable[[], Any]], warmup: int, repeats: int, budget_s: float | None = None,
-    counts: dict[str, int] | None = None, samples: dict[str, list[float]] | None = None,
+    samples: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
     """Median seconds per call of each variant, timed in alternation.
 
@@ -29,8 +29,8 @@ def interleaved_medians(
 
     With ``budget_s``, a variant leaves the rotation once its timed calls add up to
     that many seconds and it has been timed 3 times (a 16-bit kernel emulated in
-    software can take tens of seconds a call); ``counts`` receives how many times
-    each variant was timed, ``samples`` every timing (seconds, in round order).
+    software can take tens of seconds a call); ``samples`` receives every timing
+    (seconds, in round order).
     """
     for fn in variants.values():
         for _ in range(warmup):
@@ -46,8 +46,6 @@ def interleaved_medians(
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
-    if counts is not None:
-        counts.update({name: len(ts) for name, ts in times.items()})
     if samples is not None:
         samples.update(times)
     return {name: statistics.median(ts) for name, ts in times.items()}
