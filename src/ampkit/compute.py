@@ -386,9 +386,11 @@ def _gelu_input(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
     fn = x.grad_fn
     while fn is not None and getattr(getattr(fn, "_forward_cls", None), "_ampkit_identity_forward", False):
         fn = fn.next_functions[0][0]
-    whole = x._base is None or (x.shape == x._base.shape and x.stride() == x._base.stride()
-                                and x.storage_offset() == x._base.storage_offset())
-    if fn is None or not whole or fn.name() != "GeluBackward0":
+    if fn is None or fn.name() != "GeluBackward0":
+        return None
+    base = x._base  # x must be the whole output (a view through identity Functions is), not a part of it
+    if base is not None and (x.shape, x.stride(), x.storage_offset()) != (base.shape, base.stride(),
+                                                                         base.storage_offset()):
         return None
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is not None and not getattr(hooks[0], "_ampkit_passthrough", False):
