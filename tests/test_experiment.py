@@ -104,17 +104,51 @@ def test_peak_memory_counts_what_training_adds_not_torch_itself() -> None:
     assert peak_memory(cpu, memory_baseline(cpu)) < 32 * 2**20  # a new baseline forgets the old peak
 
 
-def test_estimate_scales_a_measured_float32_step(fake_machine) -> None:  # type: ignore[no-untyped-def]
+def test_estimate_scales_a_measured_float32_step(fake_machine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     fake_machine({"matmul": 0.05, "conv": 0.05})
+    monkeypatch.setattr(comparison, "_process_age_s", lambda: 3.0)  # this test process's import time, say
+    monkeypatch.setattr(comparison.os, "cpu_count", lambda: 2)
     configs = comparison.plan(model="mlp", steps=4, batch_size=8)
     estimate = comparison.estimate(configs)
     assert len(estimate.run_s) == len(configs) == 4 and estimate.float32_step_s > 0
+    # the 4 runs start at once on 2 cores: each imports what this process imported (at most its CPU time)
+    assert estimate.startup_s == pytest.approx(3.0 * 4 / 2)
+    assert comparison.estimate(configs[:1]).startup_s == pytest.approx(3.0)  # one run: no wait for a core
     assert estimate.native_speedup == {"bf16": pytest.approx(0.05)}
     fp32, probe = estimate.run_s[0], estimate.run_s[-1]
     assert estimate.total_s == pytest.approx(estimate.startup_s + sum(estimate.run_s))
     # the probe: its native steps at 1/0.05 = 20x float32's time each, no evaluation
     assert probe == pytest.approx(comparison.PROBE_STEPS * 20 * estimate.float32_step_s)
     assert fp32 > 4 * estimate.float32_step_s  # its steps and its evaluation
+
+
+def test_runs_evaluate_one_after_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluations run in turn, as the steps do: together they would share the cores."""
+    calls: list[tuple[str, str]] = []
+
+    class FakeRun:
+        def __init__(self, config: RunConfig) -> None:
+            self.config, self.training = config, False
+
+        def __enter__(self) -> FakeRun:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def finish(self) -> None:
+            calls.append(("finish", self.config.label))
+
+        def result(self) -> str:
+            calls.append(("result", self.config.label))
+            return self.config.label
+
+    monkeypatch.setattr(comparison, "RunProcess", FakeRun)
+    monkeypatch.setattr(comparison.hardware, "machine_summary", lambda device: {})
+    configs = comparison.plan(model="mlp", precisions=["fp32", "bf16"], computes=["float32"], steps=1)
+    labels = [c.label for c in configs]
+    assert comparison.compare(configs).runs == labels
+    assert calls == [(call, label) for label in labels for call in ("finish", "result")]
 
 
 def test_mixed_runs_save_fewer_bytes_for_backward(tiny: tuple[comparison.Comparison, Path]) -> None:

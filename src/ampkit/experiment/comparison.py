@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import math
 import os
+import statistics
 import tempfile
 import time
 import warnings
@@ -43,6 +44,7 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt": {"data": "text", "batch_size": 32, "steps": 400, "lr": 6e-3},
 }
 IMAGE_DEFAULTS = {"data": "digits", "batch_size": 64, "epochs": 2, "lr": 2e-3}
+ESTIMATE_STEPS = 3  # float32 steps the plan times (after a warm-up step): a median, as the runs report
 PROBE_STEPS = 2  # one warm-up step, then one timed: native 16-bit steps can take tens of seconds
 
 Progress = Callable[[str, int, int, float], None]
@@ -295,12 +297,13 @@ def _train_size(data: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Estimate:
-    """How long a comparison will take, from one measured float32 step.
+    """How long a comparison will take, from float32 steps measured here.
 
     Attributes:
-        float32_step_s: one float32 training step of the model, timed here.
-        startup_s: starting the runs (Python, torch, the data; they start together),
-            taken as this process's age.
+        float32_step_s: a float32 training step of the model with the runs' optimizer,
+            timed here (median of ``ESTIMATE_STEPS``).
+        startup_s: starting the runs: each imports what this process imported before
+            the estimate (Python, torch, ampkit, the data), all at once on the CPU's cores.
         run_s: per configuration, in plan order: its training steps and evaluation.
         native_speedup: per mixed precision, float32's time over native 16-bit's for
             this model's GEMMs (measured kernel speeds weighted by the model's FLOPs).
@@ -317,18 +320,21 @@ class Estimate:
 
 
 def estimate(configs: list[RunConfig]) -> Estimate:
-    """Estimate the wall time of ``compare(configs)``: time one float32 training step of
+    """Estimate the wall time of ``compare(configs)``: time float32 training steps of
     the model in this process (after one warm-up step), then scale by steps, evaluation,
     start-up and the measured speed of native 16-bit kernels where a run uses them.
 
     Runs that compute GEMMs in float32 are estimated at float32's step time.
     """
+    # What each run repeats before its set-up: starting Python, importing torch and ampkit. This process's
+    # CPU time so far, at most its age (a long-lived notebook has spent its age on other things).
+    import_s = min(_process_age_s(), time.process_time())
     first = configs[0]
     device = torch.device(first.device)
     dataset = data_mod.load(first.data)
     torch.manual_seed(first.seed)
     model = build(first.model, **dataset.model_kwargs(CONTEXT)).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the runs' optimizer; lr 0: this model is not trained
     index = torch.arange(first.batch_size) % len(dataset.train_x if dataset.kind == "text" else dataset.train_y)
     if dataset.kind == "text":
         x, y = data_mod.windows(dataset.train_x, index % (len(dataset.train_x) - CONTEXT - 1), CONTEXT)
@@ -336,13 +342,22 @@ def estimate(configs: list[RunConfig]) -> Estimate:
         x, y = dataset.train_x[index], dataset.train_y[index]
     x, y = x.to(device), y.to(device)
 
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        logits = check_output(first.model, model(x), dataset.num_classes)
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
-        optimizer.step()
+    def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+
+    def step() -> tuple[float, float]:
+        """One training step; returns its time and its forward's."""
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        logits = check_output(first.model, model(x), dataset.num_classes)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        sync()
+        forward_s = time.perf_counter() - t0
+        loss.backward()
+        optimizer.step()
+        sync()
+        return time.perf_counter() - t0, forward_s
 
     try:
         with FlopCounterMode(display=False) as flops:
@@ -352,9 +367,7 @@ def estimate(configs: list[RunConfig]) -> Estimate:
     except Exception as error:  # the user's model on this data: say so in one line
         raise ValueError(f"The model from {first.model!r} failed on a batch of {first.data} (inputs "
                          f"{tuple(x.shape)}, {x.dtype}): {type(error).__name__}: {error}") from error
-    t0 = time.perf_counter()
-    step()
-    step_s = time.perf_counter() - t0
+    step_s, forward_s = (statistics.median(times) for times in zip(*(step() for _ in range(ESTIMATE_STEPS))))
     share: dict[str, float] = {}  # op class -> its part of the step's GEMM arithmetic
     for op, count in flops.get_flop_counts()["Global"].items():
         name = "conv" if "convolution" in str(op) else "matmul"
@@ -371,9 +384,8 @@ def estimate(configs: list[RunConfig]) -> Estimate:
 
     precisions = sorted({c.precision for c in configs if c.precision != "fp32"})
     speedups = {p: 1 / time_factor(p, list(compute_mod.GEMM_OPS)) for p in precisions}
-    startup = _process_age_s()
+    startup = import_s * max(1.0, len(configs) / (os.cpu_count() or 1))
     n_eval = len(dataset.test_y) if dataset.kind == "image" else 64
-    forward_s = step_s / 3  # a forward is about a third of a training step
     runs = []
     for config in configs:
         factor = 1.0
@@ -405,7 +417,7 @@ def compare(
     The processes start together (their start-up overlaps); then round by round each
     run takes one training step while the others wait, in alternating order (A B C,
     C B A, ...), so all runs are timed under the same machine conditions; then they
-    evaluate together.
+    evaluate, one after another.
 
     Args:
         configs: from ``plan()``; the first is the float32 baseline.
@@ -425,9 +437,10 @@ def compare(
                         step, loss = host.step()
                         if progress is not None:
                             progress(host.config.label, step, host.config.steps, loss)
-            for host in hosts:
+            runs = []
+            for host in hosts:  # one at a time: evaluating together oversubscribes the cores (measured slower)
                 host.finish()
-            runs = [host.result() for host in hosts]
+                runs.append(host.result())
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or a host's SIGTERM handler: keep what ran
             interrupt.partial = partial_record(configs, hosts)  # type: ignore[attr-defined]
             raise
