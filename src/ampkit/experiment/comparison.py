@@ -362,12 +362,13 @@ def estimate(configs: list[RunConfig]) -> Estimate:
     try:
         with FlopCounterMode(display=False) as flops:
             step()  # also the warm-up
+        timed = [step() for _ in range(ESTIMATE_STEPS)]
     except ValueError:
         raise
     except Exception as error:  # the user's model on this data: say so in one line
         raise ValueError(f"The model from {first.model!r} failed on a batch of {first.data} (inputs "
                          f"{tuple(x.shape)}, {x.dtype}): {type(error).__name__}: {error}") from error
-    step_s, forward_s = (statistics.median(times) for times in zip(*(step() for _ in range(ESTIMATE_STEPS))))
+    step_s, forward_s = (statistics.median(times) for times in zip(*timed))
     share: dict[str, float] = {}  # op class -> its part of the step's GEMM arithmetic
     for op, count in flops.get_flop_counts()["Global"].items():
         name = "conv" if "convolution" in str(op) else "matmul"
