@@ -75,37 +75,22 @@ MODELS = textwrap.dedent("""
     def tiny_lm(vocab_size, context):
         return TinyLM(vocab_size, context)
 
-    class LateFailure(nn.Module):  # fine for the plan's warm-up and 3 timed steps, fails in the run's 7th step
-        calls = 0
-
-        def __init__(self, num_classes):
+    class FailsOnCall(nn.Module):  # its forward number `fail_on` raises (each process builds its own)
+        def __init__(self, num_classes, fail_on):
             super().__init__()
-            self.fc = nn.Linear(784, num_classes)
+            self.fc, self.calls, self.fail_on = nn.Linear(784, num_classes), 0, fail_on
 
         def forward(self, x):
-            LateFailure.calls += 1
-            if LateFailure.calls == 7:
-                raise RuntimeError("the seventh forward fails")
+            self.calls += 1
+            if self.calls == self.fail_on:
+                raise RuntimeError(f"forward {self.calls} fails")
             return self.fc(x.flatten(1))
 
-    def late_failure(num_classes):
-        return LateFailure(num_classes)
+    def late_failure(num_classes):  # fine for the plan's warm-up and 3 timed steps, fails in the run's 7th step
+        return FailsOnCall(num_classes, fail_on=7)
 
-    class TimedFailure(nn.Module):  # fine for the plan's warm-up step, fails in its first timed step
-        calls = 0
-
-        def __init__(self, num_classes):
-            super().__init__()
-            self.fc = nn.Linear(784, num_classes)
-
-        def forward(self, x):
-            TimedFailure.calls += 1
-            if TimedFailure.calls == 2:
-                raise RuntimeError("the second forward fails")
-            return self.fc(x.flatten(1))
-
-    def timed_failure(num_classes):
-        return TimedFailure(num_classes)
+    def timed_failure(num_classes):  # fails in the plan's first timed step
+        return FailsOnCall(num_classes, fail_on=2)
 """)
 
 
@@ -164,7 +149,7 @@ def test_bad_values_exit_2_with_one_line(argv: list[str], message: str, tmp_path
         ("too_few_outputs", "returned 3 scores per sample; the data has 10 classes"),
         ("dict_output", "returned a dict; ampkit compare needs one tensor of class scores"),
         ("timed_failure", "The model from 'user_models:timed_failure' failed on a batch of digits (inputs (8, 1, 28, 28), "
-                          "torch.float32): RuntimeError: the second forward fails"),
+                          "torch.float32): RuntimeError: forward 2 fails"),
     ],
 )
 def test_user_model_mistakes_exit_2_with_one_line(factory: str, message: str, models: Path,
@@ -180,7 +165,7 @@ def test_a_run_that_fails_midway_is_one_line_and_its_log_is_kept(models: Path,
     out = models / "run"
     assert main(["compare", *C, "--steps", "8", "--model", "user_models:late_failure", "--out", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("ampkit compare: The fp32 run failed (exit code 1): RuntimeError: the seventh forward fails")
+    assert err.startswith("ampkit compare: The fp32 run failed (exit code 1): RuntimeError: forward 7 fails")
     log = out / "fp32-error.log"
     assert str(log) in err and "Traceback" in log.read_text()
 
