@@ -148,8 +148,8 @@ def test_bad_values_exit_2_with_one_line(argv: list[str], message: str, tmp_path
         ("tuple_output", "returned a tuple; ampkit compare needs one tensor of class scores"),
         ("too_few_outputs", "returned 3 scores per sample; the data has 10 classes"),
         ("dict_output", "returned a dict; ampkit compare needs one tensor of class scores"),
-        ("timed_failure", "The model from 'user_models:timed_failure' failed on a batch of digits (inputs (8, 1, 28, 28), "
-                          "torch.float32): RuntimeError: forward 2 fails"),
+        ("timed_failure", "The model from 'user_models:timed_failure' failed on a batch of digits "
+                          "(inputs (8, 1, 28, 28), torch.float32): RuntimeError: forward 2 fails"),
     ],
 )
 def test_user_model_mistakes_exit_2_with_one_line(factory: str, message: str, models: Path,

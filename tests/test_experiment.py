@@ -119,7 +119,10 @@ def test_estimate_scales_a_measured_float32_step(fake_machine, monkeypatch) -> N
     assert estimate.total_s == pytest.approx(estimate.startup_s + sum(estimate.run_s))
     # the probe: its native steps at 1/0.05 = 20x float32's time each, no evaluation
     assert probe == pytest.approx(comparison.PROBE_STEPS * 20 * estimate.float32_step_s)
-    assert fp32 > 4 * estimate.float32_step_s  # its steps and its evaluation
+    # its 4 steps, then evaluation: the test set (360 digits, batch 8) and precise BN's batches, each a timed forward
+    assert 0 < estimate.float32_forward_s < estimate.float32_step_s
+    evaluation = (360 / 8 + comparison.PRECISE_BN_BATCHES) * estimate.float32_forward_s
+    assert fp32 == pytest.approx(4 * estimate.float32_step_s + evaluation)
 
 
 def test_runs_evaluate_one_after_another(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -401,6 +401,11 @@ def _gelu_input(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
     return source, fn._saved_approximate  # type: ignore[attr-defined]
 
 
+def _rounded(grads: Sequence[torch.Tensor], dtype: torch.dtype, wanted: Sequence[bool]) -> list[torch.Tensor | None]:
+    """A float32 kernel's input gradients rounded to the inputs' 16-bit ``dtype``; None where not wanted."""
+    return [g.to(dtype) if want else None for g, want in zip(grads, wanted)]
+
+
 class _Linear(torch.autograd.Function):
     """``F.linear`` in float32 on 16-bit ``x``, ``w`` (and ``b``), each GEMM's result rounded
     once, as torch's own linear (addmm) and its backward (two mm, a sum) are.
@@ -452,8 +457,7 @@ class _Convolution(torch.autograd.Function):
         grads = torch.ops.aten.convolution_backward(
             grad.float(), x.float(), w.float(), ctx.bias_sizes, *ctx.params, mask
         )
-        rounded = [g.to(x.dtype) if wanted else None for g, wanted in zip(grads, mask)]
-        return (*rounded, *(None for _ in ctx.params))
+        return (*_rounded(grads, x.dtype, mask), *(None for _ in ctx.params))
 
 
 class _Attention(torch.autograd.Function):
@@ -483,8 +487,7 @@ class _Attention(torch.autograd.Function):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad.float(), up(q), up(k), up(v), out.float(), logsumexp, 0.0, ctx.is_causal, scale=ctx.scale
         )
-        rounded = [g.to(t.dtype) if wanted else None for g, t, wanted in zip(grads, (q, k, v), ctx.needs_input_grad)]
-        return (*rounded, None, None)
+        return (*_rounded(grads, q.dtype, ctx.needs_input_grad[:3]), None, None)
 
 
 def _same_low_dtype(*tensors: torch.Tensor | None) -> bool:

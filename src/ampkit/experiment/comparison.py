@@ -302,6 +302,7 @@ class Estimate:
     Attributes:
         float32_step_s: a float32 training step of the model with the runs' optimizer,
             timed here (median of ``ESTIMATE_STEPS``).
+        float32_forward_s: the forward of those steps (median): what evaluation costs per batch.
         startup_s: starting the runs: each imports what this process imported before
             the estimate (Python, torch, ampkit, the data), all at once on the CPU's cores.
         run_s: per configuration, in plan order: its training steps and evaluation.
@@ -310,6 +311,7 @@ class Estimate:
     """
 
     float32_step_s: float
+    float32_forward_s: float
     startup_s: float
     run_s: list[float]
     native_speedup: dict[str, float]
@@ -395,7 +397,7 @@ def estimate(configs: list[RunConfig]) -> Estimate:
         train = config.steps * step_s * factor
         evaluation = 0.0 if config.probe else (n_eval / config.batch_size + PRECISE_BN_BATCHES) * forward_s * factor
         runs.append(train + evaluation)
-    return Estimate(step_s, startup, runs, speedups)
+    return Estimate(step_s, forward_s, startup, runs, speedups)
 
 
 def _process_age_s() -> float:
