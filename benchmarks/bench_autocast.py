@@ -24,9 +24,10 @@ from rich.console import Console
 from rich.table import Table
 
 import ampkit
-from ampkit import compute
+from ampkit import float32_compute
+from ampkit.float32_compute import decide
 from ampkit.experiment.models import GPT, ResNet18
-from ampkit.memory import saved_bytes_of_step
+from ampkit.diagnostics.memory import saved_bytes_of_step
 from common import interleaved_medians, paired_ratio_quartiles, save
 
 WARMUP, REPEATS = 1, 31
@@ -94,8 +95,8 @@ def bench_models() -> list[dict]:
             rows.append({
                 "model": name,
                 "variant": label,
-                "compute": compute.describe(auto) if label.endswith("auto") else None,
-                "float32_compute": sorted(compute.float32_classes("cpu", torch.bfloat16, "auto"))
+                "compute": decide.describe(auto) if label.endswith("auto") else None,
+                "float32_compute": sorted(decide.float32_classes("cpu", torch.bfloat16, "auto"))
                 if label.endswith("auto") else [],
                 "edits": EDITS[name] if label.startswith("ampkit edited") else None,
                 "ms_per_step": medians[label] * 1e3,
@@ -145,7 +146,7 @@ def bench_per_op(n: int = 10_000) -> dict:
 
 def bench_matmul() -> dict:
     """512x512 matmuls: native float32, bfloat16 and float16, and both 16-bit dtypes computed
-    in float32 on their values (ampkit.compute.run_in_float32)."""
+    in float32 on their values (ampkit.float32_compute.run_in_float32)."""
     a, b = torch.randn(512, 512), torch.randn(512, 512)
     variants = {}
     for dt in (torch.float32, torch.bfloat16, torch.float16):
@@ -153,7 +154,7 @@ def bench_matmul() -> dict:
         variants[str(dt).removeprefix("torch.")] = lambda a16=a16, b16=b16: a16 @ b16
         if dt != torch.float32:
             variants[f"{str(dt).removeprefix('torch.')} float32-compute"] = (
-                lambda a16=a16, b16=b16: compute.run_in_float32(torch.mm, a16, b16)
+                lambda a16=a16, b16=b16: float32_compute.run_in_float32(torch.mm, a16, b16)
             )
     medians = interleaved_medians(variants, warmup=1, repeats=7)
     return {

@@ -27,9 +27,10 @@ from rich.table import Table
 
 import ampkit
 from ampkit.experiment import data as data_mod
-from ampkit.experiment.comparison import MODEL_DEFAULTS
+from ampkit.experiment.settings import MODEL_DEFAULTS
 from ampkit.experiment.models import GPT
-from ampkit.experiment.run import CONTEXT, final_steps, lr_factor
+from ampkit.experiment.config import CONTEXT
+from ampkit.experiment.training import final_steps, lr_factor
 from common import save
 
 SETTINGS = ("fp32", "O1", "O1 lm_head float32", "O2", "O2 embeddings float32")

@@ -24,9 +24,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from ampkit.experiment import data as data_mod  # noqa: E402
-from ampkit.experiment.comparison import MODEL_DEFAULTS  # noqa: E402
+from ampkit.experiment.settings import MODEL_DEFAULTS  # noqa: E402
 from ampkit.experiment.models import GPT  # noqa: E402
-from ampkit.experiment.run import CONTEXT, STATIC_SCALE, lr_factor  # noqa: E402
+from ampkit.experiment.config import CONTEXT, STATIC_SCALE  # noqa: E402
+from ampkit.experiment.training import lr_factor  # noqa: E402
 from ampkit.files import atomic_write  # noqa: E402
 from common import RESULTS, save  # noqa: E402
 

@@ -1,6 +1,6 @@
 """This machine's measured 16-bit speed and ampkit's recommendation from it.
 
-Measures afresh (``ampkit.hardware.measure(refresh=True)``, as `ampkit env` does on a
+Measures afresh (``throughput.measure(refresh=True)``, as `ampkit env` does on a
 new machine) and keeps the figures, the flags that explain them and ``recommend()``
 for the "What mixed precision buys on your hardware" section of the README.
 
@@ -14,17 +14,17 @@ import dataclasses
 import torch
 from rich.console import Console
 
-from ampkit import hardware
+from ampkit.hardware import advice, flags, throughput
 from common import save
 
 
 def main() -> None:
-    measured = hardware.measure("cpu", refresh=True)
-    advice = hardware.recommend("cpu")
-    why = {str(d).removeprefix("torch."): hardware.native_support("cpu", d) for d in (torch.bfloat16, torch.float16)}
+    measured = throughput.measure("cpu", refresh=True)
+    advice = advice.recommend("cpu")
+    why = {str(d).removeprefix("torch."): flags.native_support("cpu", d) for d in (torch.bfloat16, torch.float16)}
     payload = {
         "measured": measured.to_dict(),
-        "speedup": {op: {d: measured.speedup(op, d) for d in hardware.DTYPES} for op in hardware.OP_CLASSES},
+        "speedup": {op: {d: measured.speedup(op, d) for d in throughput.DTYPES} for op in throughput.OP_CLASSES},
         "why": why,
         "recommendation": {**dataclasses.asdict(advice), "dtype": str(advice.dtype)},
     }

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from ampkit.experiment.data import load
 from ampkit.experiment.models import ResNet18
-from ampkit.memory import estimate_memory
-from ampkit.numerics import inspect_numerics, write_histogram
+from ampkit.diagnostics.memory import estimate_memory
+from ampkit.diagnostics.numerics import inspect_numerics, write_histogram
 from common import RESULTS, interleaved_medians, save
 
 

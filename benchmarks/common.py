@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ampkit import hardware
+from ampkit.hardware import advice
 from ampkit.files import atomic_write
 
 RESULTS = Path(__file__).parent / "results"
@@ -54,7 +54,7 @@ def interleaved_medians(
 def save(name: str, payload: dict[str, Any]) -> Path:
     """Write ``results/<name>.json`` atomically, with the machine it ran on."""
     path = RESULTS / f"{name}.json"
-    payload = {"machine": hardware.machine_summary(), "created": time.strftime("%Y-%m-%d %H:%M"), **payload}
+    payload = {"machine": advice.machine_summary(), "created": time.strftime("%Y-%m-%d %H:%M"), **payload}
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=2) + "\n"))
     return path
 

@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ampkit.experiment.run import CONTEXT, final_steps
+from ampkit.experiment.config import CONTEXT
+from ampkit.experiment.training import final_steps
 from ampkit.files import atomic_write
 from common import RESULTS
 

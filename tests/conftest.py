@@ -14,7 +14,7 @@ import torch
 # user's own cache.
 os.environ["AMPKIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="ampkit-test-cache-")
 
-from ampkit import hardware  # noqa: E402
+from ampkit.hardware import throughput  # noqa: E402
 
 _no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -28,16 +28,16 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 LOW_DTYPES = [torch.bfloat16, torch.float16]
 
 
-def fake_throughput(speedups: dict[str, float], device: str = "cpu") -> hardware.Throughput:
+def fake_throughput(speedups: dict[str, float], device: str = "cpu") -> throughput.Throughput:
     """A measurement of a machine whose native 16-bit kernels run at ``speedups`` (op class ->
     speed over float32's, for both 16-bit dtypes); unnamed classes run at 1x."""
-    _, name, key = hardware.device_key(device)
+    _, name, key = throughput.device_key(device)
     times = {
         op: {"float32": 100.0, "bfloat16": 100.0 / speedups.get(op, 1.0), "float16": 100.0 / speedups.get(op, 1.0)}
-        for op in hardware.OP_CLASSES
+        for op in throughput.OP_CLASSES
     }
-    shapes = {op: list(shape) for op, shape in hardware.SHAPES[torch.device(device).type].items()}
-    return hardware.Throughput(key, device, name, times, shapes, "2026-01-01T00:00:00", 0.0)
+    shapes = {op: list(shape) for op, shape in throughput.SHAPES[torch.device(device).type].items()}
+    return throughput.Throughput(key, device, name, times, shapes, "2026-01-01T00:00:00", 0.0)
 
 
 @pytest.fixture
@@ -47,8 +47,8 @@ def fake_machine(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempP
 
     def install(speedups: dict[str, float]) -> None:
         monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        monkeypatch.setattr(hardware, "_memo", {})
-        hardware._write_cache(fake_throughput(speedups))
+        monkeypatch.setattr(throughput, "_memo", {})
+        throughput._write_cache(fake_throughput(speedups))
 
     return install
 

@@ -159,9 +159,9 @@ def test_gradients_match_float32_through_residuals_and_tied_weights() -> None:
 
 def test_float32_compute_still_recomputes_a_gelu_output_behind_the_brackets(monkeypatch: pytest.MonkeyPatch) -> None:
     """The brackets' identity rescaling sits between a GELU and the next linear; the linear sees
-    through it (``compute.identity_forward``) and saves one hidden tensor, not two."""
-    from ampkit import compute
-    from ampkit.memory import saved_bytes_of_step
+    through it (``gelu_recompute.identity_forward``) and saves one hidden tensor, not two."""
+    from ampkit.float32_compute import fast_paths
+    from ampkit.diagnostics.memory import saved_bytes_of_step
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
@@ -181,7 +181,7 @@ def test_float32_compute_still_recomputes_a_gelu_output_behind_the_brackets(monk
         return saved, [p.grad.clone() for p in model.parameters()]
 
     recomputing, grads = run()
-    monkeypatch.setattr(compute, "_gelu_input", lambda t: None)
+    monkeypatch.setattr(fast_paths, "gelu_input", lambda t: None)
     saving, saved_grads = run()
     assert saving - recomputing == 8 * 64 * 2  # the float16 GELU output
     assert all(torch.equal(a, b) for a, b in zip(grads, saved_grads))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampkit.alignment import check_alignment, pad_vocab
+from ampkit.diagnostics.alignment import check_alignment, pad_vocab
 
 
 def test_odd_sizes_are_listed_with_their_padded_size() -> None:

@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import ampkit
+from ampkit.hardware import throughput
 from ampkit import Policy, autocast
 from conftest import requires_cuda
-autocast_mod = importlib.import_module("ampkit.autocast")  # the module; ampkit.autocast is the class
+from ampkit.precision import kernels, overrides, state
 
 # Native compute: these tests are about what is cast where, which is torch.autocast's
 # business; tests/test_compute.py covers float32 compute and the auto decision.
@@ -39,16 +40,16 @@ def test_default_policy_matches_torch_autocast_bitwise() -> None:
 
 def test_default_policy_registers_no_kernels() -> None:
     with autocast(CPU):
-        assert autocast_mod._registry.active() == set()
+        assert kernels.registry.active() == set()
 
 
 def test_edited_kernels_live_only_while_a_region_needs_them() -> None:
     policy = CPU.with_ops(deny=["gelu"])
     with autocast(policy):
         with autocast(policy):
-            assert autocast_mod._registry.active() == {("cpu", "gelu")}
-        assert autocast_mod._registry.active() == {("cpu", "gelu")}
-    assert autocast_mod._registry.active() == set()
+            assert kernels.registry.active() == {("cpu", "gelu")}
+        assert kernels.registry.active() == {("cpu", "gelu")}
+    assert kernels.registry.active() == set()
     x = torch.randn(4, dtype=torch.bfloat16)
     with torch.autocast("cpu", torch.bfloat16):  # torch's own behaviour is back
         assert F.gelu(x).dtype == torch.bfloat16
@@ -115,7 +116,7 @@ def test_thread_with_plain_torch_autocast_keeps_torch_behaviour_while_kernels_ar
     thread = threading.Thread(target=other_thread)
     thread.start()
     with autocast(CPU.with_ops(deny=["gelu"], allow=["mse_loss"])):
-        assert autocast_mod._registry.active() == {("cpu", "gelu"), ("cpu", "mse_loss")}
+        assert kernels.registry.active() == {("cpu", "gelu"), ("cpu", "mse_loss")}
         entered.set()
         assert done.wait(timeout=30)
     thread.join(timeout=30)
@@ -139,12 +140,12 @@ def test_weight_used_twice_is_cast_once_and_the_cache_is_bounded() -> None:
         for _ in range(50):  # a loop of forwards without backward, same weights
             y = torch.mul(torch.randn(4), weight) + torch.mul(torch.randn(4), weight)
             assert y.dtype == torch.bfloat16
-            seen.append(autocast_mod.weight_cache_size())
+            seen.append(state.weight_cache_size())
         with torch.no_grad():  # a generation loop caches nothing
             torch.mul(torch.randn(4), nn.Parameter(torch.randn(4)))
-            seen.append(autocast_mod.weight_cache_size())
+            seen.append(state.weight_cache_size())
     assert seen == [1] * 51
-    assert autocast_mod.weight_cache_size() == 0
+    assert state.weight_cache_size() == 0
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
@@ -168,9 +169,9 @@ def test_cached_cast_is_the_same_tensor_within_a_region() -> None:
     weight = nn.Parameter(torch.randn(4))
     with autocast(policy):
         torch.mul(torch.randn(4), weight)
-        first = autocast_mod._state.weight_cache[id(weight)][1]
+        first = state.state.weight_cache[id(weight)][1]
         torch.mul(torch.randn(4), weight)
-        assert autocast_mod._state.weight_cache[id(weight)][1] is first
+        assert state.state.weight_cache[id(weight)][1] is first
 
 
 def test_module_override_by_type_keeps_layernorm_in_float32() -> None:
@@ -202,7 +203,7 @@ def test_module_override_to_low_dtype_runs_deny_ops_in_16_bits() -> None:
         assert model(torch.randn(2, 8)).dtype == torch.float32
     with autocast(policy.with_modules(nn.Softmax, dtype=torch.bfloat16)):
         assert model(torch.randn(2, 8)).dtype == torch.bfloat16
-    assert autocast_mod._hook_handles == []
+    assert overrides._hook_handles == []
 
 
 def test_decorated_forward_names_modules_from_its_own_module() -> None:
@@ -248,7 +249,7 @@ def test_decorated_forward_casts_the_same_in_worker_threads() -> None:
         t.join(timeout=60)
     assert main == (torch.bfloat16, torch.float32)
     assert results == [main] * 80
-    assert autocast_mod._registry.active() == set()
+    assert kernels.registry.active() == set()
 
 
 class _MatmulFn(torch.autograd.Function):
@@ -312,8 +313,8 @@ def test_removing_bce_from_the_lists_lets_it_follow_its_input() -> None:
 def test_slow_native_kernels_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
     from conftest import fake_throughput
 
-    monkeypatch.setattr(ampkit.hardware, "measure", lambda device="cpu": fake_throughput({"matmul": 0.02}))
-    monkeypatch.setattr(autocast_mod, "_warned", set())
+    monkeypatch.setattr(throughput, "measure", lambda device="cpu": fake_throughput({"matmul": 0.02}))
+    monkeypatch.setattr(state, "_warned", set())
     with pytest.warns(ampkit.SlowPrecisionWarning, match="native float16 kernels run matmul at 0.02x float32's"):
         autocast(Policy.default("cpu", torch.float16, compute="native"))
     with warnings.catch_warnings():
@@ -328,7 +329,7 @@ def test_not_a_policy_is_rejected() -> None:
 
 @requires_cuda
 def test_cuda_bce_runs_in_float32_with_a_warning_instead_of_raising() -> None:
-    autocast_mod._warned.discard("banned:binary_cross_entropy")
+    state._warned.discard("banned:binary_cross_entropy")
     p = torch.rand(8, device="cuda")
     with pytest.warns(UserWarning, match="torch.autocast raises here, ampkit runs it in float32"):
         with autocast(Policy.default("cuda", torch.float16)):

@@ -19,6 +19,7 @@ from torch import nn
 import ampkit
 from ampkit import DynamicLossScaler, NonFiniteError
 from ampkit.cli.main import main
+from ampkit.cli import compare as compare_cmd
 from ampkit.experiment import comparison
 
 C = ["--model", "mlp", "--precision", "fp32", "--steps", "2", "--batch-size", "8", "--quiet"]
@@ -122,7 +123,7 @@ def test_batch_sizes_that_looped_forever_now_fail_at_once(batch: str, tmp_path: 
         (["--lr", "0"], "--lr 0.0 is invalid: use a finite learning rate > 0"),  # was lr 0.002, silently
         (["--lr", "nan"], "--lr nan is invalid"),
         (["--lr", "-1"], "--lr -1.0 is invalid"),
-        (["--precision", "bf16", "bf16"], "--precision names bf16 more than once"),  # ran every setting twice
+        (["--precision", "bf16", "bf16"], "--precision bf16 bf16: bf16 named more than once"),  # ran every setting twice
         (["--seed", str(2**64)], "--seed 18446744073709551616 is out of range"),
         (["--model", "gpt", "--data", "digits"], "--model gpt and --data digits do not fit"),
         (["--model", "mlp", "--data", "text"], "--model mlp and --data text do not fit"),
@@ -175,7 +176,7 @@ def test_an_unusable_output_location_fails_before_training(bad_out: str, tmp_pat
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
     Path("a_file").write_text("not a directory")
-    monkeypatch.setattr(comparison, "compare", lambda *a, **k: pytest.fail("trained before checking --out"))
+    monkeypatch.setattr(compare_cmd, "compare", lambda *a, **k: pytest.fail("trained before checking --out"))
     assert main(["compare", *C, "--out", bad_out]) == 2
     err = capsys.readouterr().err
     assert f"--out {bad_out}" in err and "Traceback" not in err
@@ -214,7 +215,7 @@ def test_interrupt_exits_130_with_one_line(tmp_path: Path, monkeypatch: pytest.M
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(comparison, "compare", interrupted)
+    monkeypatch.setattr(compare_cmd, "compare", interrupted)
     assert main(["compare", *C, "--out", str(tmp_path / "run")]) == 130
     assert capsys.readouterr().err.strip() == "ampkit compare: interrupted; results already written are kept."
 
@@ -228,7 +229,7 @@ def test_a_run_dies_with_its_host() -> None:
     script = textwrap.dedent("""
         import os, subprocess, sys, time
         child = subprocess.Popen([sys.executable, "-c",
-            "from ampkit.experiment.run import _die_with_the_parent; import time; _die_with_the_parent(); "
+            "from ampkit.experiment.process import _die_with_the_parent; import time; _die_with_the_parent(); "
             "print('ready', flush=True); time.sleep(60)"],
             env={**os.environ, "AMPKIT_HOST_PID": str(os.getpid())}, stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "ready"

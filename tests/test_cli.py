@@ -74,3 +74,17 @@ def test_inspect_fp8_shows_each_linears_casts(tmp_path: Path, capsys: pytest.Cap
     assert "FP8 casts per linear" in out
     rows = [line for line in out.splitlines() if "E5M2" in line]
     assert len(rows) == 3 and all("gradient" in row for row in rows)  # one output gradient per linear, hybrid
+
+
+def test_library_errors_name_parameters_and_the_cli_shows_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from ampkit.cli.flags import as_flags
+    from ampkit.experiment.settings import plan
+
+    with pytest.raises(ValueError, match=r"^batch_size=0 is invalid"):
+        plan(model="mlp", batch_size=0)
+    assert main(["compare", "--model", "mlp", "--batch-size", "0"]) == 2
+    assert capsys.readouterr().err.startswith("ampkit compare: error: --batch-size 0 is invalid")
+    assert as_flags("updates=['kahan', 'stochastic'] applies to O3 runs only: add opt_levels=['O3']") == (
+        "--update kahan stochastic applies to O3 runs only: add --opt-level O3")
+    assert as_flags("out='/tmp/run' cannot hold results. Pass out=DIR.") == (
+        "--out /tmp/run cannot hold results. Pass --out DIR.")

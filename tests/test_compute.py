@@ -16,11 +16,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
-from ampkit import compute, hardware
-from ampkit.memory import saved_bytes_of_step
+from ampkit import float32_compute
+from ampkit.float32_compute import decide, fast_paths
+from ampkit.hardware import throughput
+from ampkit.diagnostics.memory import saved_bytes_of_step
+from ampkit.precision import state
 from conftest import LOW_DTYPES, fake_throughput, requires_cuda
 
-autocast_module = importlib.import_module("ampkit.autocast")  # the module; ampkit.autocast is the class
 
 MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
 
@@ -56,7 +58,7 @@ def test_emulated_ops_match_native_kernels_within_one_ulp(op: str, dtype: torch.
     fn, shapes, constants = OPS[op]
     for _ in range(5):
         inputs = [torch.randn(*shape).to(dtype).requires_grad_() for shape in shapes]
-        out, native = compute.run_in_float32(fn, *inputs, *constants), fn(*inputs, *constants)
+        out, native = float32_compute.run_in_float32(fn, *inputs, *constants), fn(*inputs, *constants)
         assert out.dtype == native.dtype == dtype
         assert ulps(out, native, dtype) <= 1
         if not op.startswith("conv2d"):  # see the next test for convolution's backward
@@ -74,7 +76,7 @@ def test_emulated_forward_and_backward_are_correctly_rounded(op: str, dtype: tor
     why the convolution's backward is checked here and not against native."""
     fn, shapes, constants = OPS[op]
     inputs = [torch.randn(*shape).to(dtype).requires_grad_() for shape in shapes]
-    out = compute.run_in_float32(fn, *inputs, *constants)
+    out = float32_compute.run_in_float32(fn, *inputs, *constants)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, inputs, g)
     exact_inputs = [t.detach().double().requires_grad_() for t in inputs]
@@ -88,17 +90,17 @@ def test_emulated_forward_and_backward_are_correctly_rounded(op: str, dtype: tor
 def test_emulated_float16_overflows_where_native_does() -> None:
     a = torch.tensor([[65504.0, 1.0]], dtype=torch.float16)
     b = torch.tensor([[2.0], [0.0]], dtype=torch.float16)
-    native, emulated = torch.mm(a, b), compute.run_in_float32(torch.mm, a, b)
+    native, emulated = torch.mm(a, b), float32_compute.run_in_float32(torch.mm, a, b)
     assert native.isinf().all() and emulated.isinf().all()
     fits = torch.tensor([[65504.0]], dtype=torch.float16)  # the largest float16 stays finite
-    assert compute.run_in_float32(torch.mm, fits, torch.ones(1, 1, dtype=torch.float16)).item() == 65504.0
+    assert float32_compute.run_in_float32(torch.mm, fits, torch.ones(1, 1, dtype=torch.float16)).item() == 65504.0
 
 
 def test_emulated_float16_keeps_subnormals_and_flushes_below_them() -> None:
     a = torch.tensor([[2.0**-12]], dtype=torch.float16)
     for factor, expected in ((2.0**-6, 2.0**-18), (2.0**-14, 0.0)):  # 2^-18 is subnormal; 2^-26 < 2^-24 is 0
         b = torch.tensor([[factor]], dtype=torch.float16)
-        assert compute.run_in_float32(torch.mm, a, b).item() == torch.mm(a, b).item() == expected
+        assert float32_compute.run_in_float32(torch.mm, a, b).item() == torch.mm(a, b).item() == expected
 
 
 class _Spy(TorchDispatchMode):
@@ -215,18 +217,18 @@ def test_emulated_fp16_with_loss_scaling_skips_the_steps_native_skips() -> None:
 )
 def test_auto_follows_the_measured_speed(monkeypatch: pytest.MonkeyPatch, speedups: dict[str, float],
                                          expected: set[str]) -> None:
-    monkeypatch.setattr(ampkit.hardware, "measure", lambda device="cpu", refresh=False: fake_throughput(speedups))
-    assert compute.float32_classes("cpu", torch.bfloat16, "auto") == expected
-    assert compute.float32_classes("cpu", torch.bfloat16, "native") == set()
-    assert compute.float32_classes("cpu", torch.bfloat16, "float32") == {"matmul", "conv"}
-    ops = compute.float32_ops(ampkit.Policy.default("cpu", torch.bfloat16))
+    monkeypatch.setattr(throughput, "measure", lambda device="cpu", refresh=False: fake_throughput(speedups))
+    assert decide.float32_classes("cpu", torch.bfloat16, "auto") == expected
+    assert decide.float32_classes("cpu", torch.bfloat16, "native") == set()
+    assert decide.float32_classes("cpu", torch.bfloat16, "float32") == {"matmul", "conv"}
+    ops = decide.float32_ops(ampkit.Policy.default("cpu", torch.bfloat16))
     assert ("conv2d" in ops) == ("conv" in expected) and ("linear" in ops) == ("matmul" in expected)
 
 
 def test_auto_states_its_choice_once_with_the_measured_figures(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ampkit.hardware, "measure",
+    monkeypatch.setattr(throughput, "measure",
                         lambda device="cpu", refresh=False: fake_throughput({"matmul": 0.013, "conv": 0.05}))
-    monkeypatch.setattr(autocast_module, "_warned", set())
+    monkeypatch.setattr(state, "_warned", set())
     policy = ampkit.Policy.default("cpu", torch.bfloat16)
     with pytest.warns(ampkit.ComputeModeWarning, match=r"conv 0.05x, matmul 0.013x float32's speed"):
         ampkit.autocast(policy)
@@ -236,9 +238,9 @@ def test_auto_states_its_choice_once_with_the_measured_figures(monkeypatch: pyte
 
 
 def test_forcing_slow_native_kernels_warns_with_the_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ampkit.hardware, "measure",
+    monkeypatch.setattr(throughput, "measure",
                         lambda device="cpu", refresh=False: fake_throughput({"matmul": 0.013, "conv": 0.05}))
-    monkeypatch.setattr(autocast_module, "_warned", set())
+    monkeypatch.setattr(state, "_warned", set())
     with pytest.warns(ampkit.SlowPrecisionWarning, match=r"native float16 kernels run matmul at 0.013x"):
         ampkit.autocast(ampkit.Policy.default("cpu", torch.float16, compute="native"))
 
@@ -269,8 +271,8 @@ def test_no_grad_and_second_backward() -> None:
     w = torch.randn(4, 4, dtype=torch.bfloat16, requires_grad=True)
     x = torch.randn(2, 4, dtype=torch.bfloat16)
     with torch.no_grad():
-        assert compute.run_in_float32(torch.mm, x, w).dtype == torch.bfloat16
-    out = compute.run_in_float32(torch.mm, x, w).float().sum()
+        assert float32_compute.run_in_float32(torch.mm, x, w).dtype == torch.bfloat16
+    out = float32_compute.run_in_float32(torch.mm, x, w).float().sum()
     out.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward per forward"):
         out.backward()
@@ -283,31 +285,31 @@ def test_cuda_float32_compute_matches_tensor_cores_and_auto_picks_native(dtype: 
         pytest.skip("no bfloat16 tensor cores")
     a = torch.randn(64, 128, device="cuda").to(dtype).requires_grad_()
     b = torch.randn(128, 32, device="cuda").to(dtype).requires_grad_()
-    out, native = compute.run_in_float32(torch.mm, a, b), torch.mm(a, b)
+    out, native = float32_compute.run_in_float32(torch.mm, a, b), torch.mm(a, b)
     assert ulps(out, native, dtype) <= 1
     g = torch.randn_like(out)
     for e, n in zip(torch.autograd.grad(out, (a, b), g), torch.autograd.grad(native, (a, b), g)):
         assert ulps(e, n, dtype) <= 1
-    assert compute.float32_classes("cuda", dtype, "auto") == set()  # tensor cores beat float32
+    assert decide.float32_classes("cuda", dtype, "auto") == set()  # tensor cores beat float32
 
 
 def test_linear_and_convolutions_take_the_fast_paths_and_the_rest_the_generic_one() -> None:
     x, w = torch.randn(2, 4, dtype=torch.bfloat16, requires_grad=True), torch.randn(3, 4, dtype=torch.bfloat16)
-    assert compute.run_in_float32(torch.ops.aten.linear.default, x, w).grad_fn.name() == "_LinearBackward"
+    assert float32_compute.run_in_float32(torch.ops.aten.linear.default, x, w).grad_fn.name() == "_LinearBackward"
     image, kernel = torch.randn(1, 2, 5, 5, dtype=torch.bfloat16, requires_grad=True), torch.randn(3, 2, 3, 3)
-    conv = compute.run_in_float32(torch.ops.aten.conv2d.default, image, kernel.bfloat16())
+    conv = float32_compute.run_in_float32(torch.ops.aten.conv2d.default, image, kernel.bfloat16())
     assert conv.grad_fn.name() == "_ConvolutionBackward"
-    same = compute.run_in_float32(torch.ops.aten.conv2d.padding, image, kernel.bfloat16(), None, [1, 1], "same")
-    assert same.grad_fn.name() == "_Float32ComputeBackward" and same.shape == (1, 3, 5, 5)
+    same = float32_compute.run_in_float32(torch.ops.aten.conv2d.padding, image, kernel.bfloat16(), None, [1, 1], "same")
+    assert same.grad_fn.name() == "Float32ComputeBackward" and same.shape == (1, 3, 5, 5)
     with pytest.raises(RuntimeError, match="same dtype"):  # as native: mixed dtypes are refused, not upcast
-        compute.run_in_float32(torch.ops.aten.linear.default, x, w.float())
+        float32_compute.run_in_float32(torch.ops.aten.linear.default, x, w.float())
 
 
 @pytest.mark.parametrize("mode", ["float32", "native"])
 def test_attention_forward_and_backward_compute_as_the_mode_says(mode: str) -> None:
     q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16, requires_grad=True)
     policy = ampkit.Policy.default("cpu", torch.bfloat16, compute=mode)
-    hardware.measure("cpu")  # its timed matmuls (once per machine) must not run under the spy
+    throughput.measure("cpu")  # its timed matmuls (once per machine) must not run under the spy
     spy = _Spy()
     with spy, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -327,19 +329,19 @@ def test_attention_takes_a_fast_path_bit_identical_to_the_generic_one(dtype: tor
 
     def run(fn: Callable[..., torch.Tensor], **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor, str]:
         q, k, v = qkv.permute(2, 0, 3, 1, 4)
-        out = compute.run_in_float32(fn, q, k, v, **kwargs)
+        out = float32_compute.run_in_float32(fn, q, k, v, **kwargs)
         (g,) = torch.autograd.grad(out, qkv, grad)
         return out, g, out.grad_fn.name()
 
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     for kwargs in ({"is_causal": True}, {"scale": 0.3}):
         fast, generic = run(sdpa, **kwargs), run(F.scaled_dot_product_attention, **kwargs)  # a Python function: generic
-        assert (fast[2], generic[2]) == ("_AttentionBackward", "_Float32ComputeBackward")
+        assert (fast[2], generic[2]) == ("_AttentionBackward", "Float32ComputeBackward")
         assert torch.equal(fast[0], generic[0]) and torch.equal(fast[1], generic[1])
         assert fast[0].dtype == fast[1].dtype == dtype
     # A mask or dropout (its random draws) is the generic path's: torch converts the mask before the kernel.
     mask = torch.ones(16, 16, dtype=torch.bool).tril()
-    assert run(sdpa, attn_mask=mask)[2] == run(sdpa, dropout_p=0.1)[2] == "_Float32ComputeBackward"
+    assert run(sdpa, attn_mask=mask)[2] == run(sdpa, dropout_p=0.1)[2] == "Float32ComputeBackward"
 
 
 def test_a_linear_after_a_gelu_recomputes_its_input_bit_for_bit_and_saves_one_hidden_tensor(
@@ -374,7 +376,7 @@ def test_a_linear_after_a_gelu_recomputes_its_input_bit_for_bit_and_saves_one_hi
     saved_loss.backward()
     assert torch.equal(loss, saved_loss)
     assert all(torch.equal(a, b) for a, b in zip(recomputed, gradients()))
-    monkeypatch.setattr(compute, "_gelu_input", lambda x: None)
+    monkeypatch.setattr(fast_paths, "gelu_input", lambda x: None)
     _, saving = saved_bytes_of_step(mlp, step)
     assert saving - recomputing == 64 * 128 * 2  # the bf16 GELU output, which the second linear no longer saves
 

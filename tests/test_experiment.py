@@ -16,16 +16,17 @@ import pytest
 import torch
 
 from ampkit.cli.main import main
-from ampkit.experiment import comparison, data, report
+from ampkit.experiment import comparison, config, cost, data, report, settings
 from ampkit.experiment.models import GPT, load_factory
-from ampkit.experiment.run import RunConfig, execute
+from ampkit.experiment.config import RunConfig
+from ampkit.experiment.training import execute
 
-RUN_FIELDS = {f.name for f in dataclasses.fields(comparison.RunResult)}
+RUN_FIELDS = {f.name for f in dataclasses.fields(config.RunResult)}
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[comparison.Comparison, Path]:
-    configs = comparison.plan(model="resnet18", steps=3, batch_size=8)
+    configs = settings.plan(model="resnet18", steps=3, batch_size=8)
     result = comparison.compare(configs)
     out = tmp_path_factory.mktemp("tiny")
     report.write_all(result, out)
@@ -45,21 +46,21 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[comparison.Compariso
 def test_default_plan_follows_the_measured_hardware(fake_machine, speedups: dict[str, float],  # type: ignore[no-untyped-def]
                                                     labels: list[str]) -> None:
     fake_machine(speedups)
-    configs = comparison.plan()
+    configs = settings.plan()
     assert [c.label for c in configs] == labels
     runs = [c for c in configs if not c.probe]
     assert {c.steps for c in runs} == {2 * (1437 // 64)}  # two epochs of the digits train split
     assert len({dataclasses.replace(c, precision="", opt_level="") for c in runs}) == 1
     for probe in (c for c in configs if c.probe):
-        assert probe.compute == "native" and probe.steps == comparison.PROBE_STEPS and not probe.float32_compute
+        assert probe.compute == "native" and probe.steps == settings.PROBE_STEPS and not probe.float32_compute
 
 
 def test_forced_compute_modes_multiply_the_settings_without_a_probe(fake_machine) -> None:  # type: ignore[no-untyped-def]
     fake_machine({"matmul": 0.013, "conv": 0.05})
-    configs = comparison.plan(opt_levels=["O2"], computes=["native", "float32"], steps=2)
+    configs = settings.plan(opt_levels=["O2"], computes=["native", "float32"], steps=2)
     assert [c.label for c in configs] == ["fp32", "bf16 O2", "bf16 O2 fp32-compute"]
     with pytest.raises(ValueError, match=r"Unknown compute mode 'fp8'. Choose from \['auto', 'native', 'float32'\]"):
-        comparison.plan(computes=["fp8"])
+        settings.plan(computes=["fp8"])
 
 
 def test_results_json_has_every_field(tiny: tuple[comparison.Comparison, Path]) -> None:
@@ -70,7 +71,7 @@ def test_results_json_has_every_field(tiny: tuple[comparison.Comparison, Path]) 
     for run in saved["runs"]:
         assert RUN_FIELDS | {"ratio_to_fp32"} <= set(run)
         assert set(run["ratio_to_fp32"]) == set(comparison.RATIO_FIELDS)
-        steps = comparison.PROBE_STEPS if run["probe"] else 3
+        steps = settings.PROBE_STEPS if run["probe"] else 3
         assert run["steps"] == steps and len(run["losses"]) == steps and run["ms_per_step"] > 0
         assert ("fp32-" in run["label"]) == bool(run["float32_compute"])
         if run["probe"]:
@@ -93,7 +94,7 @@ def test_runs_step_in_lockstep_in_alternating_order() -> None:
 
 
 def test_peak_memory_counts_what_training_adds_not_torch_itself() -> None:
-    from ampkit.experiment.run import memory_baseline, peak_memory
+    from ampkit.experiment.training import memory_baseline, peak_memory
 
     cpu = torch.device("cpu")
     baseline = memory_baseline(cpu)
@@ -106,22 +107,22 @@ def test_peak_memory_counts_what_training_adds_not_torch_itself() -> None:
 
 def test_estimate_scales_a_measured_float32_step(fake_machine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     fake_machine({"matmul": 0.05, "conv": 0.05})
-    monkeypatch.setattr(comparison, "_process_age_s", lambda: 3.0)  # this test process's import time, say
-    monkeypatch.setattr(comparison.os, "cpu_count", lambda: 2)
-    configs = comparison.plan(model="mlp", steps=4, batch_size=8)
-    estimate = comparison.estimate(configs)
+    monkeypatch.setattr(cost, "_process_age_s", lambda: 3.0)  # this test process's import time, say
+    monkeypatch.setattr(cost.os, "cpu_count", lambda: 2)
+    configs = settings.plan(model="mlp", steps=4, batch_size=8)
+    estimate = cost.estimate(configs)
     assert len(estimate.run_s) == len(configs) == 4 and estimate.float32_step_s > 0
     # the 4 runs start at once on 2 cores: each imports what this process imported (at most its CPU time)
     assert estimate.startup_s == pytest.approx(3.0 * 4 / 2)
-    assert comparison.estimate(configs[:1]).startup_s == pytest.approx(3.0)  # one run: no wait for a core
+    assert cost.estimate(configs[:1]).startup_s == pytest.approx(3.0)  # one run: no wait for a core
     assert estimate.native_speedup == {"bf16": pytest.approx(0.05)}
     fp32, probe = estimate.run_s[0], estimate.run_s[-1]
     assert estimate.total_s == pytest.approx(estimate.startup_s + sum(estimate.run_s))
     # the probe: its native steps at 1/0.05 = 20x float32's time each, no evaluation
-    assert probe == pytest.approx(comparison.PROBE_STEPS * 20 * estimate.float32_step_s)
+    assert probe == pytest.approx(settings.PROBE_STEPS * 20 * estimate.float32_step_s)
     # its 4 steps, then evaluation: the test set (360 digits, batch 8) and precise BN's batches, each a timed forward
     assert 0 < estimate.float32_forward_s < estimate.float32_step_s
-    evaluation = (360 / 8 + comparison.PRECISE_BN_BATCHES) * estimate.float32_forward_s
+    evaluation = (360 / 8 + config.PRECISE_BN_BATCHES) * estimate.float32_forward_s
     assert fp32 == pytest.approx(4 * estimate.float32_step_s + evaluation)
 
 
@@ -147,8 +148,8 @@ def test_runs_evaluate_one_after_another(monkeypatch: pytest.MonkeyPatch) -> Non
             return self.config.label
 
     monkeypatch.setattr(comparison, "RunProcess", FakeRun)
-    monkeypatch.setattr(comparison.hardware, "machine_summary", lambda device: {})
-    configs = comparison.plan(model="mlp", precisions=["fp32", "bf16"], computes=["float32"], steps=1)
+    monkeypatch.setattr(comparison, "machine_summary", lambda device: {})
+    configs = settings.plan(model="mlp", precisions=["fp32", "bf16"], computes=["float32"], steps=1)
     labels = [c.label for c in configs]
     assert comparison.compare(configs).runs == labels
     assert calls == [(call, label) for label in labels for call in ("finish", "result")]
@@ -255,7 +256,7 @@ def test_forcing_slow_native_fp16_warns_with_the_measured_slowdown(fake_machine)
 
     fake_machine({"matmul": 0.016, "conv": 0.05})
     with pytest.warns(SlowPrecisionWarning, match=r"native float16 kernels run matmul at 0.016x, conv at 0.05x"):
-        comparison.plan(precisions=["fp16"], computes=["native"], steps=1)
+        settings.plan(precisions=["fp16"], computes=["native"], steps=1)
 
 
 # -- MNIST IDX files -------------------------------------------------------------------
@@ -340,7 +341,7 @@ def test_a_failing_run_reports_its_error(tmp_path: Path, monkeypatch: pytest.Mon
 def test_fp8_settings_train_the_mlp_with_fp8_linears(precision: str) -> None:
     if precision == "fp8-current":
         pytest.importorskip("torchao.float8")
-    configs = comparison.plan(model="mlp", precisions=[precision], opt_levels=["O2"], steps=2, batch_size=8,
+    configs = settings.plan(model="mlp", precisions=[precision], opt_levels=["O2"], steps=2, batch_size=8,
                               probe=False)
     name = {"fp8": "fp8-delayed-hybrid", "fp8-current": "fp8-current-hybrid"}[precision]
     assert [c.label for c in configs] == ["fp32", f"{name} O2 fp32-compute" if configs[1].float32_compute
@@ -350,36 +351,36 @@ def test_fp8_settings_train_the_mlp_with_fp8_linears(precision: str) -> None:
 
 
 def test_fp8_is_refused_before_training_for_a_model_without_an_eligible_linear() -> None:
-    with pytest.raises(ValueError, match=r"--precision fp8: resnet18 has no linear FP8 can take \(fc: kept: 512x10 "
+    with pytest.raises(ValueError, match=r"precisions=\['fp8'\]: resnet18 has no linear FP8 can take \(fc: kept: 512x10 "
                                          r"is not a multiple of 16\)"):
-        comparison.plan(model="resnet18", precisions=["fp8"])
+        settings.plan(model="resnet18", precisions=["fp8"])
 
 
 def test_loss_scalings_and_o3_updates_multiply_the_settings_with_labels_saying_so() -> None:
-    configs = comparison.plan(model="mlp", precisions=["fp16"], opt_levels=["O1"], steps=2, batch_size=8,
+    configs = settings.plan(model="mlp", precisions=["fp16"], opt_levels=["O1"], steps=2, batch_size=8,
                               loss_scales=["none", "static", "adaptive"], computes=["float32"])
     assert [c.label for c in configs] == ["fp32", "fp16 O1 fp32-compute no-scaling", "fp16 O1 fp32-compute "
                                           "static-scaling", "fp16 O1 fp32-compute adaptive-scaling"]
-    configs = comparison.plan(model="mlp", precisions=["bf16"], opt_levels=["O2", "O3"], updates=["plain", "kahan"],
+    configs = settings.plan(model="mlp", precisions=["bf16"], opt_levels=["O2", "O3"], updates=["plain", "kahan"],
                               steps=2, computes=["float32"])
     assert [c.label for c in configs][1:] == ["bf16 O2 fp32-compute", "bf16 O3 fp32-compute",
                                               "bf16 O3 fp32-compute kahan"]
-    with pytest.raises(ValueError, match="--update kahan applies to O3 runs only: add --opt-level O3"):
-        comparison.plan(model="mlp", updates=["kahan"])
+    with pytest.raises(ValueError, match=r"updates=\['kahan'\] applies to O3 runs only: add opt_levels=\['O3'\]"):
+        settings.plan(model="mlp", updates=["kahan"])
     with pytest.raises(ValueError, match=r"Unknown loss scaling 'global'. Choose from \['auto', 'none'"):
-        comparison.plan(model="mlp", loss_scales=["global"])
-    configs = comparison.plan(model="mlp", precisions=["bf16", "fp16"], opt_levels=["O1"], computes=["float32"],
+        settings.plan(model="mlp", loss_scales=["global"])
+    configs = settings.plan(model="mlp", precisions=["bf16", "fp16"], opt_levels=["O1"], computes=["float32"],
                               loss_scales=["none", "dynamic"])  # bf16 needs no scaling: it runs once
     assert [c.label for c in configs][1:] == ["bf16 O1 fp32-compute", "fp16 O1 fp32-compute no-scaling",
                                               "fp16 O1 fp32-compute dynamic-scaling"]
-    with pytest.raises(ValueError, match="--loss-scale dynamic applies to fp16 runs only: add --precision fp16"):
-        comparison.plan(model="mlp", precisions=["bf16"], loss_scales=["dynamic"])
+    with pytest.raises(ValueError, match=r"loss_scales=\['dynamic'\] applies to fp16 runs only: add precisions=\['fp16'\]"):
+        settings.plan(model="mlp", precisions=["bf16"], loss_scales=["dynamic"])
 
 
 def test_loss_divisor_leaves_float32_training_as_it_was_and_makes_float16_need_loss_scaling() -> None:
     common = dict(model="mlp", steps=4, batch_size=8)
     plain = execute(RunConfig(**common))
-    divided = execute(comparison.plan(**common, precisions=["fp32"], loss_divisor=2**12)[0])
+    divided = execute(settings.plan(**common, precisions=["fp32"], loss_divisor=2**12)[0])
     # AdamW's eps is divided too, and a power of two divides exactly: the same run, bit for bit, reported undivided
     assert divided.losses == plain.losses and divided.final_train_loss == plain.final_train_loss
     fp16 = dict(common, precision="fp16", opt_level="O1", compute="float32", loss_divisor=2.0**16)
@@ -395,9 +396,9 @@ def test_loss_divisor_leaves_float32_training_as_it_was_and_makes_float16_need_l
 
 @pytest.mark.parametrize("divisor", [0, -4, math.inf, math.nan])
 def test_loss_divisor_must_be_a_finite_positive_number(divisor: float) -> None:
-    with pytest.raises(ValueError, match=rf"--loss-divisor {divisor} is invalid: use a finite number > 0, e.g. "
-                                         r"--loss-divisor 16"):
-        comparison.plan(model="mlp", loss_divisor=divisor)
+    with pytest.raises(ValueError, match=rf"loss_divisor={divisor} is invalid: use a finite number > 0, e.g. "
+                                         r"loss_divisor=16"):
+        settings.plan(model="mlp", loss_divisor=divisor)
 
 
 @pytest.mark.parametrize("loss_scale, update", [("none", "plain"), ("adaptive", "plain"), ("auto", "kahan")])
@@ -415,7 +416,7 @@ def test_numerics_settings_train_and_report_state_bytes_and_zero_gradients(loss_
 
 
 def test_learning_rate_schedule_decays_to_a_tenth() -> None:
-    from ampkit.experiment.run import lr_factor
+    from ampkit.experiment.training import lr_factor
 
     factors = [lr_factor(step, 400) for step in range(401)]
     assert factors[0] == 1.0 and factors[200] == pytest.approx(0.55)

@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 import ampkit
-from ampkit import fp8
-from ampkit.fp8 import E4M3, E5M2, Fp8Linear, Fp8Recipe, convert_to_fp8
+from ampkit.formats import fp8
+from ampkit.formats.fp8 import Fp8Linear, convert_to_fp8
+from ampkit.formats.recipes import E4M3, E5M2, Fp8Recipe
 from multiprocess import run_ranks
 
 
@@ -236,7 +237,7 @@ def test_a_growing_activation_is_followed_with_the_history_lag(margin: int) -> N
 
 
 def test_saved_for_backward_counts_what_fp8_stores() -> None:
-    from ampkit.memory import saved_bytes_of_step
+    from ampkit.diagnostics.memory import saved_bytes_of_step
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 16))

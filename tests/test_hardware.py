@@ -9,25 +9,25 @@ import warnings
 import pytest
 import torch
 
-from ampkit import hardware
+from ampkit.hardware import advice, flags, throughput
 from conftest import fake_throughput, requires_cuda
 
 
 def test_report_reads_the_cpu_flags(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
-    report = hardware.report(measured=False)
+    monkeypatch.setattr(flags, "cpu_flags", lambda: frozenset({"avx512f", "avx512_bf16"}))
+    report = advice.report(measured=False)
     assert report.cpu_features["avx512_bf16"] and not report.cpu_features["avx512_fp16"]
     assert report.cpu_native_bf16 and not report.cpu_native_fp16
     assert report.torch_version == torch.__version__
-    assert hardware.native_support("cpu", torch.bfloat16) == "native (avx512_bf16)"
-    assert hardware.native_support("cpu", torch.float16).startswith("software-emulated (no avx512_fp16")
+    assert flags.native_support("cpu", torch.bfloat16) == "native (avx512_bf16)"
+    assert flags.native_support("cpu", torch.float16).startswith("software-emulated (no avx512_fp16")
 
 
 def test_measure_times_every_class_and_dtype_within_seconds() -> None:
-    measured = hardware.measure("cpu", refresh=True)
-    assert set(measured.time_us) == set(hardware.OP_CLASSES)
+    measured = throughput.measure("cpu", refresh=True)
+    assert set(measured.time_us) == set(throughput.OP_CLASSES)
     for times in measured.time_us.values():
-        assert set(times) == set(hardware.DTYPES) and all(t > 0 for t in times.values())
+        assert set(times) == set(throughput.DTYPES) and all(t > 0 for t in times.values())
     assert measured.speedup("matmul", torch.float32) == 1.0
     assert measured.seconds < 10  # about a second on an idle 2-core CPU; generous for a loaded one
     assert f"{torch.get_num_threads()} threads" in measured.key and torch.__version__ in measured.key
@@ -35,11 +35,11 @@ def test_measure_times_every_class_and_dtype_within_seconds() -> None:
 
 def test_the_cache_is_read_by_the_next_process(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(hardware, "_memo", {})
+    monkeypatch.setattr(throughput, "_memo", {})
     stored = fake_throughput({"matmul": 0.5})
-    hardware._write_cache(stored)
-    monkeypatch.setattr(hardware, "_measure", lambda *a: pytest.fail("measured although cached"))
-    assert hardware.measure("cpu") == stored
+    throughput._write_cache(stored)
+    monkeypatch.setattr(throughput, "_measure", lambda *a: pytest.fail("measured although cached"))
+    assert throughput.measure("cpu") == stored
     saved = json.loads((tmp_path / "throughput-v1.json").read_text())
     assert saved["version"] == 1 and list(saved["entries"]) == [stored.key]
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]  # written atomically
@@ -47,20 +47,20 @@ def test_the_cache_is_read_by_the_next_process(monkeypatch: pytest.MonkeyPatch, 
 
 def test_a_corrupt_cache_is_measured_again(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(hardware, "_memo", {})
+    monkeypatch.setattr(throughput, "_memo", {})
     (tmp_path / "throughput-v1.json").write_text('{"version": 1, "entries": {"x": {"key": 3}}')  # truncated
     fresh = fake_throughput({"conv": 2.0})
-    monkeypatch.setattr(hardware, "_measure", lambda *a: fresh)
-    assert hardware.measure("cpu") == fresh
+    monkeypatch.setattr(throughput, "_measure", lambda *a: fresh)
+    assert throughput.measure("cpu") == fresh
     assert json.loads((tmp_path / "throughput-v1.json").read_text())["entries"][fresh.key]["time_us"]
 
 
 def test_another_thread_count_is_another_machine(monkeypatch: pytest.MonkeyPatch) -> None:
     threads = torch.get_num_threads()
-    _, _, key = hardware.device_key("cpu")
+    _, _, key = throughput.device_key("cpu")
     try:
         torch.set_num_threads(threads + 1)
-        assert hardware.device_key("cpu")[2] != key
+        assert throughput.device_key("cpu")[2] != key
     finally:
         torch.set_num_threads(threads)
 
@@ -69,50 +69,50 @@ def test_an_unwritable_cache_warns_and_keeps_the_figures(monkeypatch: pytest.Mon
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     monkeypatch.setenv("AMPKIT_CACHE_DIR", str(blocker / "cache"))
-    monkeypatch.setattr(hardware, "_memo", {})
+    monkeypatch.setattr(throughput, "_memo", {})
     fresh = fake_throughput({})
-    monkeypatch.setattr(hardware, "_measure", lambda *a: fresh)
+    monkeypatch.setattr(throughput, "_measure", lambda *a: fresh)
     with pytest.warns(RuntimeWarning, match="Cannot write ampkit's hardware cache .*set AMPKIT_CACHE_DIR"):
-        assert hardware.measure("cpu") == fresh
+        assert throughput.measure("cpu") == fresh
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert hardware.measure("cpu") == fresh  # kept for this process
+        assert throughput.measure("cpu") == fresh  # kept for this process
 
 
 def test_recommend_on_a_cpu_without_fast_16_bit_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx2"}))
-    monkeypatch.setattr(hardware, "measure", lambda device="cpu": fake_throughput({"matmul": 0.013, "conv": 0.05}))
-    advice = hardware.recommend("cpu")
-    assert advice.dtype == torch.bfloat16 and advice.compute == "float32" and advice.fastest == "float32"
-    assert "for speed alone, float32" in advice.reasons[0] and "matmul 0.013x, conv 0.05x" in advice.reasons[0]
-    assert "software-emulated (no avx512_bf16 / amx_bf16)" in advice.reasons[0]
-    assert "half the bytes" in advice.reasons[1]
-    assert not advice.fp8_native and any(r.startswith("FP8: no FP8 matmuls here; ampkit.convert_to_fp8 emulates")
-                                         for r in advice.reasons)
+    monkeypatch.setattr(flags, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(throughput, "measure", lambda device="cpu": fake_throughput({"matmul": 0.013, "conv": 0.05}))
+    rec = advice.recommend("cpu")
+    assert rec.dtype == torch.bfloat16 and rec.compute == "float32" and rec.fastest == "float32"
+    assert "for speed alone, float32" in rec.reasons[0] and "matmul 0.013x, conv 0.05x" in rec.reasons[0]
+    assert "software-emulated (no avx512_bf16 / amx_bf16)" in rec.reasons[0]
+    assert "half the bytes" in rec.reasons[1]
+    assert not rec.fp8_native and any(r.startswith("FP8: no FP8 matmuls here; ampkit.convert_to_fp8 emulates")
+                                         for r in rec.reasons)
 
 
 def test_recommend_on_a_cpu_with_fast_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(hardware, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr(flags, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
     slow_fp16 = fake_throughput({"matmul": 2.0, "conv": 1.8})
     slow_fp16.time_us["matmul"]["float16"] = 100.0 / 0.016
-    monkeypatch.setattr(hardware, "measure", lambda device="cpu": slow_fp16)
-    advice = hardware.recommend("cpu", batch_size=4)
-    assert advice.compute == "native" and advice.fastest == "bf16 native" and not advice.loss_scaling
-    assert "native bfloat16 kernels run at matmul 2x, conv 1.8x" in advice.reasons[0]
-    assert any("native float16 kernels run matmul at 0.016x" in w for w in advice.warnings)
-    assert any("batch size 4 is small" in w for w in advice.warnings)
+    monkeypatch.setattr(throughput, "measure", lambda device="cpu": slow_fp16)
+    rec = advice.recommend("cpu", batch_size=4)
+    assert rec.compute == "native" and rec.fastest == "bf16 native" and not rec.loss_scaling
+    assert "native bfloat16 kernels run at matmul 2x, conv 1.8x" in rec.reasons[0]
+    assert any("native float16 kernels run matmul at 0.016x" in w for w in rec.warnings)
+    assert any("batch size 4 is small" in w for w in rec.warnings)
 
 
 @pytest.mark.parametrize("capability, dtype", [((7, 0), torch.float16), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
 def test_recommended_dtype_by_compute_capability(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
                                                  dtype: torch.dtype) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    assert hardware.recommend_dtype("cuda") == dtype
+    assert advice.recommend_dtype("cuda") == dtype
 
 
 @requires_cuda
 def test_report_lists_and_measures_the_gpu() -> None:
-    report = hardware.report()
+    report = advice.report()
     assert report.gpus and report.gpus[0].fp16_tensor_cores == (torch.cuda.get_device_capability(0) >= (7, 0))
     gpu = [m for m in report.measured if m.device.startswith("cuda")][0]
     if torch.cuda.get_device_capability(0) >= (8, 0):  # tensor cores: native 16-bit GEMMs beat float32

@@ -143,7 +143,7 @@ def test_fp8_is_a_prepare_argument() -> None:
         accelerator.backward(F.cross_entropy(model(x), y))
         optimizer.step()
         optimizer.zero_grad()
-    assert ampkit.fp8.fp8_layers(model) == ["3"] and model[3].amax_history[0, 0] > 0
+    assert ampkit.formats.fp8.fp8_layers(model) == ["3"] and model[3].amax_history[0, 0] > 0
 
 
 def test_the_scaler_steps_only_when_gradients_sync() -> None:

@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from ampkit.experiment.models import ResNet18
-from ampkit.experiment.run import RunConfig, execute
-from ampkit.memory import estimate_memory
+from ampkit.experiment.config import RunConfig
+from ampkit.experiment.training import execute
+from ampkit.diagnostics.memory import estimate_memory
 
 
 def test_one_million_parameters_are_4_mb_in_fp32_and_2_mb_in_16_bits() -> None:
@@ -53,7 +54,7 @@ def test_bad_arguments() -> None:
 def test_estimate_matches_the_tensors_after_a_step(level: str, update: str, bytes_per_parameter: int) -> None:
     """Weights, gradients, masters and AdamW states, as counted from the real tensors."""
     import ampkit
-    from ampkit.memory import measured_state_bytes
+    from ampkit.diagnostics.memory import measured_state_bytes
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
@@ -83,7 +84,7 @@ def test_keep_float32_is_estimated_as_initialize_keeps_it() -> None:
     """Float32 embeddings (and the head tied to them) at O2: the estimate counts the real tensors."""
     import ampkit
     from ampkit.experiment.models import GPT
-    from ampkit.memory import measured_state_bytes
+    from ampkit.diagnostics.memory import measured_state_bytes
 
     torch.manual_seed(0)
     model = GPT(vocab_size=64, context=8, d_model=32, n_layers=1, n_heads=2)

@@ -13,7 +13,8 @@ from torch import nn
 
 import ampkit
 from ampkit import Policy
-from ampkit.numerics import RangeStats, find_nonfinite, inspect_numerics, write_histogram
+from ampkit.diagnostics.nonfinite import find_nonfinite
+from ampkit.diagnostics.numerics import RangeStats, inspect_numerics, write_histogram
 
 
 def _planted_overflow() -> nn.Sequential:
@@ -134,7 +135,8 @@ def test_inspect_reports_a_delayed_scale_that_lags_and_leaves_it_alone() -> None
 
 
 def test_fp8_cast_numerics_follow_the_formats_ranges() -> None:
-    from ampkit.fp8 import E4M3, E5M2, cast_numerics
+    from ampkit.formats.fp8 import cast_numerics
+    from ampkit.formats.recipes import E4M3, E5M2
 
     values = torch.tensor([1000.0, 1.0, 2.0**-10, 2.0**-17])
     e4m3 = cast_numerics(values, torch.tensor(1.0), E4M3)

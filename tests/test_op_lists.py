@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
-from ampkit import op_lists
+from ampkit.float32_compute import decide
+from ampkit.precision import op_lists
 
 MkT = Callable[..., torch.Tensor]
 
@@ -297,7 +298,7 @@ def test_cpu_op_matches_torch_autocast(op: str) -> None:
         warnings.simplefilter("ignore", ampkit.SlowPrecisionWarning)
         assert _outcome(op, inputs, ampkit.autocast(native)) == torch_outcome
     emulated = native.with_compute("float32")
-    in_float32 = op in ampkit.compute.float32_ops(emulated)
+    in_float32 = op in decide.float32_ops(emulated)
     assert _outcome(op, inputs, ampkit.autocast(emulated)) == (expected if in_float32 else torch_outcome)
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from ampkit import Policy, op_lists
+from ampkit import Policy
+from ampkit.precision import op_lists
 
 
 def test_default_equals_torch_lists_except_banned_ops() -> None:

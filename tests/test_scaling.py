@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ampkit import scaling
-from ampkit.scaling import ScaleRule, ScaleState
+from ampkit.scaling import rules as scaling
+from ampkit.scaling.rules import ScaleRule, ScaleState
 
 INF, NAN = float("inf"), float("nan")
 

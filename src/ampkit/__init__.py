@@ -3,26 +3,33 @@
 from __future__ import annotations
 
 # Casting
-from ampkit.autocast import autocast, custom_bwd, custom_fwd
-from ampkit.compute import ComputeModeWarning
-from ampkit.hardware import SlowPrecisionWarning, recommend_dtype
-from ampkit.policy import ModuleOverride, Policy
+from ampkit.hardware.advice import recommend_dtype
+from ampkit.hardware.flags import SlowPrecisionWarning
+from ampkit.precision.custom_functions import custom_bwd, custom_fwd
+from ampkit.precision.modes import ComputeModeWarning
+from ampkit.precision.policy import ModuleOverride, Policy
+from ampkit.precision.regions import autocast
 
 # Loss scaling and master weights
-from ampkit.master import MasterWeightOptimizer, initialize
-from ampkit.scaler import DynamicLossScaler, NonFiniteError, ScalerStats, StaticLossScaler
-from ampkit.adaptive_scaler import AdaptiveLossScaler, LayerScaleStats
-from ampkit.pure16 import StochasticRoundingOptimizer, pure16_optimizer, stochastic_round
 from ampkit.checkpoint import load_checkpoint, save_checkpoint
+from ampkit.optim.levels import initialize
+from ampkit.optim.master import MasterWeightOptimizer
+from ampkit.optim.pure16 import StochasticRoundingOptimizer, pure16_optimizer, stochastic_round
+from ampkit.scaling.adaptive import AdaptiveLossScaler, LayerScaleStats
+from ampkit.scaling.scaler import DynamicLossScaler, NonFiniteError, StaticLossScaler
+from ampkit.scaling.state_dicts import ScalerStats
 
 # FP8
-from ampkit.fp8 import Fp8Recipe, convert_to_fp8
+from ampkit.formats.fp8 import convert_to_fp8
+from ampkit.formats.recipes import Fp8Recipe
 
 # Measurement
-from ampkit.alignment import check_alignment, pad_vocab
-from ampkit.hardware import measure, recommend
-from ampkit.memory import estimate_memory
-from ampkit.numerics import find_nonfinite, inspect_numerics
+from ampkit.diagnostics.alignment import check_alignment, pad_vocab
+from ampkit.diagnostics.memory import estimate_memory, measured_state_bytes
+from ampkit.diagnostics.nonfinite import find_nonfinite
+from ampkit.diagnostics.numerics import inspect_numerics
+from ampkit.hardware.advice import recommend
+from ampkit.hardware.throughput import measure
 
 # Distributed: ampkit.distributed (imported on use: it needs torch.distributed)
 
@@ -59,6 +66,7 @@ __all__ = [
     "inspect_numerics",
     "find_nonfinite",
     "estimate_memory",
+    "measured_state_bytes",
     "check_alignment",
     "pad_vocab",
     "recommend",

@@ -12,16 +12,20 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ampkit import compute as compute_mod
-from ampkit import hardware
-from ampkit.experiment import comparison as comparison_mod
 from ampkit.experiment import report
+from ampkit.experiment.comparison import Comparison, check_out_dir, compare, reserve_out_dir
+from ampkit.experiment.config import LOSS_SCALES, PRECISIONS, RunConfig, low_dtype
+from ampkit.experiment.cost import Estimate, estimate
 from ampkit.experiment.data import DATASETS
 from ampkit.experiment.models import MODELS
-from ampkit.experiment.run import LOSS_SCALES, PRECISIONS, RunConfig, RunFailed, low_dtype
+from ampkit.experiment.process import RunFailed
+from ampkit.experiment.settings import plan
 from ampkit.files import atomic_write
-from ampkit.master import OPT_LEVELS
-from ampkit.pure16 import UPDATES
+from ampkit.float32_compute.decide import GEMM_OPS
+from ampkit.hardware import throughput
+from ampkit.optim.levels import OPT_LEVELS
+from ampkit.optim.pure16 import UPDATES
+from ampkit.precision.modes import COMPUTE_MODES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data", default=None, help=f"{' | '.join(DATASETS)} (default: digits; text for gpt)")
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, help="mixed precisions to run")
     parser.add_argument("--opt-level", nargs="+", choices=OPT_LEVELS[1:], help="opt levels of the mixed runs")
-    parser.add_argument("--compute", nargs="+", choices=compute_mod.COMPUTE_MODES,
+    parser.add_argument("--compute", nargs="+", choices=COMPUTE_MODES,
                         help="how the mixed runs' GEMMs compute (default: auto, native where measured faster here)")
     parser.add_argument("--loss-scale", nargs="+", choices=LOSS_SCALES,
                         help="loss scaling of the fp16 runs (default auto: dynamic for fp16, none otherwise; static "
@@ -63,23 +67,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if args.out is not None:
-        comparison_mod.check_out_dir(args.out)
+        check_out_dir(args.out)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        configs = comparison_mod.plan(
+        configs = plan(
             model=args.model, data=args.data, precisions=args.precision, opt_levels=args.opt_level,
             batch_size=args.batch_size, epochs=args.epochs, steps=args.steps, lr=args.lr, device=args.device,
             seed=args.seed, computes=args.compute, probe=False if args.no_probe else None,
             loss_scales=args.loss_scale, updates=args.update, loss_divisor=args.loss_divisor,
         )
-        estimate = comparison_mod.estimate(configs)  # builds and steps the model: a bad model fails here
-        out = comparison_mod.reserve_out_dir(args.out)  # before training: a bad location fails now
+        cost = estimate(configs)  # builds and steps the model: a bad model fails here
+        out = reserve_out_dir(args.out)  # before training: a bad location fails now
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
     console = Console(stderr=args.json)
-    print_plan(console, configs, estimate)
+    print_plan(console, configs, cost)
     try:
-        result = _compare(args, configs, estimate, console)
+        result = _compare(args, configs, cost, console)
     except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: keep the steps taken, marked incomplete
         partial = getattr(interrupt, "partial", None)
         if partial is not None:
@@ -99,29 +103,29 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2, allow_nan=False))
     else:
         console.print(report.table(result))
-        console.print(f"Took {time.perf_counter() - start:.0f} s (estimated {estimate.total_s:.0f} s). "
+        console.print(f"Took {time.perf_counter() - start:.0f} s (estimated {cost.total_s:.0f} s). "
                       "Wrote " + ", ".join(str(p) for p in paths))
     for line in diverged:
         print(line, file=sys.stderr)
     return 1 if diverged else 0
 
 
-def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: comparison_mod.Estimate,
-             console: Console) -> comparison_mod.Comparison:
+def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: Estimate,
+             console: Console) -> Comparison:
     if args.quiet or args.json or not console.is_terminal:
-        return comparison_mod.compare(configs, estimated_s=estimate.total_s)
+        return compare(configs, estimated_s=estimate.total_s)
     with Progress(
         TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
         TimeElapsedColumn(), console=console,
     ) as bars:
         tasks = {c.label: bars.add_task(c.label, total=c.steps, loss="-") for c in configs}
-        return comparison_mod.compare(
+        return compare(
             configs, lambda label, step, total, loss: bars.update(tasks[label], completed=step, loss=f"{loss:.4f}"),
             estimated_s=estimate.total_s,
         )
 
 
-def print_plan(console: Console, configs: list[RunConfig], estimate: comparison_mod.Estimate) -> None:
+def print_plan(console: Console, configs: list[RunConfig], estimate: Estimate) -> None:
     """The runs about to start, why their compute mode is what it is, and the time they will take."""
     first = configs[0]
     console.print(
@@ -129,10 +133,10 @@ def print_plan(console: Console, configs: list[RunConfig], estimate: comparison_
         f"{first.steps} steps per run. Estimated {estimate.total_s:.0f} s "
         f"(a float32 step measured here: {estimate.float32_step_s * 1e3:.0f} ms)."
     )
-    measured = hardware.measure(first.device)
+    measured = throughput.measure(first.device)
     for precision, speedup in sorted(estimate.native_speedup.items()):
         dtype = low_dtype(precision, first.device)
-        line = ", ".join(f"{c} {measured.speedup(c, dtype):.3g}x" for c in compute_mod.GEMM_OPS)
+        line = ", ".join(f"{c} {measured.speedup(c, dtype):.3g}x" for c in GEMM_OPS)
         console.print(f"  native {precision} kernels here run at {line} float32's speed "
                       f"(this model: {speedup:.3g}x), measured on {measured.device_name}.")
     if any(c.float32_compute for c in configs):

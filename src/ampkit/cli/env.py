@@ -10,7 +10,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ampkit import hardware
+from ampkit.hardware import throughput
+from ampkit.hardware.advice import recommend, report
+from ampkit.hardware.flags import native_support
+from ampkit.hardware.throughput import OP_CLASSES, Throughput, cache_path
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -23,11 +26,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.remeasure:
-        hardware.measure("cpu", refresh=True)
+        throughput.measure("cpu", refresh=True)
         if torch.cuda.is_available():
-            hardware.measure("cuda", refresh=True)
-    hw = hardware.report()
-    advice = hardware.recommend()
+            throughput.measure("cuda", refresh=True)
+    hw = report()
+    advice = recommend()
     if args.json:
         payload = {"hardware": dataclasses.asdict(hw), "recommendation": dataclasses.asdict(advice)}
         print(json.dumps(payload, indent=2, default=str))
@@ -60,21 +63,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def speed_table(measured: hardware.Throughput) -> Table:
+def speed_table(measured: Throughput) -> Table:
     """Measured speed of native 16-bit kernels against float32, with the flags that explain it."""
     device = measured.device.split(":")[0]
     table = Table(title=f"Measured on {measured.device_name} ({measured.device}), {measured.measured_at}",
                   caption="speed of the native 16-bit kernel over float32's (above 1: faster); "
-                  f"best of several calls, cached in {hardware.cache_path()}")
+                  f"best of several calls, cached in {cache_path()}")
     table.add_column("op class")
     for dtype in (torch.bfloat16, torch.float16):
         table.add_column(str(dtype).removeprefix("torch."), justify="right")
     table.add_column("float32 time", justify="right")
-    for op in hardware.OP_CLASSES:
+    for op in OP_CLASSES:
         shape = "x".join(map(str, measured.shapes[op]))
         cells = [f"{measured.speedup(op, dtype):.3g}x" for dtype in (torch.bfloat16, torch.float16)]
         table.add_row(f"{op} ({shape})", *cells, f"{measured.time_us[op]['float32']:.0f} us")
     table.add_row(
-        "why", *(hardware.native_support(device, dtype) for dtype in (torch.bfloat16, torch.float16)), ""
+        "why", *(native_support(device, dtype) for dtype in (torch.bfloat16, torch.float16)), ""
     )
     return table

@@ -12,15 +12,16 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ampkit import compute
-from ampkit.alignment import check_alignment
+from ampkit.diagnostics.alignment import check_alignment
+from ampkit.diagnostics.memory import estimate_memory
+from ampkit.diagnostics.nonfinite import find_nonfinite
+from ampkit.diagnostics.numerics import NumericsReport, inspect_numerics, write_histogram
 from ampkit.experiment import data as data_mod
+from ampkit.experiment.config import CONTEXT
 from ampkit.experiment.models import MODELS, build
-from ampkit.experiment.run import CONTEXT
-from ampkit.fp8 import Fp8Recipe
-from ampkit.memory import estimate_memory
-from ampkit.numerics import NumericsReport, find_nonfinite, inspect_numerics, write_histogram
-from ampkit.policy import Policy
+from ampkit.float32_compute.decide import compute_label
+from ampkit.formats.recipes import Fp8Recipe
+from ampkit.precision.policy import Policy
 
 MIB = 2**20
 
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         payload = {"numerics": dataclasses.asdict(report), "memory": dataclasses.asdict(memory),
                    "alignment": [dataclasses.asdict(a) for a in alignment],
                    "nonfinite": dataclasses.asdict(nonfinite) if nonfinite else None,
-                   "nonfinite_compute": compute.label(policy) if args.find_nonfinite else None,
+                   "nonfinite_compute": compute_label(policy) if args.find_nonfinite else None,
                    "histogram": str(histogram)}
         print(json.dumps(payload, indent=2))
         return 0
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         console.print("Tensor-core alignment: every Linear/Conv/Embedding dimension is a multiple of 8.")
     if args.find_nonfinite:
-        console.print(f"First inf/NaN under {args.find_nonfinite} (compute: {compute.label(policy)}): " + (
+        console.print(f"First inf/NaN under {args.find_nonfinite} (compute: {compute_label(policy)}): " + (
             "none" if nonfinite is None else
             f"{nonfinite.op} in {nonfinite.module} ({nonfinite.phase}), input ranges {nonfinite.input_ranges}"))
     console.print(f"Wrote {histogram}")

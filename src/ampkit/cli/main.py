@@ -9,6 +9,7 @@ import threading
 from collections.abc import Sequence
 
 from ampkit.cli import compare, env, inspect_cmd, ops
+from ampkit.cli.flags import as_flags
 
 SUBCOMMANDS = [compare, inspect_cmd, env, ops]
 
@@ -41,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ampkit {args.command}: terminated; results already written are kept.", file=sys.stderr)
         return 143
     except ValueError as error:  # bad input the parser could not see: message, exit 2
-        print(f"ampkit {args.command}: error: {error}", file=sys.stderr)
+        print(f"ampkit {args.command}: error: {as_flags(str(error))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # child runs were stopped on the way out; no traceback
         print(f"ampkit {args.command}: interrupted; results already written are kept.", file=sys.stderr)

@@ -7,8 +7,8 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from ampkit.op_lists import CATEGORIES
-from ampkit.policy import Policy
+from ampkit.precision.op_lists import CATEGORIES
+from ampkit.precision.policy import Policy
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

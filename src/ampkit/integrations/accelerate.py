@@ -29,12 +29,13 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from torch import nn
 
-from ampkit import hardware
 from ampkit.distributed import HookState, check_compression, compression_hook
-from ampkit.fp8 import Fp8Recipe, convert_to_fp8
-from ampkit.master import cast_output_to_float32, check_settings, initialize
-from ampkit.policy import Policy, resolve_dtype
-from ampkit.scaler import DynamicLossScaler, StaticLossScaler, check_scaler
+from ampkit.formats.fp8 import Fp8Recipe, convert_to_fp8
+from ampkit.hardware.advice import recommend_dtype
+from ampkit.optim.levels import cast_output_to_float32, check_settings, initialize
+from ampkit.precision.modes import resolve_dtype
+from ampkit.precision.policy import Policy
+from ampkit.scaling.scaler import DynamicLossScaler, StaticLossScaler, check_scaler
 
 
 def prepare(
@@ -95,7 +96,7 @@ def prepare(
     if dtype is not None:
         dtype = resolve_dtype(dtype)
     else:
-        dtype = policy.dtype if policy is not None else hardware.recommend_dtype(accelerator.device)
+        dtype = policy.dtype if policy is not None else recommend_dtype(accelerator.device)
     if fp8 is not None:
         group = torch.distributed.group.WORLD if accelerator.num_processes > 1 else None
         convert_to_fp8(model, fp8, process_group=group)

@@ -27,14 +27,15 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
-from ampkit import compute as compute_mod
-from ampkit import hardware
-from ampkit.autocast import autocast
-from ampkit.fp8 import Fp8Recipe, convert_to_fp8
 from ampkit.distributed import HookState, check_compression, compression_hook
-from ampkit.master import MasterWeightOptimizer, cast_model_, check_settings
-from ampkit.policy import LOW_DTYPES, Policy, resolve_dtype
-from ampkit.scaler import DynamicLossScaler, StaticLossScaler, check_scaler
+from ampkit.float32_compute.decide import float32_ops
+from ampkit.formats.fp8 import Fp8Recipe, convert_to_fp8
+from ampkit.hardware.advice import recommend_dtype
+from ampkit.optim.levels import MasterWeightOptimizer, cast_model_, check_settings
+from ampkit.precision.modes import LOW_DTYPES, resolve_dtype
+from ampkit.precision.policy import Policy
+from ampkit.precision.regions import autocast
+from ampkit.scaling.scaler import DynamicLossScaler, StaticLossScaler, check_scaler
 
 
 class _AmpkitCore:
@@ -59,7 +60,7 @@ class _AmpkitCore:
         check_compression(compression)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.opt_level = opt_level
-        self.dtype = resolve_dtype(dtype) if dtype is not None else hardware.recommend_dtype(self.device)
+        self.dtype = resolve_dtype(dtype) if dtype is not None else recommend_dtype(self.device)
         self.policy = policy or Policy.default(self.device, self.dtype, compute=compute)
         self.compute = compute
         self.scaler = scaler if scaler is not None else DynamicLossScaler(
@@ -79,7 +80,7 @@ class _AmpkitCore:
             return autocast(self.policy)
         if self.opt_level in ("O2", "O3"):
             model16 = Policy.for_16bit_model(self.device, self.dtype, self.compute)
-            if compute_mod.float32_ops(model16):
+            if float32_ops(model16):
                 return autocast(model16)
         return contextlib.nullcontext()
 

@@ -15,37 +15,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from ampkit import op_lists
-from ampkit.compute import check_compute
-from ampkit.op_lists import ALLOW, DENY, INFER
-
-_DTYPE_NAMES: dict[str, torch.dtype] = {
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-}
-LOW_DTYPES = (torch.float16, torch.bfloat16)
+from ampkit import _torch
+from ampkit.precision import op_lists
+from ampkit.precision.modes import check_compute, resolve_dtype
+from ampkit.precision.op_lists import ALLOW, DENY, INFER
 
 ModulePattern = str | type[nn.Module]
-
-
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """Return the 16-bit torch dtype named by ``dtype``.
-
-    Raises:
-        ValueError: ``dtype`` is not float16 or bfloat16.
-    """
-    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype.lower()]
-    if dtype in LOW_DTYPES:
-        return dtype  # type: ignore[return-value]
-    raise ValueError(
-        f"Unsupported mixed precision dtype: {dtype!r}. Choose torch.float16 ('fp16') or "
-        "torch.bfloat16 ('bf16'); float32 is what mixed precision falls back to, not a "
-        "compute dtype to choose."
-    )
 
 
 def check_device_type(device_type: str) -> str:
@@ -58,11 +33,9 @@ def check_device_type(device_type: str) -> str:
     return device_type
 
 
-@functools.cache
 def known_ops() -> frozenset[str]:
     """Every ATen operator name (without overload) the installed torch defines."""
-    names = torch._C._dispatch_get_all_op_names()
-    return frozenset(n[len("aten::") :].split(".")[0] for n in names if n.startswith("aten::"))
+    return _torch.aten_op_names()
 
 
 def _check_ops(ops: Iterable[str], argument: str) -> frozenset[str]:

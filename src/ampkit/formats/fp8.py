@@ -26,55 +26,20 @@ from typing import Any
 import torch
 from torch import nn
 
-STATE_VERSION = 1
-FORMATS = ("e4m3", "hybrid")
-SCALINGS = ("delayed", "current")
-GRANULARITIES = ("tensor", "row")
-AMAX_ALGOS = ("max", "most_recent")
-E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-SMALLEST_SUBNORMAL = {E4M3: 2.0**-9, E5M2: 2.0**-16}
-INPUT, WEIGHT, GRAD = 0, 1, 2  # rows of a delayed-scaling module's amax history and scales
+from ampkit import _torch
+from ampkit.formats.recipes import (
+    E4M3,
+    E5M2,
+    GRAD,
+    INPUT,
+    SMALLEST_SUBNORMAL,
+    STATE_VERSION,
+    WEIGHT,
+    Fp8Recipe,
+    native_fp8,
+)
+from ampkit.formats.torchao import convert_current
 
-
-@dataclasses.dataclass(frozen=True)
-class Fp8Recipe:
-    """How FP8 linears scale and which formats they use.
-
-    Attributes:
-        scaling: ``"delayed"`` (default: amax history, ampkit's own) or ``"current"`` (torchao).
-        format: ``"hybrid"`` (default: E4M3 forward, E5M2 gradients) or ``"e4m3"`` (everywhere).
-        granularity: ``"tensor"`` or ``"row"`` (one scale per row; current scaling only).
-        amax_history_len: steps of amax kept per tensor (delayed scaling; default 16).
-        amax_compute_algo: ``"max"`` of the history (default) or its ``"most_recent"`` entry.
-        margin: the scale is divided by ``2**margin`` (headroom against growth; default 0).
-    """
-
-    scaling: str = "delayed"
-    format: str = "hybrid"
-    granularity: str = "tensor"
-    amax_history_len: int = 16
-    amax_compute_algo: str = "max"
-    margin: int = 0
-
-    def __post_init__(self) -> None:
-        for name, choices in (("scaling", SCALINGS), ("format", FORMATS), ("granularity", GRANULARITIES),
-                              ("amax_compute_algo", AMAX_ALGOS)):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"Fp8Recipe({name}={getattr(self, name)!r}) is invalid: choose one of {list(choices)}.")
-        for name, low in (("amax_history_len", 1), ("margin", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"Fp8Recipe({name}={value!r}) is invalid: use an integer >= {low}.")
-        if self.granularity == "row" and self.scaling == "delayed":
-            raise ValueError("Fp8Recipe(granularity='row') needs scaling='current': delayed scaling keeps one amax "
-                             "history per tensor (as Transformer Engine does).")
-
-    def dtype(self, role: int) -> torch.dtype:
-        """The FP8 dtype of ``INPUT``, ``WEIGHT`` or ``GRAD`` tensors."""
-        return E5M2 if role == GRAD and self.format == "hybrid" else E4M3
-
-
-# -- pure math ------------------------------------------------------------------------------
 
 def fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
@@ -140,11 +105,6 @@ def cast_numerics(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtyp
     return CastNumerics({E4M3: "E4M3", E5M2: "E5M2"}[dtype], *figures)
 
 
-def native_fp8(device: torch.device) -> bool:
-    """Whether ``device`` has FP8 matmuls (CUDA compute capability >= 8.9)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
               out_dtype: torch.dtype, native: bool) -> torch.Tensor:
     """``dequantize(a) @ dequantize(b)`` for 2-D FP8 ``a`` (m x k) and ``b`` (k x n).
@@ -153,7 +113,7 @@ def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
     Emulated: a float32 matmul on the dequantized values.
     """
     if native:
-        return torch._scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=scale_a.reciprocal(),
+        return _torch.scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=scale_a.reciprocal(),
                                 scale_b=scale_b.reciprocal(), out_dtype=out_dtype)
     return (dequantize(a, scale_a) @ dequantize(b, scale_b)).to(out_dtype)
 
@@ -314,7 +274,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: t
     decisions = eligible(model, keep, include)
     chosen = {name for name, decision in decisions.items() if decision == "fp8"}
     if recipe.scaling == "current":
-        _convert_current(model, recipe, chosen, emulate)
+        convert_current(model, recipe, chosen, emulate)
     else:
         for name in chosen:
             parent, _, child = name.rpartition(".")
@@ -323,22 +283,6 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: t
     return decisions
 
 
-def _convert_current(model: nn.Module, recipe: Fp8Recipe, chosen: set[str], emulate: bool | None) -> None:
-    """Current scaling through torchao's ``convert_to_float8_training`` (its tensorwise / rowwise recipes)."""
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        from torchao.float8.config import CastConfig, ScalingGranularity
-    except ImportError as error:
-        raise ImportError("Fp8Recipe(scaling='current') runs on torchao's float8 training: pip install "
-                          "'ampkit[fp8]' (or torchao), or use scaling='delayed', which is ampkit's own.") from error
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    emulate = not native_fp8(device) if emulate is None else emulate
-    granularity = ScalingGranularity.AXISWISE if recipe.granularity == "row" else ScalingGranularity.TENSORWISE
-    forward, backward = CastConfig(scaling_granularity=granularity, target_dtype=E4M3), CastConfig(
-        scaling_granularity=granularity, target_dtype=recipe.dtype(GRAD))
-    config = Float8LinearConfig(cast_config_input=forward, cast_config_weight=forward,
-                                cast_config_grad_output=backward, emulate=emulate)
-    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen)
 
 
 def fp8_layers(model: nn.Module) -> list[str]:

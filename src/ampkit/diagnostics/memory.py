@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import compute
-from ampkit.policy import resolve_dtype
+from ampkit.float32_compute.gelu_recompute import passthrough
+from ampkit.float32_compute.weights import is_weight_copy, weight_storages
+from ampkit.precision.modes import resolve_dtype
 
 # Optimizer states per parameter, in the dtype of the parameters the optimizer updates.
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-nomomentum": 0, "adagrad": 1, "rmsprop": 1}
@@ -35,17 +36,17 @@ def saved_bytes_of_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> t
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
-    @compute.passthrough
+    @passthrough
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params and not compute.is_weight_copy(t):
+        if storage.data_ptr() not in params and not is_weight_copy(t):
             seen[storage.data_ptr()] = storage.nbytes()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = step()
         # Read before the step's graph can go: float32-compute ops save aliases of weights.
-        weights = compute.weight_storages()
+        weights = weight_storages()
     return loss, sum(n for ptr, n in seen.items() if ptr not in weights)
 
 
@@ -108,7 +109,7 @@ def estimate_memory(
         ValueError: an unknown optimizer, opt level or update, an update other than plain below O3,
             or ``keep_float32`` below or above O2 or listing something that is not an nn.Module type.
     """
-    from ampkit.master import NORM_TYPES, OPT_LEVELS, check_keep_float32, check_settings, initialize
+    from ampkit.optim.levels import NORM_TYPES, OPT_LEVELS, check_keep_float32, check_settings, initialize
 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"Unknown optimizer {optimizer!r}. Choose one of {sorted(OPTIMIZER_STATES)}.")

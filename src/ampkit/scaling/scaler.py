@@ -18,30 +18,19 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from ampkit import scaling
-from ampkit.scaling import ScaleRule, ScaleState
+from ampkit.scaling import rules
+from ampkit.scaling.rules import ScaleRule, ScaleState, total
+from ampkit.scaling.state_dicts import STATE_VERSION, ScalerStats, check_scale, checked_state
 
-STATE_VERSION = 1
 _HISTORY_LEN = 1000
 
 
-_COUNTERS = ("growth_tracker", "hysteresis_left", "steps", "skipped", "overflows", "updates", "min_scale_overflows")
 
-
-def _check_scale(scale: object, rule: ScaleRule, name: str) -> None:
-    """A loss scale must be a finite number in [min_scale, max_scale]; ValueError otherwise."""
-    ok = isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale)
-    if not ok or not rule.min_scale <= scale <= rule.max_scale:  # type: ignore[operator]
-        raise ValueError(
-            f"{name}={scale!r} is outside [min_scale, max_scale] = [{rule.min_scale}, {rule.max_scale}]: "
-            "use a finite scale in that range (or change the bounds)."
-        )
 
 
 class NonFiniteError(RuntimeError):
@@ -52,25 +41,6 @@ class _Stage(enum.Enum):
     READY = 0
     UNSCALED = 1
     STEPPED = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class ScalerStats:
-    """What a scaler has done so far.
-
-    Attributes:
-        steps: optimizer steps taken.
-        skipped: steps skipped because a gradient was inf/NaN.
-        overflows: updates that saw an overflow (a skipped step, or a tolerated one).
-        scale: the current loss scale.
-        history: the last 1000 updates as (update index, scale used, skipped).
-    """
-
-    steps: int
-    skipped: int
-    overflows: int
-    scale: float
-    history: tuple[tuple[int, float, bool], ...]
 
 
 class DynamicLossScaler:
@@ -116,7 +86,7 @@ class DynamicLossScaler:
         process_group: Any = None,
     ) -> None:
         self.rule = ScaleRule(growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale)
-        _check_scale(init_scale, self.rule, "init_scale")
+        check_scale(init_scale, self.rule, "init_scale")
         if isinstance(max_min_scale_overflows, bool) or not isinstance(max_min_scale_overflows, int) \
                 or max_min_scale_overflows < 1:
             raise ValueError(f"max_min_scale_overflows={max_min_scale_overflows!r} is invalid: use an integer >= 1 "
@@ -199,7 +169,7 @@ class DynamicLossScaler:
                 raise RuntimeError("step() has already been called on this optimizer since the last update().")
             if self._stages.get(id(opt), _Stage.READY) is _Stage.READY:
                 self.unscale_(opt)
-        found = _total([self._found[id(opt)] for opt in optimizers] + self._loose_found)
+        found = total([self._found[id(opt)] for opt in optimizers] + self._loose_found)
         overflow = self._agree(found)  # syncs once
         self._iteration_overflow |= overflow
         for opt in optimizers:
@@ -226,7 +196,7 @@ class DynamicLossScaler:
         if not self.enabled:
             return
         if new_scale is not None:
-            _check_scale(new_scale, self.rule, "new_scale")
+            check_scale(new_scale, self.rule, "new_scale")
             self._state = ScaleState(float(new_scale), 0, self.rule.hysteresis)
             self._begin_iteration()
             return
@@ -241,7 +211,7 @@ class DynamicLossScaler:
             self._min_scale_overflows = self._min_scale_overflows + 1 if self._at_min_scale(backoff) else 0
         else:
             self._min_scale_overflows = 0
-        self._state = scaling.next_scale(self._state, backoff, self.rule)
+        self._state = rules.next_scale(self._state, backoff, self.rule)
         last_loss = self._last_loss
         self._begin_iteration()
         if self._min_scale_overflows >= self.max_min_scale_overflows:
@@ -315,33 +285,9 @@ class DynamicLossScaler:
         if not isinstance(state_dict, dict):
             raise RuntimeError(f"Cannot load loss scaler state from a {type(state_dict).__name__}: pass the dict "
                                "from DynamicLossScaler.state_dict() or torch.amp.GradScaler.state_dict().")
-        if "_growth_tracker" in state_dict and "version" not in state_dict:  # torch.amp.GradScaler
-            state_dict = _from_grad_scaler(state_dict, self.rule)
-        required = set(self.state_dict())
-        missing = sorted(required - set(state_dict))
-        if missing:
-            raise RuntimeError(
-                f"Cannot load loss scaler state: missing keys {missing}. Pass the dict from "
-                "DynamicLossScaler.state_dict() or torch.amp.GradScaler.state_dict()."
-            )
-        if state_dict["version"] != STATE_VERSION:
-            raise RuntimeError(
-                f"Loss scaler state version {state_dict['version']!r} is not {STATE_VERSION!r}: this ampkit reads "
-                f"version {STATE_VERSION} state dicts."
-            )
-        # Everything is checked before anything changes: a failed load leaves the scaler as it was.
-        try:
-            rule = ScaleRule(**{f.name: state_dict[f.name] for f in dataclasses.fields(ScaleRule)})
-            _check_scale(state_dict["scale"], rule, "scale")
-            counters = {key: state_dict[key] for key in _COUNTERS}
-            for key, value in counters.items():
-                if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "hysteresis_left" else 0):
-                    raise ValueError(f"{key}={value!r} is invalid: use an integer >= "
-                                     f"{1 if key == 'hysteresis_left' else 0}")
-        except ValueError as error:
-            raise RuntimeError(f"Cannot load loss scaler state: {error}") from error
+        rule, counters = checked_state(state_dict, self.rule, set(self.state_dict()))
         self.rule = rule
-        self._state = ScaleState(float(state_dict["scale"]), counters["growth_tracker"], counters["hysteresis_left"])
+        self._state = ScaleState(counters["scale"], counters["growth_tracker"], counters["hysteresis_left"])
         self._steps, self._skipped = counters["steps"], counters["skipped"]
         self._overflows, self._updates = counters["overflows"], counters["updates"]
         self._min_scale_overflows = counters["min_scale_overflows"]
@@ -377,8 +323,8 @@ class DynamicLossScaler:
                     # overflow only then: check the coalesced values (torch's GradScaler does).
                     p.grad = p.grad.coalesce()
                 grads.append(p.grad)
-        found = scaling.unscale_and_check_(grads, 1.0 / self._state.scale)
-        return _total(list(found.values()))
+        found = rules.unscale_and_check_(grads, 1.0 / self._state.scale)
+        return total(list(found.values()))
 
     def _agree(self, found: torch.Tensor) -> bool:
         if self.process_group is not None:
@@ -432,14 +378,6 @@ class StaticLossScaler(DynamicLossScaler):
         )
 
 
-def _total(found: list[torch.Tensor]) -> torch.Tensor:
-    """Sum one-element tensors on the first one's device (a device copy: no host sync)."""
-    if not found:
-        return torch.zeros(())
-    device = found[0].device
-    return torch.stack([f.to(device).reshape(()) for f in found]).sum()
-
-
 def check_scaler(scaler: object) -> None:
     """Refuse anything but an ampkit scaler (or None) where one is passed in (ValueError)."""
     if scaler is not None and not isinstance(scaler, DynamicLossScaler):  # Static and Adaptive derive from it
@@ -451,21 +389,3 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _from_grad_scaler(state: dict[str, Any], rule: ScaleRule) -> dict[str, Any]:
-    """Translate a torch.amp.GradScaler state dict (counters start at 0)."""
-    return {
-        "version": STATE_VERSION,
-        "scale": float(state["scale"]),
-        "growth_tracker": int(state["_growth_tracker"]),
-        "hysteresis_left": 1,
-        **dataclasses.asdict(rule),
-        "growth_factor": float(state["growth_factor"]),
-        "backoff_factor": float(state["backoff_factor"]),
-        "growth_interval": int(state["growth_interval"]),
-        "hysteresis": 1,
-        "steps": 0,
-        "skipped": 0,
-        "overflows": 0,
-        "updates": 0,
-        "min_scale_overflows": 0,
-    }

@@ -2,8 +2,8 @@
 
 ``inspect_numerics`` runs one float32 forward and backward with hooks and
 reports, per module, how its activations and activation gradients would fare
-in float16 and bfloat16. ``find_nonfinite`` runs under a policy and names the
-first module and op whose output is inf/NaN.
+in float16 and bfloat16 (``find_nonfinite``, in ``nonfinite.py``, names the first
+module and op whose output is inf/NaN).
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ampkit.autocast import autocast
 from ampkit.files import atomic_write
-from ampkit.fp8 import GRAD, INPUT, WEIGHT, CastNumerics, Fp8Linear, Fp8Recipe, cast_numerics
-from ampkit.policy import Policy
+from ampkit.formats.fp8 import GRAD, INPUT, WEIGHT, CastNumerics, Fp8Linear, Fp8Recipe, cast_numerics
+from ampkit.precision.policy import Policy
+from ampkit.precision.regions import autocast
 
 FP16_MAX = torch.finfo(torch.float16).max  # 65504
 FP16_MIN_NORMAL = 2.0**-14  # below: subnormal, fewer significant bits
@@ -49,7 +48,7 @@ class RangeStats:
 
     @classmethod
     def of(cls, values: torch.Tensor) -> RangeStats:
-        return measure(values)[0]
+        return range_stats(values)[0]
 
 
 _EXP_OFFSET = 160  # float32 exponents span -148..128
@@ -60,7 +59,7 @@ def _exp_sum(hist: list[float], low: int, high: int) -> float:
     return sum(hist[max(low, -_EXP_OFFSET) + _EXP_OFFSET : high + _EXP_OFFSET + 1])
 
 
-def measure(values: torch.Tensor) -> tuple[RangeStats, list[float]]:
+def range_stats(values: torch.Tensor) -> tuple[RangeStats, list[float]]:
     """RangeStats of ``values`` and the histogram of their binary exponents.
 
     A few passes over the tensor and one sync: the exponent histogram (``torch.frexp``
@@ -145,27 +144,27 @@ class NumericsReport:
     fp8_keep: list[str] = dataclasses.field(default_factory=list)
 
 
-def _first_tensor(value: Any) -> torch.Tensor | None:
+def first_tensor(value: Any) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value
     if isinstance(value, (list, tuple)):
         for item in value:
-            found = _first_tensor(item)
+            found = first_tensor(item)
             if found is not None:
                 return found
     if isinstance(value, dict):
-        return _first_tensor(list(value.values()))
+        return first_tensor(list(value.values()))
     return None
 
 
-def _output_tensor(output: Any) -> torch.Tensor:
-    tensor = _first_tensor(output)
+def output_tensor(output: Any) -> torch.Tensor:
+    tensor = first_tensor(output)
     if tensor is None:
         raise ValueError(f"The model returned {type(output).__name__} with no floating tensor; pass loss_fn=.")
     return tensor
 
 
-def _region(model: nn.Module, policy: Policy | None) -> contextlib.AbstractContextManager:
+def policy_region(model: nn.Module, policy: Policy | None) -> contextlib.AbstractContextManager:
     """Under ``policy``, or in float32 (autocast off on the model's device) without one."""
     if policy is not None:
         return autocast(policy)
@@ -174,7 +173,7 @@ def _region(model: nn.Module, policy: Policy | None) -> contextlib.AbstractConte
 
 
 @contextlib.contextmanager
-def _probing(model: nn.Module, handles: list[Any]) -> Iterator[None]:
+def probing(model: nn.Module, handles: list[Any]) -> Iterator[None]:
     """Leave the model as it was found: probe hooks removed, gradients untouched."""
     saved_grads = {p: p.grad for p in model.parameters()}
     try:
@@ -186,7 +185,7 @@ def _probing(model: nn.Module, handles: list[Any]) -> Iterator[None]:
             p.grad = grad
 
 
-def _default_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
+def default_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
     if target is None:
         return output.float().pow(2).mean()
     if output.dim() > 2 and not target.is_floating_point():  # (batch, seq, vocab) logits
@@ -225,7 +224,7 @@ def inspect_numerics(
     if not any(p.requires_grad for p in model.parameters()):
         raise ValueError(f"inspect_numerics needs a model with trainable parameters; this {type(model).__name__} has "
                          "none, so there are no gradients to inspect.")
-    loss_fn = loss_fn or _default_loss
+    loss_fn = loss_fn or default_loss
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     names = {module: name or "(model)" for name, module in model.named_modules()}
     activations: dict[str, RangeStats] = {}
@@ -239,24 +238,24 @@ def inspect_numerics(
     measured: dict[int, tuple[torch.Tensor, RangeStats, list[str]]] = {}
 
     def forward_hook(module: nn.Module, module_inputs: Any, output: Any) -> None:
-        tensor = _first_tensor(output)
+        tensor = first_tensor(output)
         if tensor is None:
             return
         name = names[module]
-        if fp8 is not None and isinstance(module, nn.Linear) and isinstance(_first_tensor(module_inputs), torch.Tensor):
+        if fp8 is not None and isinstance(module, nn.Linear) and isinstance(first_tensor(module_inputs), torch.Tensor):
             _measure_fp8_linear(module, module_inputs[0], tensor, fp8, fp8_saved, fp8_found.setdefault(name, {}))
         order.append(module)
         if id(tensor) in measured and measured[id(tensor)][0] is tensor:
             activations[name] = measured[id(tensor)][1]
             measured[id(tensor)][2].append(name)
             return
-        stats = measure(tensor)[0]
+        stats = range_stats(tensor)[0]
         activations[name] = stats
         sharing = [name]
         measured[id(tensor)] = (tensor, stats, sharing)
         if tensor.requires_grad:
             def grad_hook(grad: torch.Tensor, sharing: list[str] = sharing) -> None:
-                grad_stats, hist = measure(grad)
+                grad_stats, hist = range_stats(grad)
                 for i, count in enumerate(hist):
                     grad_hist[i] += count
                 for shared_name in sharing:
@@ -264,9 +263,9 @@ def inspect_numerics(
             tensor.register_hook(grad_hook)
 
     handles = [m.register_forward_hook(forward_hook) for m in model.modules()]
-    with _probing(model, handles):
-        with _region(model, policy):
-            loss = loss_fn(_output_tensor(model(*args)), target)
+    with probing(model, handles):
+        with policy_region(model, policy):
+            loss = loss_fn(output_tensor(model(*args)), target)
         loss.backward()
 
     once = {names[m]: type(m).__name__ for m in order}  # forward order; a module called twice shows once
@@ -357,96 +356,6 @@ def _recommend(modules: list[ModuleNumerics], grad_hist: list[float]) -> Numeric
     if prefer_bf16:
         reasons.append("bfloat16 has float32's range: it avoids these overflows/underflows without loss scaling")
     return NumericsReport(modules, keep, scale, zero_before, zero_after, prefer_bf16, reasons, hist)
-
-
-@dataclasses.dataclass(frozen=True)
-class NonFiniteFinding:
-    """Where the first inf/NaN appeared."""
-
-    module: str  # innermost module running at the time
-    op: str  # the ATen op whose output was non-finite
-    phase: str  # "forward" or "backward"
-    input_ranges: list[tuple[float, float] | None]  # (min, max) of each tensor input
-    finite_inputs: bool  # False: a weight, buffer or model input was already inf/NaN
-
-
-# Ops whose output is allocated but not yet written (autograd's gradient buffers):
-# whatever bits they hold are not a finding.
-_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
-
-
-class _FirstNonFinite(TorchDispatchMode):
-    def __init__(self, current_module: Callable[[], str], phase: Callable[[], str]) -> None:
-        super().__init__()
-        self.current_module, self.phase = current_module, phase
-        self.finding: NonFiniteFinding | None = None
-        # The previous op: (name, tensor inputs, first output).
-        self._previous: tuple[str, list[torch.Tensor], torch.Tensor | None] | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        name = str(func.overloadpacket.__name__)
-        if self.finding is None and name not in _UNINITIALIZED:
-            tensor = _first_tensor(out)
-            inputs = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-            if tensor is not None and not bool(torch.isfinite(tensor).all()):
-                previous = self._previous
-                if name in ("to", "_to_copy") and previous is not None and args and args[0] is previous[2]:
-                    # float32 compute (ampkit.compute): a GEMM's float32 result overflowed when rounded
-                    # to 16 bits, where a native 16-bit kernel overflows in the GEMM itself.
-                    name, inputs = previous[0], previous[1]
-                ranges = [
-                    (t.float().min().item(), t.float().max().item()) if t.is_floating_point() and t.numel() else None
-                    for t in inputs
-                ]
-                finite_inputs = all(bool(torch.isfinite(t).all()) for t in inputs if t.is_floating_point())
-                self.finding = NonFiniteFinding(self.current_module(), name, self.phase(), ranges, finite_inputs)
-            self._previous = (name, inputs, tensor)
-        return out
-
-
-def find_nonfinite(
-    model: nn.Module,
-    inputs: Any,
-    policy: Policy | None = None,
-    target: Any = None,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-    backward: bool = True,
-) -> NonFiniteFinding | None:
-    """Run the forward (and backward) under ``policy``; name the first op that makes inf/NaN.
-
-    The first op in execution order whose output is non-finite is where the trouble
-    starts: either it overflowed on finite inputs (``finite_inputs``), or it read a
-    weight, buffer or model input that already held inf/NaN.
-
-    Returns:
-        A NonFiniteFinding, or None when everything stayed finite.
-
-    Note:
-        Checks every op's output on the device: slow, for debugging only.
-    """
-    loss_fn = loss_fn or _default_loss
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    names = {module: name or "(model)" for name, module in model.named_modules()}
-    stack: list[str] = []
-    phase = ["forward"]
-
-    def enter(module: nn.Module, _: Any) -> None:
-        stack.append(names[module])
-
-    def leave(module: nn.Module, _: Any, __: Any) -> None:
-        stack.pop()
-
-    pre = [m.register_forward_pre_hook(enter) for m in model.modules()]
-    post = [m.register_forward_hook(leave, always_call=True) for m in model.modules()]
-    mode = _FirstNonFinite(lambda: stack[-1] if stack else "(model)", lambda: phase[0])
-    with _probing(model, pre + post), mode:
-        with _region(model, policy):
-            loss = loss_fn(_output_tensor(model(*args)), target)
-        if backward and mode.finding is None and loss.requires_grad:
-            phase[0] = "backward"
-            loss.backward()
-    return mode.finding
 
 
 def write_histogram(report: NumericsReport, path: Any) -> None:

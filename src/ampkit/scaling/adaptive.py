@@ -39,8 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import compute, scaling
-from ampkit.scaler import DynamicLossScaler, _total
+from ampkit import _torch
+from ampkit.float32_compute.gelu_recompute import identity_forward
+from ampkit.scaling import rules
+from ampkit.scaling.rules import total
+from ampkit.scaling.scaler import DynamicLossScaler
 
 STATE_VERSION = 1
 _GLOBAL = -1  # the group of parameters outside every bracketed layer
@@ -63,7 +66,7 @@ class LayerScaleStats:
     overflows: int
 
 
-@compute.identity_forward  # a float32-compute linear still recomputes a GELU output behind it
+@identity_forward  # a float32-compute linear still recomputes a GELU output behind it
 class _RescaleGrad(torch.autograd.Function):
     """Identity forward; backward records the incoming gradient's amax, then multiplies by ``factor``."""
 
@@ -265,11 +268,11 @@ class AdaptiveLossScaler(DynamicLossScaler):
         found = []
         for group, grads in groups.items():
             scale = self._state.scale if group == _GLOBAL else self._layer_scales[group]
-            found += list(scaling.unscale_and_check_(grads, 1.0 / scale).values())
+            found += list(rules.unscale_and_check_(grads, 1.0 / scale).values())
             values = [g._values() if g.is_sparse else g for g in grads]
-            norms = torch._foreach_norm(values, math.inf)
+            norms = _torch.foreach_norm(values, math.inf)
             self._events[group]["weights"].append(torch.stack([n.float() for n in norms]).amax())
-        return _total(found)
+        return total(found)
 
     def _agree(self, found: torch.Tensor) -> bool:
         """DynamicLossScaler's overflow check, with this iteration's layer statistics in the

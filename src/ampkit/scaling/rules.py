@@ -1,8 +1,8 @@
 """Loss-scaling math: unscale-and-check, and the next-scale rule.
 
 Small functions of tensors and plain numbers with no globals; the scaler
-classes in ``scaler.py`` hold the state and sequence the calls. This module
-imports nothing of ampkit.
+classes in ``scaler.py`` hold the state and sequence the calls. Of ampkit this
+module imports only the torch shim (``ampkit._torch``, for GradScaler's fused unscale).
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
+
+from ampkit import _torch
 
 
 def unscale_and_check_(grads: Iterable[torch.Tensor], inv_scale: float) -> dict[torch.device, torch.Tensor]:
@@ -44,7 +46,7 @@ def unscale_and_check_(grads: Iterable[torch.Tensor], inv_scale: float) -> dict[
         if device not in found:
             found[device] = torch.zeros(1, dtype=torch.float32, device=device)
             inv[device] = torch.full((1,), inv_scale, dtype=torch.float32, device=device)
-        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv[device])
+        _torch.amp_unscale_(tensors, found[device], inv[device])
     return found
 
 
@@ -112,3 +114,11 @@ def next_scale(state: ScaleState, found_inf: bool, rule: ScaleRule) -> ScaleStat
     if tracker >= rule.growth_interval:
         return ScaleState(min(state.scale * rule.growth_factor, rule.max_scale), 0, rule.hysteresis)
     return dataclasses.replace(state, growth_tracker=tracker)
+
+
+def total(found: list[torch.Tensor]) -> torch.Tensor:
+    """Sum one-element tensors on the first one's device (a device copy: no host sync)."""
+    if not found:
+        return torch.zeros(())
+    device = found[0].device
+    return torch.stack([f.to(device).reshape(()) for f in found]).sum()

@@ -1,0 +1,248 @@
+"""Every torch private that ampkit uses, one wrapper each.
+
+Private torch API is a loan: these names can move in any release. Each one is
+taken here, and nowhere else, with the torch versions it was checked on and
+what ampkit does where it is missing. ``missing()`` lists the ones the running
+torch lacks; ``tests/test_torch_privates.py`` fails on any, so a torch release
+that moves one fails a test instead of switching a feature off silently.
+
+Checked on torch 2.13.0 (CPU); the names below exist unchanged since 2.4.
+This module imports nothing of ampkit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+# The tensor-tree helpers and the dispatch-mode machinery: torch.utils._pytree and
+# torch.utils._python_dispatch are private modules that torch's own public APIs
+# (torch.compile, torch.func) are built on; TorchDispatchMode is documented, its
+# module is not. Without them float32 compute's generic path and find_nonfinite
+# cannot exist, so ampkit imports them plainly: an ImportError names the module.
+from torch.utils import _pytree as pytree  # noqa: F401  (re-exported)
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+__all__ = [
+    "TorchDispatchMode",
+    "disable_current_modes",
+    "pytree",
+    "aten_op_names",
+    "autocast_key",
+    "excluding_key",
+    "is_mutable",
+    "checkpoint_entry_points",
+    "replace_checkpoint_entry_points",
+    "forward_used_autocast",
+    "top_saved_tensors_hooks",
+    "forward_class",
+    "gelu_saved",
+    "fused_sdp_choice",
+    "flash_attention_cpu",
+    "flash_attention_cpu_backward",
+    "scaled_mm",
+    "amp_unscale_",
+    "OpOverload",
+    "foreach_copy_",
+    "foreach_norm",
+    "flatten_dense_tensors",
+    "unflatten_dense_tensors",
+    "NORM_BASE",
+    "missing",
+]
+
+
+# An ATen op overload, as the dispatcher hands kernels (the type of ``torch.ops.aten.mm.default``).
+OpOverload = torch._ops.OpOverload
+
+
+def disable_current_modes() -> contextlib.AbstractContextManager[Any]:
+    """Run the enclosed code below every active TorchDispatchMode (torch 2.4-2.13)."""
+    return _disable_current_modes()
+
+
+@functools.cache
+def aten_op_names() -> frozenset[str]:
+    """Every ATen operator name, without overload, the running torch defines.
+
+    ``torch._C._dispatch_get_all_op_names`` (2.4-2.13). Missing: policies cannot check
+    op names and refuse every edit (``missing()`` names it).
+    """
+    names = torch._C._dispatch_get_all_op_names()
+    return frozenset(n[len("aten::") :].split(".")[0] for n in names if n.startswith("aten::"))
+
+
+def autocast_key(device_type: str) -> Any:
+    """The dispatcher's Autocast key for ``device_type`` (``torch._C.DispatchKey.AutocastCPU`` /
+    ``AutocastCUDA``, 2.4-2.13): where edited policies register their kernels."""
+    return {"cpu": torch._C.DispatchKey.AutocastCPU, "cuda": torch._C.DispatchKey.AutocastCUDA}[device_type]
+
+
+def excluding_key(device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """Dispatch below the Autocast key of ``device_type`` (``torch._C._ExcludeDispatchKeyGuard``
+    with a ``DispatchKeySet``, 2.4-2.13), as torch's own autocast kernels do."""
+    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(autocast_key(device_type)))
+
+
+def is_mutable(overload: torch._ops.OpOverload) -> bool:
+    """Whether an op overload writes to an argument (``out=``, in-place): ``OpOverload._schema``
+    (2.4-2.13)."""
+    return bool(overload._schema.is_mutable)
+
+
+def checkpoint_entry_points() -> tuple[Any, Any] | None:
+    """torch.utils.checkpoint's two places where a segment's function is handed over:
+    the reentrant ``CheckpointFunction`` and the non-reentrant
+    ``_checkpoint_without_reentrant_generator`` (2.4-2.13). None where either is missing:
+    then ampkit warns once that checkpointed segments inside an edited region recompute
+    without its policy (``precision/checkpointing.py``)."""
+    from torch.utils import checkpoint as cp
+
+    function = getattr(cp, "CheckpointFunction", None)
+    generator = getattr(cp, "_checkpoint_without_reentrant_generator", None)
+    return None if function is None or generator is None else (function, generator)
+
+
+def replace_checkpoint_entry_points(function: Any, generator: Any) -> None:
+    """Install replacements for ``checkpoint_entry_points()`` (looked up by torch at call time,
+    so ``from torch.utils.checkpoint import checkpoint`` is covered too)."""
+    from torch.utils import checkpoint as cp
+
+    setattr(cp, "CheckpointFunction", function)
+    setattr(cp, "_checkpoint_without_reentrant_generator", generator)
+
+
+def forward_used_autocast(ctx: Any) -> bool:
+    """Whether a ``torch.amp.custom_fwd`` forward ran under autocast: ``ctx._fwd_used_autocast``,
+    set by torch (2.4-2.13). Missing: False, and ``custom_bwd`` runs as torch's alone."""
+    return bool(getattr(ctx, "_fwd_used_autocast", False))
+
+
+def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The innermost ``saved_tensors_hooks`` pair, or None (``torch._C._autograd.
+    _top_saved_tensors_default_hooks``, 2.4-2.13). Missing: the GELU recompute is skipped,
+    as it is under others' hooks."""
+    getter = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if getter is None:
+        return (_unknown_hook, _unknown_hook)
+    return getter(False)
+
+
+def _unknown_hook(value: Any) -> Any:
+    return value
+
+
+def forward_class(node: Any) -> type | None:
+    """The autograd Function class of a graph node (``BackwardCFunction._forward_cls``,
+    2.4-2.13); None for built-in ops."""
+    return getattr(node, "_forward_cls", None)
+
+
+def gelu_saved(node: Any) -> tuple[torch.Tensor, str] | None:
+    """What a ``GeluBackward0`` node saved: its input and approximation mode
+    (``_saved_self``, ``_saved_approximate``, 2.4-2.13). None where they are missing: then
+    no GELU output is recomputed (it is saved, as without ampkit)."""
+    try:
+        return node._saved_self, node._saved_approximate
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def fused_sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                     scale: float | None) -> int | None:
+    """The attention backend torch picks for these inputs (``torch._fused_sdp_choice``,
+    2.4-2.13); None where missing, and attention takes float32 compute's generic path."""
+    choice = getattr(torch, "_fused_sdp_choice", None)
+    return None if choice is None else int(choice(q, k, v, None, 0.0, is_causal, scale=scale))
+
+
+def flash_attention_cpu(*args: Any, **kwargs: Any) -> Any:
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` (2.4-2.13)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)
+
+
+def flash_attention_cpu_backward(*args: Any, **kwargs: Any) -> Any:
+    """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` (2.4-2.13)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
+
+
+def scaled_mm(*args: Any, **kwargs: Any) -> Any:
+    """``torch._scaled_mm``, the FP8 GEMM of compute capability >= 8.9 (2.4-2.13). Missing:
+    FP8 recipes emulate on every device."""
+    return torch._scaled_mm(*args, **kwargs)
+
+
+def amp_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_``: GradScaler's fused unscale and
+    inf/NaN check (2.4-2.13)."""
+    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+
+
+def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``torch._foreach_copy_``: one fused, converting copy of many tensors (2.4-2.13)."""
+    torch._foreach_copy_(targets, sources)
+
+
+def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
+    """``torch._foreach_norm``: one fused norm per tensor (2.4-2.13)."""
+    return list(torch._foreach_norm(tensors, ord))
+
+
+def flatten_dense_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch._utils._flatten_dense_tensors`` (DDP's own bucketing, 2.4-2.13)."""
+    from torch._utils import _flatten_dense_tensors
+
+    return _flatten_dense_tensors(tensors)
+
+
+def unflatten_dense_tensors(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``torch._utils._unflatten_dense_tensors`` (2.4-2.13)."""
+    from torch._utils import _unflatten_dense_tensors
+
+    return list(_unflatten_dense_tensors(flat, tensors))
+
+
+# BatchNorm's base class (nn.modules.batchnorm._NormBase, 2.4-2.13): O2 keeps every
+# batch norm in float32, SyncBatchNorm and the lazy ones included.
+NORM_BASE: type[nn.Module] = nn.modules.batchnorm._NormBase
+
+
+_NEEDED: dict[str, Callable[[], object]] = {
+    "torch._C._dispatch_get_all_op_names": lambda: torch._C._dispatch_get_all_op_names,
+    "torch._C.DispatchKey.AutocastCPU": lambda: torch._C.DispatchKey.AutocastCPU,
+    "torch._C.DispatchKey.AutocastCUDA": lambda: torch._C.DispatchKey.AutocastCUDA,
+    "torch._C._ExcludeDispatchKeyGuard": lambda: torch._C._ExcludeDispatchKeyGuard,
+    "torch._C.DispatchKeySet": lambda: torch._C.DispatchKeySet,
+    "OpOverload._schema": lambda: torch.ops.aten.mm.default._schema.is_mutable,
+    "torch.utils.checkpoint entry points": lambda: checkpoint_entry_points() or None,
+    "torch._C._autograd._top_saved_tensors_default_hooks": lambda: torch._C._autograd._top_saved_tensors_default_hooks,
+    "torch._fused_sdp_choice": lambda: torch._fused_sdp_choice,
+    "aten._scaled_dot_product_flash_attention_for_cpu": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward":
+        lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    "torch._scaled_mm": lambda: torch._scaled_mm,
+    "torch._amp_foreach_non_finite_check_and_unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_,
+    "torch._ops.OpOverload": lambda: torch._ops.OpOverload,
+    "torch._foreach_copy_": lambda: torch._foreach_copy_,
+    "torch._foreach_norm": lambda: torch._foreach_norm,
+    "torch._utils._flatten_dense_tensors": lambda: __import__("torch._utils")._utils._flatten_dense_tensors,
+    "nn.modules.batchnorm._NormBase": lambda: nn.modules.batchnorm._NormBase,
+}
+
+
+def missing() -> list[str]:
+    """The privates above that the running torch lacks (empty on a supported torch)."""
+    absent = []
+    for name, get in _NEEDED.items():
+        try:
+            if get() is None:
+                absent.append(name)
+        except (AttributeError, ImportError):
+            absent.append(name)
+    return absent
+

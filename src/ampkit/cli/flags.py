@@ -1,0 +1,33 @@
+"""Library errors name parameters (``batch_size=0``); the CLI shows them as its flags (``--batch-size 0``)."""
+
+from __future__ import annotations
+
+import ast
+import re
+
+# Parameter of the library call -> the flag that sets it.
+FLAGS = {
+    "model": "--model", "data": "--data", "precisions": "--precision", "opt_levels": "--opt-level",
+    "batch_size": "--batch-size", "epochs": "--epochs", "steps": "--steps", "lr": "--lr", "device": "--device",
+    "seed": "--seed", "computes": "--compute", "loss_scales": "--loss-scale", "updates": "--update",
+    "loss_divisor": "--loss-divisor", "out": "--out",
+}
+_PARAMETER = re.compile(rf"\b({'|'.join(FLAGS)})=(\[[^\]]*\]|'[^']*'|[^\s,:;)]+)")
+
+
+def _value(text: str) -> str:
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a placeholder such as DIR, or a number with its sentence's full stop
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def as_flags(message: str) -> str:
+    """``message`` with each ``parameter=value`` written as the flag that sets it.
+
+    Example:
+        >>> as_flags("batch_size=0 is invalid; precisions=['fp8', 'bf16']")
+        '--batch-size 0 is invalid; --precision fp8 bf16'
+    """
+    return _PARAMETER.sub(lambda m: f"{FLAGS[m.group(1)]} {_value(m.group(2))}", message)

@@ -1,0 +1,106 @@
+"""find_nonfinite: run under a policy and name the first module and op whose output is inf/NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit import _torch
+from ampkit._torch import TorchDispatchMode
+from ampkit.diagnostics.numerics import default_loss, first_tensor, output_tensor, policy_region, probing
+from ampkit.precision.policy import Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteFinding:
+    """Where the first inf/NaN appeared."""
+
+    module: str  # innermost module running at the time
+    op: str  # the ATen op whose output was non-finite
+    phase: str  # "forward" or "backward"
+    input_ranges: list[tuple[float, float] | None]  # (min, max) of each tensor input
+    finite_inputs: bool  # False: a weight, buffer or model input was already inf/NaN
+
+
+# Ops whose output is allocated but not yet written (autograd's gradient buffers):
+# whatever bits they hold are not a finding.
+_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+
+
+class _FirstNonFinite(TorchDispatchMode):
+    def __init__(self, current_module: Callable[[], str], phase: Callable[[], str]) -> None:
+        super().__init__()
+        self.current_module, self.phase = current_module, phase
+        self.finding: NonFiniteFinding | None = None
+        # The previous op: (name, tensor inputs, first output).
+        self._previous: tuple[str, list[torch.Tensor], torch.Tensor | None] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket.__name__)
+        if self.finding is None and name not in _UNINITIALIZED:
+            tensor = first_tensor(out)
+            inputs = [a for a in _torch.pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            if tensor is not None and not bool(torch.isfinite(tensor).all()):
+                previous = self._previous
+                if name in ("to", "_to_copy") and previous is not None and args and args[0] is previous[2]:
+                    # float32 compute (ampkit.compute): a GEMM's float32 result overflowed when rounded
+                    # to 16 bits, where a native 16-bit kernel overflows in the GEMM itself.
+                    name, inputs = previous[0], previous[1]
+                ranges = [
+                    (t.float().min().item(), t.float().max().item()) if t.is_floating_point() and t.numel() else None
+                    for t in inputs
+                ]
+                finite_inputs = all(bool(torch.isfinite(t).all()) for t in inputs if t.is_floating_point())
+                self.finding = NonFiniteFinding(self.current_module(), name, self.phase(), ranges, finite_inputs)
+            self._previous = (name, inputs, tensor)
+        return out
+
+
+def find_nonfinite(
+    model: nn.Module,
+    inputs: Any,
+    policy: Policy | None = None,
+    target: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    backward: bool = True,
+) -> NonFiniteFinding | None:
+    """Run the forward (and backward) under ``policy``; name the first op that makes inf/NaN.
+
+    The first op in execution order whose output is non-finite is where the trouble
+    starts: either it overflowed on finite inputs (``finite_inputs``), or it read a
+    weight, buffer or model input that already held inf/NaN.
+
+    Returns:
+        A NonFiniteFinding, or None when everything stayed finite.
+
+    Note:
+        Checks every op's output on the device: slow, for debugging only.
+    """
+    loss_fn = loss_fn or default_loss
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    names = {module: name or "(model)" for name, module in model.named_modules()}
+    stack: list[str] = []
+    phase = ["forward"]
+
+    def enter(module: nn.Module, _: Any) -> None:
+        stack.append(names[module])
+
+    def leave(module: nn.Module, _: Any, __: Any) -> None:
+        stack.pop()
+
+    pre = [m.register_forward_pre_hook(enter) for m in model.modules()]
+    post = [m.register_forward_hook(leave, always_call=True) for m in model.modules()]
+    mode = _FirstNonFinite(lambda: stack[-1] if stack else "(model)", lambda: phase[0])
+    with probing(model, pre + post), mode:
+        with policy_region(model, policy):
+            loss = loss_fn(output_tensor(model(*args)), target)
+        if backward and mode.finding is None and loss.requires_grad:
+            phase[0] = "backward"
+            loss.backward()
+    return mode.finding

@@ -1,0 +1,21 @@
+"""Starting the process group from torchrun's environment.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
+    """Initialize the default process group from torchrun's environment.
+
+    Returns:
+        (rank, world_size). The backend defaults to NCCL with CUDA, gloo otherwise.
+    """
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()

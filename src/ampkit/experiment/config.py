@@ -1,0 +1,120 @@
+"""One run's settings and its result: RunConfig, RunResult and the setting names.
+
+Plain dataclasses (they travel as JSON between a comparison and its run processes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ampkit.float32_compute.decide import GEMM_OPS, float32_classes
+from ampkit.formats.recipes import Fp8Recipe
+from ampkit.hardware.advice import recommend_dtype
+from ampkit.precision.modes import resolve_dtype
+
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current")
+LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
+STATIC_SCALE = 2.0**10  # the static setting's loss scale (Micikevicius et al. used 8 to 32768 per task)
+# FP8 recipes of the fp8 settings: delayed scaling (ampkit's own) and current scaling (torchao), both
+# E4M3 forward and E5M2 gradients; everything else runs at the 16-bit dtype the hardware recommends.
+FP8_RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current")}
+
+
+def low_dtype(precision: str, device: torch.device | str) -> torch.dtype:
+    """The 16-bit dtype of a mixed setting; for the fp8 settings, the one the rest of the model runs in."""
+    if precision in FP8_RECIPES:
+        return recommend_dtype(device)
+    return resolve_dtype(precision)
+CONTEXT = 64  # bytes per text window (the GPT's context)
+WARMUP_STEPS = 2
+PROBE_WARMUP_STEPS = 1
+PRECISE_BN_BATCHES = 8
+ZERO_GRAD_EVERY = 10  # steps between counts of zero gradient values
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """One run: a model on data in one precision setting."""
+
+    model: str = "resnet18"
+    data: str = "digits"
+    precision: str = "fp32"  # one of PRECISIONS
+    opt_level: str = "O0"  # O0 for fp32; O1/O2/O3 for 16-bit
+    batch_size: int = 64
+    steps: int = 44
+    lr: float = 2e-3
+    device: str = "cpu"
+    seed: int = 0
+    compute: str = "auto"  # how 16-bit GEMMs compute: auto, native or float32 (Policy.compute)
+    probe: bool = False  # a few timed steps only: no evaluation, no accuracy
+    loss_scale: str = "auto"  # one of LOSS_SCALES; auto: dynamic for float16, none otherwise
+    update: str = "plain"  # O3's update rule (ampkit.pure16): plain, kahan or stochastic
+    # The training loss is divided by this (and AdamW's eps with it, so float32 trains as with 1): each gradient
+    # value then sits where a loss_divisor-times larger batch's mean puts it (see ``plan``).
+    loss_divisor: float = 1.0
+
+    @property
+    def scaling(self) -> str:
+        """The loss scaling this run uses (``auto`` resolved): none, static, dynamic or adaptive."""
+        if self.loss_scale != "auto":
+            return self.loss_scale
+        return "dynamic" if self.precision == "fp16" else "none"
+
+    @property
+    def float32_compute(self) -> list[str]:
+        """The op classes this run computes in float32 on 16-bit values (resolved here)."""
+        if self.precision == "fp32":
+            return []
+        device_type = torch.device(self.device).type
+        return sorted(float32_classes(device_type, low_dtype(self.precision, self.device), self.compute))
+
+    @property
+    def label(self) -> str:
+        """``fp32``, ``bf16 O1``; ``bf16 O1 fp32-compute`` where GEMMs compute in float32;
+        ``bf16 O1 native probe`` for a probe; the fp8 settings name their recipe
+        (``fp8-delayed-hybrid O1``)."""
+        if self.precision == "fp32":
+            return "fp32"
+        recipe = FP8_RECIPES.get(self.precision)
+        name = f"fp8-{recipe.scaling}-{recipe.format}" if recipe is not None else self.precision
+        label = f"{name} {self.opt_level}"
+        classes = self.float32_compute
+        if classes:
+            label += " fp32-compute" if len(classes) == len(GEMM_OPS) else f" fp32-{classes[0]}"
+        elif self.compute == "native" and self.probe:
+            label += " native"
+        if self.loss_scale != "auto":
+            label += f" {self.loss_scale}-scaling" if self.loss_scale != "none" else " no-scaling"
+        if self.update != "plain":
+            label += f" {self.update}"
+        return label + (" probe" if self.probe else "")
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one run measured. Times in ms, memory in bytes."""
+
+    label: str
+    precision: str
+    opt_level: str
+    float32_compute: list[str]  # op classes computed in float32 on 16-bit values ([] = native)
+    probe: bool  # a speed probe: no accuracy, loss or evaluation
+    ms_per_step: float  # median over the steps after warm-up
+    samples_per_s: float
+    # What training added to memory. CUDA: max_memory_allocated; CPU: peak resident
+    # memory during training minus the resident memory before the model was built.
+    peak_memory_bytes: int
+    saved_for_backward_bytes: int  # activation memory of one step, exact on any device
+    final_train_loss: float | None  # mean of the last final_steps(steps) steps (None for a probe)
+    test_accuracy: float | None  # images: class accuracy; text: next-byte accuracy (None for a probe)
+    skipped_steps: int
+    final_loss_scale: float | None  # None without loss scaling (adaptive: the global scale)
+    steps: int
+    losses: list[float]
+    wall_s: float
+    diverged: str | None = None  # why training stopped early (a non-finite loss), else None
+    state_bytes: int = 0  # weights, gradients, masters and optimizer states after training (measured)
+    parameters: int = 0  # the model's parameters (a tied weight once)
+    zero_grad_fraction: float | None = None  # of gradient values exactly zero, mean over sampled steps

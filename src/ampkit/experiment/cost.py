@@ -1,0 +1,144 @@
+"""estimate(): how long a comparison will take, from float32 steps timed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from ampkit.experiment import data as data_mod
+from ampkit.experiment.config import (
+    CONTEXT,
+    PRECISE_BN_BATCHES,
+    RunConfig,
+    low_dtype,
+)
+from ampkit.experiment.models import build, check_output
+from ampkit.float32_compute.decide import GEMM_OPS
+from ampkit.hardware import throughput
+
+ESTIMATE_STEPS = 3  # float32 steps the plan times (after a warm-up step): a median, as the runs report
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """How long a comparison will take, from float32 steps measured here.
+
+    Attributes:
+        float32_step_s: a float32 training step of the model with the runs' optimizer,
+            timed here (median of ``ESTIMATE_STEPS``).
+        float32_forward_s: the forward of those steps (median): what evaluation costs per batch.
+        startup_s: starting the runs: each imports what this process imported before
+            the estimate (Python, torch, ampkit, the data), all at once on the CPU's cores.
+        run_s: per configuration, in plan order: its training steps and evaluation.
+        native_speedup: per mixed precision, float32's time over native 16-bit's for
+            this model's GEMMs (measured kernel speeds weighted by the model's FLOPs).
+    """
+
+    float32_step_s: float
+    float32_forward_s: float
+    startup_s: float
+    run_s: list[float]
+    native_speedup: dict[str, float]
+
+    @property
+    def total_s(self) -> float:
+        return self.startup_s + sum(self.run_s)
+
+
+def estimate(configs: list[RunConfig]) -> Estimate:
+    """Estimate the wall time of ``compare(configs)``: time float32 training steps of
+    the model in this process (after one warm-up step), then scale by steps, evaluation,
+    start-up and the measured speed of native 16-bit kernels where a run uses them.
+
+    Runs that compute GEMMs in float32 are estimated at float32's step time.
+    """
+    # What each run repeats before its set-up: starting Python, importing torch and ampkit. This process's
+    # CPU time so far, at most its age (a long-lived notebook has spent its age on other things).
+    import_s = min(_process_age_s(), time.process_time())
+    first = configs[0]
+    device = torch.device(first.device)
+    dataset = data_mod.load(first.data)
+    torch.manual_seed(first.seed)
+    model = build(first.model, **dataset.model_kwargs(CONTEXT)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the runs' optimizer; lr 0: this model is not trained
+    index = torch.arange(first.batch_size) % len(dataset.train_x if dataset.kind == "text" else dataset.train_y)
+    if dataset.kind == "text":
+        x, y = data_mod.windows(dataset.train_x, index % (len(dataset.train_x) - CONTEXT - 1), CONTEXT)
+    else:
+        x, y = dataset.train_x[index], dataset.train_y[index]
+    x, y = x.to(device), y.to(device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def step() -> tuple[float, float]:
+        """One training step; returns its time and its forward's."""
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        logits = check_output(first.model, model(x), dataset.num_classes)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        sync()
+        forward_s = time.perf_counter() - t0
+        loss.backward()
+        optimizer.step()
+        sync()
+        return time.perf_counter() - t0, forward_s
+
+    try:
+        with FlopCounterMode(display=False) as flops:
+            step()  # also the warm-up
+        timed = [step() for _ in range(ESTIMATE_STEPS)]
+    except ValueError:
+        raise
+    except Exception as error:  # the user's model on this data: say so in one line
+        raise ValueError(f"The model from {first.model!r} failed on a batch of {first.data} (inputs "
+                         f"{tuple(x.shape)}, {x.dtype}): {type(error).__name__}: {error}") from error
+    step_s, forward_s = (statistics.median(times) for times in zip(*timed))
+    share: dict[str, float] = {}  # op class -> its part of the step's GEMM arithmetic
+    for op, count in flops.get_flop_counts()["Global"].items():
+        name = "conv" if "convolution" in str(op) else "matmul"
+        share[name] = share.get(name, 0) + count
+    total = sum(share.values()) or 1
+    share = {c: n / total for c, n in share.items()}
+    measured = throughput.measure(device)
+
+    def time_factor(precision: str, native: Sequence[str]) -> float:
+        """A step's time over float32's: native classes at their measured speed, the rest at float32's.
+        A rough model: all of a step's time is taken as GEMM time."""
+        dtype = low_dtype(precision, device)
+        return sum(f / measured.speedup(c, dtype) if c in native else f for c, f in share.items()) or 1.0
+
+    precisions = sorted({c.precision for c in configs if c.precision != "fp32"})
+    speedups = {p: 1 / time_factor(p, list(GEMM_OPS)) for p in precisions}
+    startup = import_s * max(1.0, len(configs) / (os.cpu_count() or 1))
+    n_eval = len(dataset.test_y) if dataset.kind == "image" else 64
+    runs = []
+    for config in configs:
+        factor = 1.0
+        if config.precision != "fp32":
+            factor = time_factor(config.precision, [c for c in GEMM_OPS if c not in config.float32_compute])
+        train = config.steps * step_s * factor
+        evaluation = 0.0 if config.probe else (n_eval / config.batch_size + PRECISE_BN_BATCHES) * forward_s * factor
+        runs.append(train + evaluation)
+    return Estimate(step_s, forward_s, startup, runs, speedups)
+
+
+def _process_age_s() -> float:
+    """Seconds since this process started (Linux), else 0."""
+    try:
+        with open("/proc/self/stat") as stat:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as uptime:
+            up_s = float(uptime.read().split()[0])
+        return max(up_s - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return 0.0

@@ -1,0 +1,233 @@
+"""plan(): the runs of a comparison from its settings, every setting checked before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ampkit.experiment import data as data_mod
+from ampkit.experiment.config import (
+    CONTEXT,
+    FP8_RECIPES,
+    LOSS_SCALES,
+    PRECISIONS,
+    RunConfig,
+    low_dtype,
+)
+from ampkit.experiment.models import build, load_factory
+from ampkit.formats.fp8 import eligible
+from ampkit.hardware.advice import recommend_dtype, slow_native_message
+from ampkit.hardware.flags import SlowPrecisionWarning
+from ampkit.optim.levels import OPT_LEVELS
+from ampkit.optim.pure16 import UPDATES
+from ampkit.precision.modes import COMPUTE_MODES
+
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gpt": {"data": "text", "batch_size": 32, "steps": 400, "lr": 6e-3},
+}
+IMAGE_DEFAULTS = {"data": "digits", "batch_size": 64, "epochs": 2, "lr": 2e-3}
+
+
+PROBE_STEPS = 2  # one warm-up step, then one timed: native 16-bit steps can take tens of seconds
+
+
+def _check_choice(value: str, choices: Sequence[str], what: str) -> None:
+    if value not in choices:
+        raise ValueError(f"Unknown {what} {value!r}. Choose from {list(choices)}.")
+
+
+def default_settings(device: torch.device) -> list[tuple[str, str]]:
+    """The mixed settings the hardware supports: (precision, opt level) pairs."""
+    if device.type == "cuda":
+        settings = [("fp16", "O1"), ("fp16", "O2")]
+        if recommend_dtype(device) == torch.bfloat16:  # bf16 tensor cores: compute capability >= 8.0
+            settings += [("bf16", "O1"), ("bf16", "O2")]
+        return settings
+    return [("bf16", "O1"), ("bf16", "O2")]
+
+
+def check_device(device: str) -> torch.device:
+    """Parse ``device``. Raises ValueError for unknown devices and CUDA without CUDA."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"Unknown device {device!r}: choose 'cpu' or 'cuda' (or 'cuda:N').") from error
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"Unknown device {device!r}: choose 'cpu' or 'cuda' (or 'cuda:N').")
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r}: CUDA is not available here (torch {torch.__version__}, "
+            f"CUDA build: {torch.version.cuda or 'no'}). Use device='cpu'."
+        )
+    return parsed
+
+
+def plan(
+    model: str = "resnet18",
+    data: str | None = None,
+    precisions: Sequence[str] | None = None,
+    opt_levels: Sequence[str] | None = None,
+    batch_size: int | None = None,
+    epochs: int | None = None,
+    steps: int | None = None,
+    lr: float | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+    computes: Sequence[str] | None = None,
+    probe: bool | None = None,
+    loss_scales: Sequence[str] | None = None,
+    updates: Sequence[str] | None = None,
+    loss_divisor: float = 1.0,
+) -> list[RunConfig]:
+    """The runs of a comparison: float32 first, then the mixed settings, then a probe.
+
+    Unset options take the model's defaults (ResNet-18 and MLP: digits, batch 64,
+    2 epochs, lr 2e-3; GPT: text, batch 32, 400 steps, lr 6e-3). ``precisions`` and
+    ``opt_levels`` default to what the hardware supports (on a CPU: bf16 with O1
+    and O2; on CUDA: fp16 with O1 and O2, and bf16 too from compute capability 8.0).
+    ``computes`` (default ``["auto"]``: native where the measured 16-bit kernels
+    beat float32, else float32 GEMMs on 16-bit values) multiplies the settings.
+
+    ``loss_scales`` (default ``["auto"]``: dynamic for fp16, none for the others; or
+    ``none``, ``static``, ``dynamic``, ``adaptive``) multiply the fp16 settings; bf16 and
+    fp8 settings, whose 16-bit parts have float32's exponent range, run once without
+    scaling. For O3 settings, ``updates`` (``plain``, ``kahan``, ``stochastic``; default
+    ``["plain"]``) multiply the settings too.
+
+    ``loss_divisor`` (default 1) divides every run's training loss, float32's too, and
+    AdamW's eps with it, so float32 trains as without it. Each gradient value then sits
+    where a ``loss_divisor``-times larger batch's mean puts it, as gradient accumulation
+    over that many micro-batches divides each one's loss: the regime of large-batch
+    training (GPT-2's ~2**19 tokens a step against the GPT workload's 2**11), where float16
+    without loss scaling flushes gradients to zero. Reported losses are undivided.
+
+    ``probe`` (default: where an ``auto`` setting computes in float32) adds a short
+    run of the first mixed precision at O1 with native 16-bit kernels,
+    ``PROBE_STEPS`` steps with no evaluation, so the table also says how fast
+    native 16-bit compute is here.
+
+    Raises:
+        ValueError: unknown choices (listed in the message), or CUDA without CUDA.
+    """
+    parsed_device = check_device(device)
+    load_factory(model)  # fail fast on an unknown model
+    defaults = MODEL_DEFAULTS.get(model, IMAGE_DEFAULTS)
+    data = data or defaults["data"]
+    data_mod.check_spec(data)
+    if model in MODEL_DEFAULTS and data != "text" or model in ("resnet18", "mlp") and data == "text":
+        raise ValueError(f"model={model!r} and data={data!r} do not fit: text goes with gpt (or your own text "
+                         "model), images with resnet18, mlp or your own image model.")
+    for precision in precisions or ():
+        _check_choice(precision, PRECISIONS, "precision")
+    for level in opt_levels or ():
+        _check_choice(level, OPT_LEVELS[1:], "opt level for a mixed run:")
+    for compute in computes or ():
+        _check_choice(compute, COMPUTE_MODES, "compute mode")
+    for scaling in loss_scales or ():
+        _check_choice(scaling, LOSS_SCALES, "loss scaling")
+    for update in updates or ():
+        _check_choice(update, UPDATES, "update")
+    if updates and "O3" not in (opt_levels or ()):
+        raise ValueError(f"updates={list(updates)!r} applies to O3 runs only: add opt_levels=['O3'] (pure 16-bit "
+                         "weights; O1 and O2 keep float32 weights or masters, which take small updates as they are).")
+    for name, values in (("precisions", precisions), ("opt_levels", opt_levels), ("computes", computes),
+                         ("loss_scales", loss_scales), ("updates", updates)):
+        repeated = sorted({v for v in values or () if list(values or ()).count(v) > 1})
+        if repeated:
+            raise ValueError(f"{name}={list(values or ())!r}: {', '.join(repeated)} named more than once; name each "
+                             "setting once.")
+    _check_positive_int(batch_size, "batch_size")
+    _check_positive_int(epochs, "epochs")
+    _check_positive_int(steps, "steps")
+    if lr is not None and not (math.isfinite(lr) and lr > 0):
+        raise ValueError(f"lr={lr} is invalid: use a finite learning rate > 0, e.g. lr=0.002.")
+    if not (isinstance(loss_divisor, (int, float)) and math.isfinite(loss_divisor) and loss_divisor > 0):
+        raise ValueError(f"loss_divisor={loss_divisor} is invalid: use a finite number > 0, e.g. loss_divisor=16 "
+                         "(gradients as a 16-times larger batch's), or 1 to train on the loss as it is.")
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"seed={seed} is out of range: use an integer in [0, 2**63).")
+    if any(p in FP8_RECIPES for p in precisions or ()):
+        _check_fp8(model, data, [p for p in precisions or () if p in FP8_RECIPES])
+    if precisions is None and opt_levels is None:
+        settings = default_settings(parsed_device)
+    else:
+        mixed = [p for p in (precisions or ("bf16" if parsed_device.type == "cpu" else "fp16",)) if p != "fp32"]
+        settings = [(p, level) for p in mixed for level in (opt_levels or ("O1", "O2"))]
+    if loss_scales and not any(p == "fp16" for p, _ in settings):
+        raise ValueError(f"loss_scales={list(loss_scales)!r} applies to fp16 runs only: add precisions=['fp16'] "
+                         "(bf16 and fp8 keep float32's exponent range, so their runs take no loss scaling).")
+    batch_size = defaults["batch_size"] if batch_size is None else batch_size
+    if data != "text":
+        train_size = training_set_size(data)
+        if batch_size > train_size:
+            raise ValueError(
+                f"batch_size={batch_size} is larger than the {data} training set ({train_size} samples): "
+                f"use at most {train_size}."
+            )
+    if steps is None:
+        if data == "text":
+            steps = defaults.get("steps", 30)
+        else:
+            steps = train_size // batch_size * (defaults.get("epochs", 2) if epochs is None else epochs)
+    common: dict[str, Any] = dict(
+        model=model,
+        data=data,
+        batch_size=batch_size,
+        steps=steps,
+        lr=defaults["lr"] if lr is None else lr,
+        device=device,
+        seed=seed,
+        loss_divisor=float(loss_divisor),
+    )
+    configs = [RunConfig(precision="fp32", opt_level="O0", **common)]
+    configs += [
+        RunConfig(precision=p, opt_level=level, compute=c, loss_scale=scaling, update=update, **common)
+        for p, level in settings
+        for c in (computes or ("auto",))
+        for scaling in ((loss_scales or ("auto",)) if p == "fp16" else ("auto",))
+        for update in ((updates or ("plain",)) if level == "O3" else ("plain",))
+    ]
+    for precision in sorted({c.precision for c in configs if c.compute == "native"}):
+        slow = slow_native_message(parsed_device, low_dtype(precision, parsed_device))
+        if slow:
+            warnings.warn(slow, SlowPrecisionWarning, stacklevel=2)
+    auto_in_float32 = [c for c in configs[1:] if c.compute == "auto" and c.float32_compute]
+    if probe or (probe is None and auto_in_float32):
+        first = (auto_in_float32 or configs[1:])[0] if len(configs) > 1 else None
+        if first is not None:
+            configs.append(dataclasses.replace(first, opt_level="O1", compute="native", steps=PROBE_STEPS, probe=True))
+    return configs
+
+
+def _check_fp8(model: str, data: str, precisions: list[str]) -> None:
+    """Refuse an fp8 setting before training when the model has no linear FP8 can take, or torchao is missing."""
+    if "fp8-current" in precisions:
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError as error:
+            raise ValueError("precisions=['fp8-current'] runs on torchao's float8 training, which is not installed: "
+                             "pip install 'ampkit[fp8]', or use precisions=['fp8'] (delayed scaling, ampkit's own).") \
+                from error
+    dataset = data_mod.load(data)
+    decisions = eligible(build(model, **dataset.model_kwargs(CONTEXT)))
+    if "fp8" not in decisions.values():
+        found = "; ".join(f"{name}: {why}" for name, why in decisions.items()) or "it has no nn.Linear"
+        raise ValueError(f"precisions={[precisions[0]]!r}: {model} has no linear FP8 can take ({found}). FP8 keeps the "
+                         "first and last linears and those whose dimensions are not multiples of 16 in 16 bits; "
+                         "try model='gpt' or 'mlp'.")
+
+
+def _check_positive_int(value: int | None, name: str) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name}={value} is invalid: use an integer >= 1 (or leave it out for the default).")
+
+
+def training_set_size(data: str) -> int:
+    """How many samples the training split of ``data`` has."""
+    return len(data_mod.load(data).train_y)

@@ -1,0 +1,267 @@
+"""One training run of a comparison: build, train, time, measure, evaluate (``execute``).
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ampkit.diagnostics.memory import measured_state_bytes, saved_bytes_of_step
+from ampkit.experiment import data as data_mod
+from ampkit.experiment.config import (
+    CONTEXT,
+    FP8_RECIPES,
+    PRECISE_BN_BATCHES,
+    PROBE_WARMUP_STEPS,
+    STATIC_SCALE,
+    WARMUP_STEPS,
+    ZERO_GRAD_EVERY,
+    RunConfig,
+    RunResult,
+    low_dtype,
+)
+from ampkit.experiment.models import build
+from ampkit.formats.fp8 import convert_to_fp8
+from ampkit.optim.levels import initialize
+from ampkit.scaling.adaptive import AdaptiveLossScaler
+from ampkit.scaling.scaler import DynamicLossScaler, StaticLossScaler
+
+
+def execute(
+    config: RunConfig,
+    progress: Callable[[int, float, bool], None] = lambda i, loss, stop: None,
+    wait: Callable[[str], None] = lambda phase: None,
+) -> RunResult:
+    """Train and evaluate one configuration in this process.
+
+    A run without loss scaling whose loss becomes inf/NaN stops there (a diverged
+    run: too high a learning rate, or a model that overflows even in float32), with
+    its diagnosis in ``RunResult.diverged``; it is not evaluated.
+
+    Args:
+        progress: called as ``progress(step, loss, stop)`` after each step; ``stop`` says
+            the run ends there.
+        wait: called as ``wait("step")`` before each step and ``wait("finish")``
+            before evaluating; a host that interleaves several runs blocks there.
+    """
+    start = time.perf_counter()
+    device = torch.device(config.device)
+    dataset = data_mod.load(config.data)
+    baseline = memory_baseline(device)
+    torch.manual_seed(config.seed)
+    model = build(config.model, **dataset.model_kwargs(CONTEXT)).to(device)
+    # AdamW's update is unchanged when its gradients and eps shrink by one factor (up to float32 rounding)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
+                                                         eps=1e-8 / config.loss_divisor)
+    dtype = low_dtype(config.precision, device) if config.precision != "fp32" else torch.float32
+    if config.precision in FP8_RECIPES:
+        convert_to_fp8(model, FP8_RECIPES[config.precision])  # before initialize: O2 casts the rest
+    if config.precision != "fp32":
+        model, optimizer = initialize(  # type: ignore[assignment]
+            model, optimizer, config.opt_level, dtype, compute=config.compute, update=config.update
+        )
+    scaler = make_scaler(config.scaling, model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config.steps))
+
+    def batch(index: torch.Tensor, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        xs = dataset.train_x if split == "train" else dataset.test_x
+        ys = dataset.train_y if split == "train" else dataset.test_y
+        if dataset.kind == "text":
+            x, y = data_mod.windows(xs, index, CONTEXT)
+        else:
+            x, y = xs[index], ys[index]
+        return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+
+    def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = model(x)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+    plan = data_mod.batches(dataset, config.batch_size, config.steps, config.seed, CONTEXT)
+    losses: list[float] = []
+    times: list[float] = []
+    saved = 0
+    diverged = None
+    zeros: list[float] = []
+    model.train()
+    for i, index in enumerate(plan):
+        x, y = batch(index)
+        wait("step")
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        if i == 0:
+            loss, saved = saved_bytes_of_step(model, lambda: loss_of(x, y))
+        else:
+            loss = loss_of(x, y)
+        scaler.scale(loss / config.loss_divisor if config.loss_divisor != 1 else loss).backward()
+        counting_s = 0.0
+        if i % ZERO_GRAD_EVERY == 0:  # a measurement, not training: its time is not the step's
+            c0 = time.perf_counter()
+            zeros.append(zero_fraction(model))
+            counting_s = time.perf_counter() - c0
+        if scaler.step(optimizer):
+            scheduler.step()
+        scaler.update()
+        loss_value = loss.item()  # syncs, so the step's time is complete
+        times.append(time.perf_counter() - t0 - counting_s)
+        losses.append(loss_value)
+        if not math.isfinite(loss_value) and not scaler.enabled:
+            diverged = (f"the loss became {loss_value} at step {i + 1} with no loss scaling to skip the step "
+                        f"(lr {config.lr:g}): lower --lr, or look for the overflowing layer with `ampkit inspect`")
+        progress(i + 1, loss_value, diverged is not None)
+        if diverged:
+            break
+
+    peak = peak_memory(device, baseline)
+    wait("finish")
+    accuracy = None
+    if not config.probe and diverged is None:
+        recalibrate_batchnorm(model, [batch(index)[0] for index in plan[-PRECISE_BN_BATCHES:]])
+        accuracy = evaluate(model, dataset, batch)
+    median_s = statistics.median(times[PROBE_WARMUP_STEPS if config.probe else WARMUP_STEPS :] or times)
+    stats = scaler.stats
+    return RunResult(
+        label=config.label,
+        precision=config.precision,
+        opt_level=config.opt_level,
+        float32_compute=config.float32_compute,
+        probe=config.probe,
+        ms_per_step=median_s * 1e3,
+        samples_per_s=config.batch_size / median_s,
+        peak_memory_bytes=peak,
+        saved_for_backward_bytes=saved,
+        final_train_loss=None if config.probe or diverged else statistics.fmean(losses[-final_steps(len(losses)):]),
+        test_accuracy=accuracy,
+        skipped_steps=stats.skipped,
+        final_loss_scale=stats.scale if scaler.enabled else None,
+        steps=len(losses),
+        losses=losses,
+        wall_s=time.perf_counter() - start,
+        diverged=diverged,
+        state_bytes=measured_state_bytes(model, optimizer),
+        parameters=sum(p.numel() for p in model.parameters()),
+        zero_grad_fraction=statistics.fmean(zeros) if zeros else None,
+    )
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """The learning-rate schedule of every run, as a factor of ``lr``: cosine decay from 1 to 0.1
+    over the run. At a constant high rate, the GPT's final loss moved by several percent from one
+    seed (or one rounding) to the next, which drowned the numerics under study; a linear warm-up
+    (5% of the steps) left one seed on the unigram plateau (loss 3.1) for all 400 steps."""
+    progress = min(1.0, step / max(1, steps))
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def final_steps(steps: int) -> int:
+    """How many last steps the final train loss averages: 5, or a tenth of a longer run (one
+    batch's loss is noisy; all runs see the same batches)."""
+    return max(5, steps // 10)
+
+
+def make_scaler(scaling: str, model: nn.Module) -> DynamicLossScaler:
+    """The loss scaler of a run's scaling setting (a disabled one for ``none``)."""
+    if scaling == "static":
+        return StaticLossScaler(STATIC_SCALE)
+    if scaling == "adaptive":
+        return AdaptiveLossScaler(model)
+    return DynamicLossScaler(enabled=scaling == "dynamic")
+
+
+@torch.no_grad()
+def zero_fraction(model: nn.Module) -> float:
+    """The fraction of the model's gradient values that are exactly zero (flushed, or never reached)."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = sum(g.numel() for g in grads)
+    if not total:
+        return 0.0
+    return torch.stack([(g == 0).sum() for g in grads]).sum().item() / total  # one sync, not one per tensor
+
+
+@torch.no_grad()
+def recalibrate_batchnorm(model: nn.Module, inputs: list[torch.Tensor]) -> None:
+    """Recompute BatchNorm statistics as plain averages over ``inputs`` (precise BN).
+
+    A few dozen steps are too few for BatchNorm's running averages (momentum 0.1)
+    to catch up with weights that still move fast, and evaluation suffers; this is
+    Detectron2's PreciseBN. Models without BatchNorm are left alone.
+    """
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms:
+        return
+    momenta = [m.momentum for m in norms]
+    for norm in norms:
+        norm.reset_running_stats()
+        norm.momentum = None  # cumulative average
+    model.train()
+    for x in inputs:
+        model(x)
+    for norm, momentum in zip(norms, momenta):
+        norm.momentum = momentum
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, dataset: data_mod.Dataset, batch: Callable[..., Any]) -> float:
+    model.eval()
+    correct = total = 0
+    if dataset.kind == "text":
+        g = torch.Generator().manual_seed(1)
+        starts = torch.randint(0, len(dataset.test_x) - CONTEXT - 1, (64,), generator=g)
+        indices = list(starts.split(16))
+    else:
+        indices = list(torch.arange(len(dataset.test_y)).split(256))
+    for index in indices:
+        x, y = batch(index, "test")
+        correct += int((model(x).argmax(-1) == y).sum())
+        total += y.numel()
+    model.train()
+    return correct / total
+
+
+_STATUS = "/proc/self/status"
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open(_STATUS) as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def memory_baseline(device: torch.device) -> int:
+    """Start measuring training's memory; returns the baseline to pass to ``peak_memory``.
+
+    CUDA: resets the peak statistics (baseline 0: the allocator counts tensors only).
+    CPU: the resident memory now (torch, data and Python are already loaded), after
+    resetting the kernel's peak-RSS mark where Linux allows it (``/proc/self/clear_refs``).
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return 0
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")  # resets VmHWM, the peak RSS
+    except OSError:
+        pass
+    rss = _status_kib("VmRSS")
+    return rss * 1024 if rss is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def peak_memory(device: torch.device, baseline: int) -> int:
+    """What training added at its peak, above ``memory_baseline``'s figure."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = _status_kib("VmHWM")
+    peak_bytes = peak * 1024 if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return max(peak_bytes - baseline, 0)

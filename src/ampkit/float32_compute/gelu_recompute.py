@@ -1,0 +1,58 @@
+"""A linear reading a GELU's output recomputes it in backward instead of saving it.
+
+autograd keeps a GELU's input for the GELU's own backward, so a linear that reads the
+GELU's output can save nothing more and recompute that output in its backward (the same
+kernel on the same 16-bit values: bit for bit). A transformer MLP then saves one
+hidden-size tensor, not two. The graph inspection goes through ``ampkit._torch``: where a
+torch release moves what it reads, the output is saved, as without ampkit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ampkit import _torch
+
+
+def passthrough(pack_hook: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """Mark a ``saved_tensors_hooks`` pack hook that returns its tensor as it is (one that
+    only looks, as ``memory.saved_bytes_of_step`` does): under it, ``_Linear`` still
+    recomputes a GELU output instead of saving it (see ``gelu_input``)."""
+    pack_hook._ampkit_passthrough = True  # type: ignore[attr-defined]
+    return pack_hook
+
+
+def identity_forward(cls: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """Mark an autograd Function whose forward returns its first input unchanged, whole (a
+    view, as a gradient rescaling does; ``AdaptiveLossScaler``'s brackets): ``_Linear`` looks
+    through it for a GELU output (see ``gelu_input``)."""
+    cls._ampkit_identity_forward = True  # type: ignore[attr-defined]
+    return cls
+
+
+def gelu_input(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
+    """When ``x`` is the output of a GELU (a transformer MLP's hidden layer), possibly behind
+    ``identity_forward`` Functions, the GELU's input and mode: autograd keeps that input for
+    the GELU's own backward, so a linear reading ``x`` can save nothing more and recompute
+    ``x`` in its backward (the same kernel on the same 16-bit values: bit for bit). None
+    otherwise, or when saved-tensor hooks other than a ``passthrough`` one are active
+    (offloading, checkpointing), whose unpacking during forward is theirs to decide."""
+    fn = x.grad_fn
+    while fn is not None and getattr(_torch.forward_class(fn), "_ampkit_identity_forward", False):
+        fn = fn.next_functions[0][0]
+    if fn is None or fn.name() != "GeluBackward0":
+        return None
+    base = x._base  # x must be the whole output (a view through identity Functions is), not a part of it
+    if base is not None and (x.shape, x.stride(), x.storage_offset()) != (base.shape, base.stride(),
+                                                                         base.storage_offset()):
+        return None
+    hooks = _torch.top_saved_tensors_hooks()
+    if hooks is not None and not getattr(hooks[0], "_ampkit_passthrough", False):
+        return None
+    saved = _torch.gelu_saved(fn)
+    if saved is None or saved[0].dtype != x.dtype or saved[0].shape != x.shape:
+        return None
+    return saved

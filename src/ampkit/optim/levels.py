@@ -1,0 +1,191 @@
+"""initialize(): Apex-style opt levels O0-O3 over a model and its optimizer.
+
+- O0: float32 (a pass-through); O1: float32 weights, autocast per op;
+- O2: a 16-bit model with float32 master weights, norms kept in float32;
+- O3: a pure 16-bit model (with ``update="kahan"`` or ``"stochastic"`` for its updates).
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit import _torch
+from ampkit.float32_compute.decide import float32_ops
+from ampkit.hardware.advice import recommend_dtype
+from ampkit.optim import pure16
+from ampkit.optim.master import MasterWeightOptimizer
+from ampkit.precision.modes import LOW_DTYPES, check_compute, resolve_dtype
+from ampkit.precision.policy import Policy
+from ampkit.precision.regions import autocast
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+NORM_TYPES = (_torch.NORM_BASE, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+def _cast_inputs(dtype: torch.dtype) -> Any:
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def cast(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return v.to(dtype)
+            return v
+
+        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+
+    return hook
+
+
+def cast_output_to_float32(module: nn.Module, args: tuple, output: Any) -> Any:
+    """A forward hook: a 16-bit tensor output becomes float32 (the O2/O3 model boundary)."""
+    if isinstance(output, torch.Tensor) and output.dtype in LOW_DTYPES:
+        return output.float()
+    return output
+
+
+def initialize(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    opt_level: str = "O1",
+    dtype: torch.dtype | str | None = None,
+    compute: str = "auto",
+    policy: Policy | None = None,
+    update: str = "plain",
+    keep_float32: Sequence[type[nn.Module]] = (),
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Prepare a float32 model and its optimizer for mixed precision (Apex's levels).
+
+    Args:
+        model: a float32 model, already on its device.
+        optimizer: its optimizer (optional, for inference).
+        opt_level: ``"O0"`` float32; ``"O1"`` autocast with the default policy,
+            float32 weights; ``"O2"`` model in ``dtype`` except normalization layers,
+            float32 master weights, inputs cast to ``dtype`` and outputs to float32 at
+            the model boundary; ``"O3"`` everything in ``dtype`` (no masters).
+        dtype: torch.float16 or torch.bfloat16; None picks bfloat16 on CPUs and on
+            GPUs of compute capability >= 8.0, float16 on older GPUs.
+        compute: how GEMMs and convolutions compute (``Policy.compute``): ``"auto"``
+            (default: native 16-bit kernels where measured faster than float32 here,
+            else float32 arithmetic on the 16-bit values), ``"native"`` or ``"float32"``.
+            At O2/O3 float32 compute wraps the model's forward in an ampkit region
+            that casts nothing.
+        policy: the O1 policy (default ``Policy.default(device, dtype, compute=compute)``);
+            O2 and O3 models are 16-bit and take none.
+        update: at O3, how the optimizer's updates reach the 16-bit weights (see ``ampkit.pure16``):
+            ``"plain"`` (default: the optimizer as given; updates smaller than half a weight's
+            spacing are lost), ``"kahan"`` (torch-optimi with Kahan summation: a 16-bit
+            compensation buffer per weight) or ``"stochastic"`` (unbiased stochastic rounding).
+            ``"kahan"`` and ``"stochastic"`` take a torch.optim SGD or AdamW and return their own.
+        keep_float32: at O2, module types kept in float32 besides the normalization layers, e.g.
+            ``[nn.Embedding]``: a float32 embedding keeps a transformer's residual stream in float32
+            (``x + f(x)`` with a 16-bit ``f(x)`` promotes to float32) and a head tied to it computes
+            float32 logits; the 16-bit modules then cast their inputs. Measured on the GPT of
+            `ampkit compare`: no difference in final loss beyond seed-to-seed noise
+            (benchmarks/bench_gpt_head.py), and more saved for backward (every LayerNorm then saves
+            a float32 input), hence not the default.
+
+    Returns:
+        (model, optimizer): the model is changed in place; the optimizer is wrapped
+        in ``MasterWeightOptimizer`` for O2.
+
+    Raises:
+        ValueError: an unknown ``opt_level``, dtype, compute mode or update; a policy with O0, O2 or O3;
+            an update other than ``"plain"`` below O3.
+
+    Example:
+        >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
+    """
+    check_settings(opt_level, compute, policy, update)
+    check_keep_float32(opt_level, keep_float32)
+    if getattr(model, "_ampkit_opt_level", None) is not None:
+        raise ValueError(
+            f"The model was initialized at {model._ampkit_opt_level} already; call ampkit.initialize once, on the "
+            "float32 model and its plain optimizer (a second call adds masters of masters and a second set of hooks)."
+        )
+    model._ampkit_opt_level = opt_level  # type: ignore[assignment]
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    dtype = resolve_dtype(dtype) if dtype is not None else recommend_dtype(device)
+    if opt_level == "O0":
+        return model, optimizer
+    if opt_level == "O1":
+        _wrap_forward(model, autocast(policy or Policy.default(device.type, dtype, compute=compute)))
+        return model, optimizer
+    if opt_level == "O2" and optimizer is not None:
+        optimizer = MasterWeightOptimizer(optimizer)  # before the cast: masters are exact
+    cast_model_(model, opt_level, dtype, tuple(keep_float32))
+    if optimizer is not None and update != "plain":
+        optimizer = pure16.pure16_optimizer(optimizer, update)
+    model16 = Policy.for_16bit_model(device.type, dtype, compute)
+    if float32_ops(model16):
+        _wrap_forward(model, autocast(model16))
+    return model, optimizer
+
+
+def check_settings(opt_level: str, compute: str, policy: Policy | None, update: str = "plain") -> None:
+    """Refuse an unknown opt level, compute mode or update, a policy at levels other than O1 and
+    a pure 16-bit update below O3 (ValueError)."""
+    if opt_level not in OPT_LEVELS:
+        raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
+    check_compute(compute)
+    pure16.check_update(update)
+    if update != "plain" and opt_level != "O3":
+        raise ValueError(f"update={update!r} applies at O3 only (opt_level={opt_level!r} keeps float32 weights or "
+                         "master weights, which take small updates as they are): drop update=, or use opt_level='O3'.")
+    if policy is not None and opt_level != "O1":
+        raise ValueError(f"policy= applies at O1 only (opt_level={opt_level!r} casts nothing by policy): drop "
+                         "policy=, or use opt_level='O1'.")
+
+
+def check_keep_float32(opt_level: str, keep_float32: Sequence[type[nn.Module]]) -> None:
+    """Raise ValueError unless ``keep_float32`` lists nn.Module subclasses, at O2 (or is empty)."""
+    if keep_float32 and opt_level != "O2":
+        raise ValueError(f"keep_float32= applies at O2 only (opt_level={opt_level!r}): drop it, or use opt_level='O2'.")
+    bad = [t for t in keep_float32 if not (isinstance(t, type) and issubclass(t, nn.Module))]
+    if bad:
+        raise ValueError(f"keep_float32={list(keep_float32)!r} must list nn.Module subclasses, e.g. [nn.Embedding]; "
+                         f"not {bad}.")
+
+
+def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype,
+                keep_float32: tuple[type[nn.Module], ...] = ()) -> None:
+    """The model half of O2 and O3: cast the weights to ``dtype`` (O2 keeps normalization layers
+    and ``keep_float32`` types in float32, with any weight tied to theirs), and cast floating inputs
+    to ``dtype`` and 16-bit outputs to float32 at ``model``'s forward. Parameter objects are kept,
+    so optimizers built on them still hold them.
+
+    With ``keep_float32``, float32 activations can reach 16-bit layers (a transformer's residual
+    stream from a float32 embedding), so every module whose own weights are 16-bit casts its
+    floating inputs to ``dtype``. torch's norms take 16-bit inputs with float32 weights as they are.
+    """
+    kept_types = (*NORM_TYPES, *keep_float32) if opt_level == "O2" else ()
+    kept = {id(p) for m in model.modules() if isinstance(m, kept_types) for p in m.parameters(recurse=False)}
+    for module in model.modules():
+        if isinstance(module, kept_types):
+            continue
+        _cast_own(module, dtype, kept)
+        own = list(module.parameters(recurse=False))
+        if keep_float32 and module is not model and own and all(p.dtype == dtype for p in own):
+            module.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
+    model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
+    model.register_forward_hook(cast_output_to_float32)
+
+
+def _wrap_forward(model: nn.Module, region: autocast) -> None:
+    model.forward = types.MethodType(region(type(model).forward), model)  # type: ignore[method-assign]
+
+
+def _cast_own(module: nn.Module, dtype: torch.dtype, kept: frozenset[int] | set[int] = frozenset()) -> None:
+    """Cast a module's own parameters (but those in ``kept``, by id) and floating buffers,
+    not its children's.
+
+    ``param.data`` is replaced, so the Parameter objects (which optimizers hold) stay.
+    """
+    for param in module.parameters(recurse=False):
+        if id(param) not in kept:
+            param.data = param.data.to(dtype)
+    for name, buf in module.named_buffers(recurse=False):
+        if buf.is_floating_point():
+            setattr(module, name, buf.to(dtype))

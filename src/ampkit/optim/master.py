@@ -1,0 +1,197 @@
+"""FP32 master weights: the optimizer steps float32 copies of a 16-bit model's weights.
+
+A 16-bit weight cannot take an update smaller than half its spacing: bfloat16
+has 8 significant bits, so ``1.0 + 1e-3`` rounds back to ``1.0``. Keeping a
+float32 copy of every weight for the optimizer (Micikevicius et al., 2018,
+"Mixed Precision Training") keeps those updates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit import _torch
+
+STATE_VERSION = 1
+
+
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    """Update a 16-bit model through float32 copies of its weights.
+
+    The wrapped optimizer's ``param_groups`` hold the float32 masters (so its
+    state, e.g. Adam moments, is float32 too); ``model_params`` are the model's
+    own parameters. ``step`` copies the 16-bit gradients into float32 (done
+    earlier by a loss scaler's ``unscale_``, which then unscales in float32),
+    steps the inner optimizer and writes the masters back, rounded.
+
+    Args:
+        optimizer: any torch.optim optimizer built over the model's parameters.
+            Build this wrapper while they are still float32 (``initialize`` does),
+            or the masters start from already-rounded values.
+
+    Example:
+        >>> opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        >>> model.to(torch.bfloat16)
+        >>> loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        if isinstance(optimizer, MasterWeightOptimizer) or getattr(optimizer, "_ampkit_masters", False):
+            raise ValueError("The optimizer already keeps master weights; wrap the inner optimizer once.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"MasterWeightOptimizer takes a torch.optim.Optimizer, got {type(optimizer).__name__}: "
+                             "build one over the model's parameters first, e.g. torch.optim.AdamW(model.parameters()).")
+        self.optimizer = optimizer
+        self.model_params: list[torch.Tensor] = []
+        for group in optimizer.param_groups:
+            masters = []
+            for param in group["params"]:
+                self.model_params.append(param)
+                masters.append(param.detach().clone().float().requires_grad_(param.requires_grad))
+            group["params"] = masters
+        self.master_params: list[torch.Tensor] = [m for g in optimizer.param_groups for m in g["params"]]
+        self._grads_synced = False
+        optimizer._ampkit_masters = True  # type: ignore[attr-defined]  # its groups now hold masters
+
+    # torch.optim.Optimizer's own attributes, delegated so schedulers and hooks work.
+    @property  # type: ignore[misc]
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property  # type: ignore[misc]
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else (hooks, _opt_called set by LR schedulers) lives on the inner optimizer.
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def prepare_grads_(self) -> None:
+        """Copy the model's 16-bit gradients into the masters' float32 ``.grad``.
+
+        Called by ``step`` and by a loss scaler's ``unscale_``; once per step.
+        """
+        if self._grads_synced:
+            return
+        targets, sources = [], []
+        for param, master in zip(self.model_params, self.master_params):
+            if param.grad is None:
+                master.grad = None
+            elif master.grad is None or master.grad.shape != param.grad.shape:
+                master.grad = param.grad.detach().float()
+            else:
+                targets.append(master.grad)
+                sources.append(param.grad)
+        if targets:
+            _torch.foreach_copy_(targets, sources)  # one fused, converting copy
+        self._grads_synced = True
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        """Step the inner optimizer on the masters and write them back to the model."""
+        self.prepare_grads_()
+        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        _torch.foreach_copy_(self.model_params, self.master_params)
+        self._grads_synced = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's and the masters' gradients."""
+        for tensors in (self.model_params, self.master_params):
+            for t in tensors:
+                if t.grad is None:
+                    continue
+                if set_to_none:
+                    t.grad = None
+                else:
+                    t.grad.detach_().zero_()
+        self._grads_synced = False
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise RuntimeError(
+            "add_param_group() on a MasterWeightOptimizer is not supported: build the inner optimizer "
+            "with every group, then wrap it."
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state plus the float32 masters.
+
+        Keys: ``version``, ``optimizer`` (the inner state dict), ``master_params``.
+        """
+        return {
+            "version": STATE_VERSION,
+            "optimizer": self.optimizer.state_dict(),
+            "master_params": [m.detach().clone() for m in self.master_params],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``; the model's weights are set from the masters.
+
+        A plain optimizer state dict (from float32 training without this wrapper)
+        loads too: its state is applied and the masters keep their values; to take
+        the weights from a float32 model checkpoint use ``load_fp32_weights``.
+
+        Raises:
+            RuntimeError: an empty dict, or masters that do not match in count or shape.
+        """
+        if not isinstance(state_dict, dict) or not state_dict:
+            raise RuntimeError(f"Cannot load {'an empty dict' if isinstance(state_dict, dict) else repr(state_dict)} "
+                               "into MasterWeightOptimizer: pass the dict from its state_dict().")
+        if "master_params" not in state_dict:
+            if "state" not in state_dict or "param_groups" not in state_dict:
+                raise RuntimeError(
+                    f"Not an optimizer state dict: keys {sorted(state_dict)}; expected 'version', 'optimizer' "
+                    "and 'master_params' (MasterWeightOptimizer) or 'state' and 'param_groups' (torch.optim)."
+                )
+            self.optimizer.load_state_dict(state_dict)
+            return
+        missing = sorted({"version", "optimizer", "master_params"} - set(state_dict))
+        if missing:
+            raise RuntimeError(f"MasterWeightOptimizer state misses {missing}: pass the dict from its state_dict().")
+        if state_dict["version"] != STATE_VERSION:
+            raise RuntimeError(f"MasterWeightOptimizer state version {state_dict['version']!r} is not "
+                               f"{STATE_VERSION!r}: this ampkit reads version {STATE_VERSION} state dicts.")
+        masters = state_dict["master_params"]
+        if len(masters) != len(self.master_params):
+            raise RuntimeError(
+                f"The checkpoint has {len(masters)} master weights, this optimizer {len(self.master_params)}."
+            )
+        # Everything is checked before anything changes: a failed load leaves the optimizer as it was.
+        for index, (master, saved) in enumerate(zip(self.master_params, masters)):
+            if not isinstance(saved, torch.Tensor) or master.shape != saved.shape:
+                shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+                raise RuntimeError(f"Master weight {index} in the checkpoint is {shape}, this model's "
+                                   f"{tuple(master.shape)}: the checkpoint is from another model.")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        with torch.no_grad():
+            for master, saved in zip(self.master_params, masters):
+                master.copy_(saved)
+            _torch.foreach_copy_(self.model_params, self.master_params)
+
+    @torch.no_grad()
+    def load_fp32_weights(self, model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load a float32 model checkpoint: exact into the masters, rounded into ``model``."""
+        model.load_state_dict(state_dict)
+        index = {id(p): i for i, p in enumerate(self.model_params)}
+        for name, param in model.named_parameters():
+            if id(param) in index:
+                self.master_params[index[id(param)]].copy_(state_dict[name])
+
+    @torch.no_grad()
+    def fp32_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """``model.state_dict()`` with every trained weight taken from its float32 master."""
+        masters = {id(p): m for p, m in zip(self.model_params, self.master_params)}
+        state = model.state_dict()
+        for name, param in model.named_parameters():
+            if id(param) in masters:
+                state[name] = masters[id(param)].detach().clone()
+        return {k: (v.float() if v.is_floating_point() else v) for k, v in state.items()}

@@ -1,0 +1,1 @@
+"""Casting: which op runs in which dtype (policies, autocast regions and their kernels)."""

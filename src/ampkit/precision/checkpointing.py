@@ -1,0 +1,84 @@
+"""Activation checkpointing inside a region recomputes under the region's policy.
+
+torch.utils.checkpoint recomputes a segment during backward, after the region has
+exited; it restores torch.autocast's state but cannot know ampkit's.
+
+Why not the public route. ``checkpoint(fn, use_reentrant=False, context_fn=...)`` runs a
+recompute context a caller passes, but it reaches only the callers who pass it, not a checkpoint inside a model's own code (a
+``gradient_checkpointing`` flag), and ``use_reentrant=True`` refuses ``context_fn``
+(``tests/test_checkpointing.py`` shows both). So ampkit wraps the segment function where
+torch hands it over, in both modes: ``_torch.checkpoint_entry_points``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ampkit import _torch
+from ampkit.precision import op_lists
+from ampkit.precision.policy import Policy
+from ampkit.precision.state import current_policy, warn_once
+
+# Activation checkpointing
+
+_lock = threading.Lock()
+_installed = False
+
+# Enters a region for a policy: ampkit.autocast, handed over by regions.py (which imports
+# this module, so it cannot be imported here).
+EnterRegion = Callable[[Policy], contextlib.AbstractContextManager[Any]]
+
+
+def _reentering(fn: Callable[..., Any], enter: EnterRegion) -> Callable[..., Any]:
+    """``fn``, re-entering the calling thread's ampkit regions when it runs outside them."""
+    policies = [p for p in (current_policy(d) for d in op_lists.DEVICE_TYPES) if p is not None]
+    if not policies:
+        return fn
+
+    @functools.wraps(fn)
+    def recompute(*args: Any, **kwargs: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            for policy in policies:
+                if current_policy(policy.device_type) is not policy:  # in the forward, it still is
+                    stack.enter_context(enter(policy))
+            return fn(*args, **kwargs)
+
+    return recompute
+
+
+def install(enter: EnterRegion) -> None:
+    """Make torch.utils.checkpoint (both modes) recompute under the policy of its forward,
+    re-entered with ``enter(policy)``; once per process.
+
+    Wraps the segment function where torch's checkpoint hands it over: the reentrant
+    ``CheckpointFunction`` and the non-reentrant generator, both looked up at call time,
+    so ``from torch.utils.checkpoint import checkpoint`` is covered too.
+    """
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+        found = _torch.checkpoint_entry_points()
+        if found is None:
+            warn_once("checkpoint", f"ampkit cannot hook torch.utils.checkpoint of torch {torch.__version__}: "
+                      "checkpointed segments inside an edited or float32-compute region recompute without "
+                      "its policy.")
+            return
+        original, generator = found
+
+        def without_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            return generator(_reentering(fn, enter), *args, **kwargs)
+
+        class CheckpointFunction(original):  # type: ignore[misc, valid-type]
+            @staticmethod
+            def forward(ctx: Any, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+                return original.forward(ctx, _reentering(run_function, enter), preserve_rng_state, *args)
+
+        _torch.replace_checkpoint_entry_points(CheckpointFunction, without_reentrant)

@@ -1,0 +1,61 @@
+"""custom_fwd / custom_bwd: custom autograd Functions whose backward runs under the forward's policy.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ampkit import _torch
+from ampkit.precision.regions import autocast
+from ampkit.precision.state import current_policy
+
+
+def custom_fwd(
+    fwd: Callable[..., Any] | None = None,
+    *,
+    device_type: str,
+    cast_inputs: torch.dtype | None = None,
+) -> Callable[..., Any]:
+    """Decorate an ``autograd.Function.forward`` for ampkit.autocast regions.
+
+    torch.amp.custom_fwd plus the ampkit policy: the forward's policy is
+    remembered so ``custom_bwd`` runs the backward under the same policy and
+    autocast state, also when the backward runs after the region exited.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"``.
+        cast_inputs: if set, floating inputs are cast to it and the forward runs
+            with autocast off (torch's semantics).
+    """
+    if fwd is None:
+        return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
+    torch_fwd = torch.amp.custom_fwd(fwd, device_type=device_type, cast_inputs=cast_inputs)
+
+    @functools.wraps(fwd)
+    def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        ctx._ampkit_policy = current_policy(device_type)
+        return torch_fwd(ctx, *args, **kwargs)
+
+    return forward
+
+
+def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> Callable[..., Any]:
+    """Decorate the matching ``backward``: it runs under its forward's policy."""
+    if bwd is None:
+        return functools.partial(custom_bwd, device_type=device_type)
+
+    @functools.wraps(bwd)
+    def under_policy(ctx: Any, *grads: Any) -> Any:
+        policy = getattr(ctx, "_ampkit_policy", None)
+        if policy is None or not _torch.forward_used_autocast(ctx):
+            return bwd(ctx, *grads)
+        # Inside torch's restored autocast state, so that the region counts it as its own base
+        # (a torch.autocast opened inside a region would otherwise take over, as a plain one does).
+        with autocast(policy):
+            return bwd(ctx, *grads)
+
+    return torch.amp.custom_bwd(under_policy, device_type=device_type)

@@ -1,0 +1,205 @@
+"""Python kernels at the Autocast dispatch key, for the ops a policy handles unlike torch.
+
+torch.autocast does the casting in C++ at the Autocast dispatch key. ampkit enters
+torch.autocast and, for the ops where the policy differs from torch's own lists
+(``Policy.edits``) or computes in float32 (``ampkit.float32_compute``), registers Python
+kernels at that key with ``torch.library``. So the default policy with native compute
+costs exactly what torch.autocast costs (no Python per op), and an edited policy pays a
+few microseconds only on the ops it moved.
+
+The registrations are process-wide (the dispatcher has no per-thread table) and stay for
+the life of the process once a region first needed them: registering costs about
+0.1-0.3 ms per op, too much to pay on every step, and removing a kernel while another
+thread dispatches to it is not safe. Each kernel reads the calling thread's innermost
+ampkit region (``state.py``) and, in a thread without one, does what torch.autocast would.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ampkit import _torch
+from ampkit.float32_compute import run_in_float32
+from ampkit.precision import op_lists
+from ampkit.precision.op_lists import ALLOW, DENY, INFER
+from ampkit.precision.policy import Policy
+from ampkit.precision.state import current_region, state, torch_nesting, warn_once
+
+# ---------------------------------------------------------------------------
+# Casting kernels for edited ops
+
+
+def _eligible(t: object, device_type: str) -> bool:
+    """torch's rule: floating tensors on the region's device, float64 excepted."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.is_floating_point()
+        and t.dtype is not torch.float64
+        and (t.is_cuda if device_type == "cuda" else t.is_cpu)
+    )
+
+
+def cast_tree(value: Any, cast: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return cast(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_tree(v, cast) for v in value)
+    if isinstance(value, dict):
+        return {k: cast_tree(v, cast) for k, v in value.items()}
+    return value
+
+
+def _widest(values: Any, device_type: str) -> torch.dtype | None:
+    """torch's promote rule: float32 if any input is float32 or two 16-bit types mix."""
+    found: set[torch.dtype] = set()
+
+    def visit(v: Any) -> None:
+        if _eligible(v, device_type):
+            found.add(v.dtype)
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                visit(item)
+        elif isinstance(v, dict):
+            visit(list(v.values()))
+
+    visit(values)
+    if not found:
+        return None
+    return found.pop() if len(found) == 1 else torch.float32
+
+
+def caster(device_type: str, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Cast eligible tensors to ``dtype``; 16-bit casts of weights are cached per region."""
+    cache_weights = dtype is not torch.float32
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype is dtype or not _eligible(t, device_type):
+            return t
+        # Weights: cast once per region (a thread without an ampkit region, which reaches
+        # these kernels through plain torch.autocast, has no region to drop a cache with).
+        # Not under no_grad / inference_mode: that cast has no autograd link, and a later
+        # call with grad would reuse it and leave the weight without a gradient.
+        if cache_weights and state.stack and t.is_leaf and t.requires_grad and torch.is_grad_enabled():
+            hit = state.weight_cache.get(id(t))
+            if hit is None or hit[0] is not t:
+                hit = (t, t.to(dtype))
+                state.weight_cache[id(t)] = hit
+            return hit[1]
+        return t.to(dtype)
+
+    return cast
+
+
+# torch.compile guards on torch.autocast's state, not on ampkit's policy: a graph traced under
+# one edited policy would run under any other with the first one's dtypes. Refuse clearly.
+COMPILE_UNSUPPORTED = (
+    "torch.compile cannot trace code under an edited or float32-compute ampkit policy, nor an ampkit.autocast "
+    "region: the compiled graph would keep one policy's dtypes under any other. Run that code eagerly, or "
+    "compile it and use torch.autocast around it (ampkit's default policy with compute='native' is "
+    "torch.autocast)."
+)
+
+
+def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Callable[..., Any]:
+    banned_message = op_lists.BANNED[device_type].get(op)
+    casters = {dtype: caster(device_type, dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)}
+    torch_category = op_lists.torch_category(device_type, op)
+    torch_category = DENY if torch_category == "banned" else torch_category
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        region = current_region(device_type)
+        if region is not None and torch_nesting() > region.nesting:
+            region = None  # a plain torch.autocast opened inside the region: torch's own behaviour, as alone
+        if region is not None:
+            category = region.policy.category(op)  # type: ignore[union-attr]
+            in_float32 = op in region.float32_ops
+            if (in_float32 or category != torch_category) and torch.compiler.is_compiling():
+                raise RuntimeError(COMPILE_UNSUPPORTED)
+        else:  # a thread using plain torch.autocast, or a region that treats this op as torch does
+            category, in_float32 = torch_category, False
+        if category == ALLOW:
+            cast: Callable[[torch.Tensor], torch.Tensor] | None = casters[torch.get_autocast_dtype(device_type)]
+        elif category == DENY:
+            if banned_message:
+                warn_once(f"banned:{op}", banned_message)
+            cast = casters[torch.float32]
+        elif category == INFER:
+            widest = _widest((args, kwargs), device_type)
+            cast = casters[widest] if widest is not None else None
+        else:
+            cast = None
+        with _torch.excluding_key(device_type):
+            if cast is not None:
+                args = cast_tree(args, cast)
+                if kwargs:
+                    kwargs = cast_tree(kwargs, cast)
+            if in_float32:
+                return run_in_float32(overload, *args, **kwargs)
+            return overload(*args, **kwargs)
+
+    return kernel
+
+
+class _Registry:
+    """torch.library registrations, one Library per (device, op), registered on first
+    need and kept; counts say which are needed by an open region now."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], int] = {}
+        self._libs: dict[tuple[str, str], torch.library.Library] = {}
+
+    def acquire(self, device_type: str, ops: frozenset[str]) -> None:
+        with self._lock:
+            for op in ops:
+                key = (device_type, op)
+                if key not in self._libs:
+                    self._libs[key] = self._register(device_type, op)
+                self._counts[key] = self._counts.get(key, 0) + 1
+
+    def release(self, device_type: str, ops: frozenset[str]) -> None:
+        with self._lock:
+            for op in ops:
+                self._counts[(device_type, op)] -= 1
+
+    def active(self) -> set[tuple[str, str]]:
+        """(device_type, op) pairs whose ampkit kernels an open region needs now."""
+        with self._lock:
+            return {key for key, count in self._counts.items() if count}
+
+    def registered(self) -> set[tuple[str, str]]:
+        """(device_type, op) pairs that hold ampkit kernels (for the rest of the process)."""
+        with self._lock:
+            return set(self._libs)
+
+    @staticmethod
+    def _register(device_type: str, op: str) -> torch.library.Library:
+        lib = torch.library.Library("aten", "IMPL")
+        packet = getattr(torch.ops.aten, op)
+        with warnings.catch_warnings():
+            # torch warns (once per process) that a kernel is overridden: that is the point.
+            warnings.simplefilter("ignore")
+            for name in packet.overloads():
+                overload = getattr(packet, name)
+                if _torch.is_mutable(overload):  # out= and in-place variants keep their dtypes
+                    continue
+                qualified = op if name == "default" else f"{op}.{name}"
+                lib.impl(qualified, _make_kernel(device_type, op, overload), _torch.autocast_key(device_type).name)
+        return lib
+
+
+registry = _Registry()
+
+
+def kernel_ops(policy: Policy, float32_ops: frozenset[str]) -> frozenset[str]:
+    """The ops that need ampkit kernels for ``policy``, its module overrides and its
+    float32-computed ops."""
+    ops = policy.edits | float32_ops
+    if any(o.dtype != torch.float32 for o in policy.overrides):
+        ops = ops | policy.all_low.edits
+    return ops

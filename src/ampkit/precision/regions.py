@@ -1,0 +1,129 @@
+"""autocast(policy): run a region in mixed precision as a Policy says.
+
+``autocast`` enters torch.autocast with the policy's dtype and pushes a region on the
+calling thread's stack (``state.py``); the ops the policy handles unlike torch.autocast
+get dispatcher kernels (``kernels.py``), per-module overrides get module hooks
+(``overrides.py``), and checkpointed segments recompute under the region
+(``checkpointing.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from ampkit.float32_compute.decide import describe, float32_ops
+from ampkit.hardware.advice import slow_native_message
+from ampkit.hardware.flags import SlowPrecisionWarning
+from ampkit.precision import checkpointing, overrides
+from ampkit.precision.kernels import COMPILE_UNSUPPORTED, kernel_ops, registry
+from ampkit.precision.modes import ComputeModeWarning
+from ampkit.precision.policy import Policy
+from ampkit.precision.state import Region, state, torch_nesting, warn_once
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+_SCRIPT_UNSUPPORTED = (
+    "torch.jit.script cannot compile an ampkit.autocast region or a function decorated with one (TorchScript "
+    "would keep none of the policy). Script the code inside the region and call it under ampkit.autocast from "
+    "Python, or use torch.autocast in scripted code, as torch.jit.script supports it."
+)
+
+
+class autocast:  # noqa: N801 - named like torch.autocast, which it extends
+    """Run a region (or a function) in mixed precision as ``policy`` says.
+
+    Args:
+        policy: the Policy; defaults to ``Policy.default()`` for the CPU.
+        enabled: False (or a disabled policy) turns autocasting off inside the
+            region, also inside an enclosing enabled region. Default True.
+
+    Nestable, re-entrant and thread-safe: one instance can decorate a
+    ``forward`` that runs in several threads at once. Casts of float32 weights
+    are cached for the outermost region and dropped when it exits.
+
+    Example:
+        >>> policy = ampkit.Policy.default("cpu", torch.bfloat16)
+        >>> with ampkit.autocast(policy):
+        ...     loss = loss_fn(model(x), y)
+        >>> loss.backward()  # outside the region, as with torch.autocast
+
+    Note:
+        An edited policy, or float32 compute, registers process-wide dispatcher
+        kernels on entry of the first region that needs them (0.1-0.3 ms per op,
+        once per process); they stay, and do what torch.autocast does in threads
+        without an ampkit region. ``"auto"`` compute reads ``hardware.measure()``,
+        which times this machine's kernels for about a second the first time it
+        ever runs here (then it is cached on disk).
+    """
+
+    def __init__(self, policy: Policy | None = None, *, enabled: bool = True) -> None:
+        policy = policy if policy is not None else Policy.default("cpu")
+        if not isinstance(policy, Policy):
+            raise ValueError(
+                f"ampkit.autocast takes an ampkit.Policy, got {type(policy).__name__}: "
+                "build one with ampkit.Policy.default(device_type, dtype)."
+            )
+        self.policy = policy if enabled else policy.disabled()
+        self.float32_ops = float32_ops(self.policy) if self.policy.enabled else frozenset()
+        self._kernel_ops = kernel_ops(self.policy, self.float32_ops) if self.policy.enabled else frozenset()
+        self._hooks = bool(self.policy.enabled and self.policy.overrides)  # module overrides need the global hooks
+        if self.float32_ops:
+            key = f"compute:{self.policy.device_type}:{self.policy.dtype}:{self.policy.compute}"
+            warn_once(key, describe(self.policy), ComputeModeWarning)
+        elif self.policy.enabled and self.policy.compute == "native":
+            slow = slow_native_message(self.policy.device_type, self.policy.dtype)
+            if slow:
+                warn_once(f"slow:{self.policy.device_type}:{self.policy.dtype}", slow, SlowPrecisionWarning)
+
+    def __enter__(self) -> autocast:
+        if torch.compiler.is_compiling():
+            raise RuntimeError(COMPILE_UNSUPPORTED)
+        policy = self.policy
+        if policy.enabled:
+            ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
+        else:
+            ctx = torch.autocast(policy.device_type, enabled=False)
+        if self._hooks:
+            overrides.acquire_hooks()
+        if self._kernel_ops:
+            registry.acquire(policy.device_type, self._kernel_ops)
+            checkpointing.install(autocast)  # torch restores its own autocast state on recompute, not ampkit's
+        ctx.__enter__()
+        state.stack.append(Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops,
+                                    torch_nesting()))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not state.stack:
+            raise RuntimeError("ampkit.autocast.__exit__() without __enter__(): use `with ampkit.autocast(policy):`.")
+        ctx = state.stack.pop().ctx
+        ctx.__exit__(*exc)
+        if self._hooks:
+            overrides.release_hooks()
+        if self._kernel_ops:
+            registry.release(self.policy.device_type, self._kernel_ops)
+        if not state.stack:
+            state.weight_cache.clear()
+
+    def __call__(self, fn: F) -> F:
+        # torch.compile runs a decorated function eagerly (a graph break) rather than trace
+        # it: a traced graph would keep this policy's dtypes under any other.
+        # torch.jit.script meeting `with ampkit.autocast(...)` fails here, showing these lines:
+        @torch.compiler.disable
+        @functools.wraps(fn)  # torch.jit.script cannot compile an ampkit region: use torch.autocast in scripted code
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self.policy.overrides and args and isinstance(args[0], nn.Module):
+                overrides.name_modules(args[0])  # a decorated forward: names are relative to its module
+            with self:
+                return fn(*args, **kwargs)
+
+        # torch.jit.script would compile the undecorated function (it follows __wrapped__) and
+        # silently drop the policy; this attribute makes it refuse instead.
+        setattr(wrapper, "__script_unsupported", _SCRIPT_UNSUPPORTED)
+        return wrapper  # type: ignore[return-value]

@@ -1,0 +1,71 @@
+"""The calling thread's open ampkit regions: what every autocast kernel and hook reads.
+
+torch's dispatcher has no per-thread kernel table, so ampkit's kernels are process-wide
+and decide per call from this thread-local stack (innermost last).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from ampkit.precision.policy import Policy
+
+
+class Region(NamedTuple):
+    device_type: str
+    policy: Policy | None  # None where autocast is off
+    ctx: torch.autocast
+    float32_ops: frozenset[str]  # ops computed in float32 on 16-bit values
+    nesting: int  # torch.autocast's nesting level once this region's own torch.autocast is entered
+
+
+def torch_nesting() -> int:
+    """How many torch.autocast contexts this thread has open (torch offers no plain getter)."""
+    level = torch.autocast_increment_nesting()
+    torch.autocast_decrement_nesting()
+    return level - 1
+
+
+class ThreadState(threading.local):
+    def __init__(self) -> None:
+        # Innermost last.
+        self.stack: list[Region] = []
+        # Modules whose forward entered an override: (module, torch.autocast ctx).
+        self.module_stack: list[tuple[nn.Module, torch.autocast]] = []
+        # Leaf float32 tensor id -> (tensor, cast copy), dropped when the outermost region exits.
+        self.weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+state = ThreadState()
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, category, stacklevel=3)
+
+
+def current_region(device_type: str) -> Region | None:
+    """The innermost region for ``device_type``; None outside any, or inside a disabled one
+    (where a plain torch.autocast opened within gets torch's own behaviour)."""
+    for region in reversed(state.stack):
+        if region.device_type == device_type:
+            return region if region.policy is not None else None
+    return None
+
+
+def current_policy(device_type: str) -> Policy | None:
+    """The calling thread's innermost enabled ampkit policy for ``device_type``, if any."""
+    region = current_region(device_type)
+    return region.policy if region is not None else None
+
+
+def weight_cache_size() -> int:
+    """How many cast weights this thread's open region caches (0 outside a region)."""
+    return len(state.weight_cache)

@@ -1,0 +1,1 @@
+"""Loss scaling: the pure rules (rules.py), the scalers (scaler.py), per-layer scales (adaptive.py)."""
