@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+import textwrap
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +26,10 @@ def requires_cuda(test: Callable[..., None]) -> Callable[..., None]:
     return pytest.mark.gpu(_no_cuda(test))
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# One device parametrization for every test that runs on both: the CUDA case is marked `gpu`
+# (selected with `-m gpu`) and skips where CUDA is absent. Use: @pytest.mark.parametrize("device", DEVICES).
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=[pytest.mark.gpu, _no_cuda])]
+AUTOCAST_DTYPES = {"cpu": torch.bfloat16, "cuda": torch.float16}  # torch.autocast's default dtype per device
 LOW_DTYPES = [torch.bfloat16, torch.float16]
 
 
@@ -51,6 +56,89 @@ def fake_machine(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempP
         throughput._write_cache(fake_throughput(speedups))
 
     return install
+
+
+# User model factories for `--model user_models:NAME`: good ones, and each mistake a user makes.
+MODELS = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    def raises(**kwargs):
+        raise RuntimeError("factory exploded")
+
+    def not_a_module(**kwargs):
+        return 3
+
+    def no_parameters(**kwargs):
+        return nn.Identity()
+
+    def no_kwargs():
+        return nn.Linear(784, 10)
+
+    class Pair(nn.Module):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.fc = nn.Linear(784, num_classes)
+
+        def forward(self, x):
+            return self.fc(x.flatten(1)), x
+
+    def tuple_output(num_classes):
+        return Pair(num_classes)
+
+    def too_few_outputs(num_classes):
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 3))
+
+    class Named(nn.Module):
+        def __init__(self, num_classes):
+            super().__init__()
+            self.fc = nn.Linear(784, num_classes)
+
+        def forward(self, x):
+            return {"logits": self.fc(x.flatten(1))}
+
+    def dict_output(num_classes):
+        return Named(num_classes)
+
+    class TinyLM(nn.Module):
+        def __init__(self, vocab_size, context):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size)
+
+        def forward(self, idx):
+            return self.head(self.embed(idx))
+
+    def tiny_lm(vocab_size, context):
+        return TinyLM(vocab_size, context)
+
+    class FailsOnCall(nn.Module):  # its forward number `fail_on` raises (each process builds its own)
+        def __init__(self, num_classes, fail_on):
+            super().__init__()
+            self.fc, self.calls, self.fail_on = nn.Linear(784, num_classes), 0, fail_on
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == self.fail_on:
+                raise RuntimeError(f"forward {self.calls} fails")
+            return self.fc(x.flatten(1))
+
+    def late_failure(num_classes):  # fine for the plan's warm-up and 3 timed steps, fails in the run's 7th step
+        return FailsOnCall(num_classes, fail_on=7)
+
+    def timed_failure(num_classes):  # fails in the plan's first timed step
+        return FailsOnCall(num_classes, fail_on=2)
+""")
+
+
+@pytest.fixture
+def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder holding user_models.py, on sys.path and PYTHONPATH (runs are subprocesses), as the cwd."""
+    (tmp_path / "user_models.py").write_text(MODELS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return tmp_path
+
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import ampkit
 from ampkit.diagnostics.alignment import check_alignment, pad_vocab
 
 
@@ -36,3 +37,14 @@ def test_pad_vocab_keeps_outputs_and_hides_padded_tokens() -> None:
     assert padded_emb.num_embeddings == 16 and torch.equal(padded_emb(torch.arange(10)), emb(torch.arange(10)))
     with pytest.raises(ValueError, match="takes an nn.Embedding or an nn.Linear head, got Conv1d"):
         pad_vocab(nn.Conv1d(1, 1, 1))  # type: ignore[arg-type]
+
+
+# -- bad input (moved from test_bad_input.py) ----------------------------------------
+
+
+@pytest.mark.parametrize("multiple", [2.5, 0, -8, True])
+def test_alignment_multiples_must_be_positive_integers(multiple: object) -> None:
+    with pytest.raises(ValueError, match=rf"multiple={multiple!r} is invalid: use a positive integer"):
+        ampkit.check_alignment(nn.Linear(3, 3), multiple=multiple)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="is invalid: use a positive integer"):
+        ampkit.pad_vocab(nn.Linear(3, 3), multiple=multiple)  # type: ignore[arg-type]  # was ZeroDivisionError

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -88,3 +89,27 @@ def test_library_errors_name_parameters_and_the_cli_shows_its_flags(capsys: pyte
         "--update kahan stochastic applies to O3 runs only: add --opt-level O3")
     assert as_flags("out='/tmp/run' cannot hold results. Pass out=DIR.") == (
         "--out /tmp/run cannot hold results. Pass --out DIR.")
+
+
+# -- bad input (moved from test_bad_input.py) ----------------------------------------
+
+
+@pytest.mark.parametrize("batch", ["0", "-1", "100000"])
+def test_inspect_batch_sizes_are_checked(batch: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # 0 used 32, -1 used train_x[:-1], a huge value claimed a batch it did not use
+    assert main(["inspect", "--model", "mlp", "--batch-size", batch, "--out", str(tmp_path)]) == 2
+    assert f"--batch-size {batch} is invalid: use 1 to 1437" in capsys.readouterr().err
+
+
+def test_inspect_memory_estimate_counts_the_batch_not_the_dataset(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--model", "mlp", "--batch-size", "8", "--out", str(tmp_path), "--json"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    # 8 digits are 8 x 784 float32 inputs: 25 KB, not the 4.4 MiB of the whole training set
+    assert memory["float32"]["activations"] < 64 * 1024
+
+
+def test_inspect_takes_a_custom_text_model_as_compare_does(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--model", "user_models:tiny_lm", "--data", "text", "--batch-size", "2",
+                 "--out", str(models / "inspect"), "--json"]) == 0  # was refused: "text goes with gpt only"
+    assert json.loads(capsys.readouterr().out)["numerics"]["modules"][0]["name"] == "embed"

@@ -4,7 +4,6 @@ memory, overflow, and the auto decision from measured hardware."""
 from __future__ import annotations
 
 import copy
-import importlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +38,17 @@ def ulps(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
     return float(((got - want).abs() / ulp.clamp(min=smallest)).max()) if want.numel() else 0.0
 
 
+def gemm_dtypes(step: Callable[[], object]) -> set[torch.dtype]:
+    """The dtypes the GEMM and convolution kernels below autograd receive while ``step`` runs
+    (``_Spy``): {float32} where float32 compute ran, the 16-bit dtype where native kernels did.
+    Agreement tests check it too, so a float32 path that silently ran native kernels fails them."""
+    spy = _Spy()
+    with spy:
+        step()
+    assert spy.dtypes, "no GEMM ran: the check would pass vacuously"
+    return set(spy.dtypes)
+
+
 # op -> (function, input shapes, constant arguments); small, so the native 16-bit run is
 # quick on any CPU. A Python function takes the generic path (a dispatch mode over the
 # op's decomposition); the ATen overloads that autocast hands over take the fast paths.
@@ -58,12 +68,18 @@ def test_emulated_ops_match_native_kernels_within_one_ulp(op: str, dtype: torch.
     fn, shapes, constants = OPS[op]
     for _ in range(5):
         inputs = [torch.randn(*shape).to(dtype).requires_grad_() for shape in shapes]
-        out, native = float32_compute.run_in_float32(fn, *inputs, *constants), fn(*inputs, *constants)
+        found: list[torch.Tensor] = []
+        # float32 kernels ran (a silently native run_in_float32 would match native with 0 ulps)
+        assert gemm_dtypes(lambda: found.append(float32_compute.run_in_float32(fn, *inputs, *constants))) == {
+            torch.float32}
+        out, native = found[0], fn(*inputs, *constants)
         assert out.dtype == native.dtype == dtype
         assert ulps(out, native, dtype) <= 1
         if not op.startswith("conv2d"):  # see the next test for convolution's backward
             g = torch.randn_like(out)
-            for e, n in zip(torch.autograd.grad(out, inputs, g), torch.autograd.grad(native, inputs, g)):
+            grads: list[tuple[torch.Tensor, ...]] = []
+            assert gemm_dtypes(lambda: grads.append(torch.autograd.grad(out, inputs, g))) == {torch.float32}
+            for e, n in zip(grads[0], torch.autograd.grad(native, inputs, g)):
                 assert e.dtype == n.dtype and ulps(e, n, dtype) <= 1
 
 
@@ -100,7 +116,10 @@ def test_emulated_float16_keeps_subnormals_and_flushes_below_them() -> None:
     a = torch.tensor([[2.0**-12]], dtype=torch.float16)
     for factor, expected in ((2.0**-6, 2.0**-18), (2.0**-14, 0.0)):  # 2^-18 is subnormal; 2^-26 < 2^-24 is 0
         b = torch.tensor([[factor]], dtype=torch.float16)
-        assert float32_compute.run_in_float32(torch.mm, a, b).item() == torch.mm(a, b).item() == expected
+        found: list[torch.Tensor] = []
+        assert gemm_dtypes(lambda: found.append(float32_compute.run_in_float32(torch.mm, a, b))) == {torch.float32}
+        assert found[0].dtype == torch.float16  # rounded once to float16: 2^-26 becomes 0, not a float32 2^-26
+        assert found[0].item() == torch.mm(a, b).item() == expected
 
 
 class _Spy(TorchDispatchMode):
@@ -147,12 +166,17 @@ def test_saved_for_backward_is_a_native_runs() -> None:
     torch.manual_seed(0)
     base = nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4))
     x = torch.randn(4, 1, 8, 8)
-    saved = {}
+    saved, kernels = {}, {}
     for mode in ("native", "float32"):
         model, _ = ampkit.initialize(copy.deepcopy(base), None, "O2", torch.bfloat16, compute=mode)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            _, saved[mode] = saved_bytes_of_step(model, lambda: model(x).sum())
+
+            def step() -> None:
+                _, saved[mode] = saved_bytes_of_step(model, lambda: model(x).sum())
+
+            kernels[mode] = gemm_dtypes(step)
+    assert kernels == {"native": {torch.bfloat16}, "float32": {torch.float32}}  # each mode ran its own kernels
     assert saved["float32"] == saved["native"] > 0
 
 
@@ -161,21 +185,26 @@ def test_twenty_steps_of_native_and_emulated_bf16_o1_agree() -> None:
     base = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
     teacher = torch.randn(16, 4)
     data = [(x, (x @ teacher).argmax(1)) for x in torch.randn(20, 32, 16)]
-    curves = {}
+    curves, kernels = {}, {}
     for mode in ("native", "float32"):
         model = copy.deepcopy(base)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
         model, optimizer = ampkit.initialize(model, optimizer, "O1", torch.bfloat16, compute=mode)
-        losses = []
-        for x, y in data:
-            optimizer.zero_grad()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                loss = F.cross_entropy(model(x).float(), y)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        losses: list[float] = []
+
+        def train() -> None:
+            for x, y in data:
+                optimizer.zero_grad()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    loss = F.cross_entropy(model(x).float(), y)
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+
+        kernels[mode] = gemm_dtypes(train)
         curves[mode] = torch.tensor(losses)
+    assert kernels == {"native": {torch.bfloat16}, "float32": {torch.float32}}
     assert curves["native"][-1] < 0.8 * curves["native"][0]  # it learned
     assert torch.allclose(curves["float32"], curves["native"], rtol=1e-2, atol=0)
 
@@ -185,21 +214,26 @@ def test_emulated_fp16_with_loss_scaling_skips_the_steps_native_skips() -> None:
     torch.manual_seed(0)
     base = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     data = [(torch.randn(8, 8), torch.randint(0, 2, (8,))) for _ in range(12)]
-    history = {}
+    history, kernels = {}, {}
     for mode in ("native", "float32"):
         model = copy.deepcopy(base)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         model, optimizer = ampkit.initialize(model, optimizer, "O2", torch.float16, compute=mode)
         scaler = ampkit.DynamicLossScaler(init_scale=2.0**24, growth_interval=3)
-        for x, y in data:
-            optimizer.zero_grad()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                loss = F.cross_entropy(model(x), y)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
+
+        def train() -> None:
+            for x, y in data:
+                optimizer.zero_grad()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    loss = F.cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+
+        kernels[mode] = gemm_dtypes(train)
         history[mode] = [(scale, skipped) for _, scale, skipped in scaler.stats.history]
+    assert kernels == {"native": {torch.float16}, "float32": {torch.float32}}
     assert any(skipped for _, skipped in history["native"])  # the test can fail: native did overflow
     assert history["float32"] == history["native"]
 

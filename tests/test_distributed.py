@@ -56,6 +56,7 @@ def _average_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
 def test_compressed_average_matches_float32() -> None:
     for world in (2, 3):
         results = run_ranks(_average_worker, world)
@@ -140,6 +141,7 @@ def _skip_worker(rank: int, world: int) -> dict:
             "scale": scaler.get_scale()}
 
 
+@pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
 def test_one_rank_with_an_inf_makes_every_rank_skip() -> None:
     results = run_ranks(_skip_worker, 3)
     for r in results:

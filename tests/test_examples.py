@@ -30,6 +30,7 @@ def test_train_example_fp16_with_loss_scaling(capsys: pytest.CaptureFixture[str]
     assert "skipped steps" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
 @pytest.mark.distributed
 def test_train_ddp_example_under_torchrun_halves_the_bytes() -> None:
     import json

@@ -63,6 +63,7 @@ def test_forced_compute_modes_multiply_the_settings_without_a_probe(fake_machine
         settings.plan(computes=["fp8"])
 
 
+@pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
 def test_results_json_has_every_field(tiny: tuple[comparison.Comparison, Path]) -> None:
     result, out = tiny
     saved = json.loads((out / "results.json").read_text())
@@ -83,6 +84,7 @@ def test_results_json_has_every_field(tiny: tuple[comparison.Comparison, Path]) 
     assert saved["wall_s"] > 0
 
 
+@pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
 def test_runs_step_in_lockstep_in_alternating_order() -> None:
     configs = [RunConfig(model="mlp", steps=3, batch_size=8),
                RunConfig(model="mlp", steps=3, batch_size=8, precision="bf16", opt_level="O2")]
@@ -195,6 +197,7 @@ def test_fp16_run_reports_scaling() -> None:
     assert all(math.isfinite(loss) for loss in result.losses)
 
 
+@pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
 def test_console_script_json(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "ampkit.cli.main", "compare", "--model", "mlp", "--steps", "3", "--batch-size", "8",

@@ -119,11 +119,26 @@ def test_evaluation_leaves_the_scales_alone() -> None:
 
 
 def test_fp8_linear_takes_16_bit_inputs_under_an_ampkit_region() -> None:
+    """The converted linear computes on FP8-rounded values of its 16-bit input (against the formula:
+    E4M3 input and weight at this step's scales, float32 product, rounded to the input's dtype, bias
+    added there), and records the input's amax: a convert_to_fp8 that did nothing fails both."""
     model = _mlp()
     convert_to_fp8(model)
+    layer = model[2]
+    assert isinstance(layer, Fp8Linear)
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    layer.register_forward_hook(lambda m, args, out: seen.append((args[0], out)))
     with ampkit.autocast(ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")):
         out = model(torch.randn(4, 32))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    x, got = seen[0]
+    assert x.dtype == got.dtype == torch.bfloat16
+    w = layer.weight.detach()
+    want = (_fake(x, 1.0, E4M3) @ _fake(w, 1.0, E4M3).t()).to(torch.bfloat16) + layer.bias.to(torch.bfloat16)
+    assert torch.equal(got, want)  # the first step's scales are 1.0
+    plain = (x.float() @ w.t()).to(torch.bfloat16) + layer.bias.to(torch.bfloat16)
+    assert not torch.equal(got, plain)  # FP8's rounding shows: the same linear without it differs
+    assert layer.amax_history[fp8.INPUT, 0].item() == x.float().abs().max().item()
 
 
 # -- current scaling (torchao) ---------------------------------------------------------------------

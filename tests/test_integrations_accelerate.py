@@ -105,6 +105,7 @@ def test_save_state_resumes_bit_identically(tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), expected))
 
 
+@pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
 @pytest.mark.distributed
 def test_ddp_sends_half_the_bytes_with_fp16_compression() -> None:
     done = subprocess.run(

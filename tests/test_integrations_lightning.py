@@ -132,6 +132,7 @@ def test_a_resumed_run_is_bit_identical(tmp_path: Path) -> None:
     assert "master_params" in checkpoint["optimizer_states"][0]
 
 
+@pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
 @pytest.mark.distributed
 def test_ddp_sends_half_the_bytes_with_fp16_compression() -> None:
     example = Path(__file__).parent.parent / "examples" / "lightning_digits.py"

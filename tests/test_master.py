@@ -181,3 +181,49 @@ def test_o2_keep_float32_embeddings_keeps_the_residual_stream_and_a_tied_head_in
         ampkit.initialize(nn.Linear(2, 2), None, "O1", keep_float32=[nn.Embedding])
     with pytest.raises(ValueError, match="must list nn.Module subclasses"):
         ampkit.initialize(nn.Linear(2, 2), None, "O2", keep_float32=["Embedding"])  # type: ignore[list-item]
+
+
+# -- bad input (moved from test_bad_input.py) ----------------------------------------
+
+
+def test_initialize_twice_is_refused() -> None:
+    # the second call wrapped masters of masters: training silently stopped changing the weights
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ampkit.initialize(model, optimizer, "O2", torch.bfloat16)
+    with pytest.raises(ValueError, match="The model was initialized at O2 already; call ampkit.initialize once"):
+        ampkit.initialize(model, optimizer, "O2", torch.bfloat16)
+    with pytest.raises(ValueError, match="already keeps master weights"):
+        ampkit.MasterWeightOptimizer(optimizer)  # the inner optimizer, wrapped again
+
+
+def test_master_weight_optimizer_takes_an_optimizer() -> None:
+    with pytest.raises(ValueError, match="MasterWeightOptimizer takes a torch.optim.Optimizer, got Linear"):
+        ampkit.MasterWeightOptimizer(nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        (None, "Cannot load None into MasterWeightOptimizer"),
+        ({"version": 1, "master_params": []}, r"misses \['optimizer'\]"),  # was KeyError
+        ({"version": 99, "optimizer": {}, "master_params": []}, "version 99 is not 1"),  # was accepted
+    ],
+)
+def test_master_weight_state_mistakes_are_named(state: object, message: str) -> None:
+    model = nn.Linear(2, 2)
+    optimizer = ampkit.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(RuntimeError, match=message):
+        optimizer.load_state_dict(state)  # type: ignore[arg-type]
+
+
+def test_a_failed_master_weight_load_changes_nothing() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
+    optimizer = ampkit.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    other = ampkit.MasterWeightOptimizer(torch.optim.SGD(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).parameters(),
+                                                         lr=0.5))
+    before = [m.clone() for m in optimizer.master_params]
+    with pytest.raises(RuntimeError, match=r"Master weight 2 in the checkpoint is \(2, 2\), this model's \(3, 2\)"):
+        optimizer.load_state_dict(other.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(before, optimizer.master_params))  # master 0 was replaced before
+    assert optimizer.param_groups[0]["lr"] == 0.1  # and the inner lr

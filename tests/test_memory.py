@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import ampkit
 from ampkit.experiment.models import ResNet18
 from ampkit.experiment.config import RunConfig
 from ampkit.experiment.training import execute
@@ -105,3 +106,15 @@ def test_keep_float32_is_estimated_as_initialize_keeps_it() -> None:
         estimate_memory(model, tokens, "O3", keep_float32=[nn.Embedding])
     with pytest.raises(ValueError, match=r"must list nn.Module subclasses"):
         estimate_memory(model, tokens, "O2", keep_float32=["Embedding"])  # type: ignore[list-item]
+
+
+# -- bad input (moved from test_bad_input.py) ----------------------------------------
+
+
+def test_frozen_parameters_still_take_weight_memory() -> None:
+    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+    model[0].requires_grad_(False)
+    estimate = ampkit.estimate_memory(model, torch.randn(2, 10), "O2", optimizer="adamw")
+    assert estimate.parameters == 220 and estimate.float32.weights == 4 * 220  # was 4 * 110
+    assert estimate.float32.gradients == 4 * 110 and estimate.mixed.master_weights == 4 * 110
+    assert estimate.mixed.weights == 2 * 220

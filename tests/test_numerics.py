@@ -145,3 +145,22 @@ def test_fp8_cast_numerics_follow_the_formats_ranges() -> None:
     assert (e5m2.overflow, e5m2.underflow) == (0.0, 0.25)  # 57344 holds 1000; only 2**-17 rounds to 0
     current = cast_numerics(values, None, E4M3)
     assert current.scale == pytest.approx(0.448) and current.overflow == 0.0
+
+
+# -- bad input (moved from test_bad_input.py) ----------------------------------------
+
+
+def test_inspecting_a_model_without_parameters_is_named() -> None:
+    with pytest.raises(ValueError, match="needs a model with trainable parameters; this Sequential has none"):
+        ampkit.inspect_numerics(nn.Sequential(), torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_inspect_says_when_float32_itself_is_broken(bad: float) -> None:
+    # a NaN model got no reason; an inf one got "keep it in float32", where it is inf already
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    with torch.no_grad():
+        model[2].bias[0] = bad
+    report = ampkit.inspect_numerics(model, torch.randn(3, 4))
+    assert report.reasons[0].startswith("2: activations are already inf/NaN in this float32 pass")
+    assert "2" not in report.keep_float32

@@ -11,23 +11,24 @@ from torch import nn
 
 import ampkit
 from ampkit import DynamicLossScaler, NonFiniteError, StaticLossScaler
-from conftest import requires_cuda
+from conftest import DEVICES, requires_cuda
 
 
-def _model() -> nn.Module:
+def _model(device: str = "cpu") -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2)).to(device)
 
 
-def _batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(i: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(i)
-    return torch.randn(16, 6, generator=g), torch.randn(16, 2, generator=g)
+    return torch.randn(16, 6, generator=g).to(device), torch.randn(16, 2, generator=g).to(device)
 
 
 def _train(model, opt, scaler, steps, inf_at=(), start=0):  # type: ignore[no-untyped-def]
     results = []
+    device = next(model.parameters()).device
     for i in range(start, start + steps):
-        x, y = _batch(i)
+        x, y = _batch(i, device)
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.mse_loss(model(x), y)
         scaler.scale(loss).backward()
@@ -38,8 +39,9 @@ def _train(model, opt, scaler, steps, inf_at=(), start=0):  # type: ignore[no-un
     return results
 
 
-def test_one_injected_inf_skips_exactly_one_step_and_growth_resumes() -> None:
-    model = _model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_injected_inf_skips_exactly_one_step_and_growth_resumes(device: str) -> None:
+    model = _model(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = DynamicLossScaler(init_scale=1024.0, growth_interval=3)
     _train(model, opt, scaler, 2)
@@ -56,15 +58,16 @@ def test_one_injected_inf_skips_exactly_one_step_and_growth_resumes() -> None:
     assert stats.history[2] == (2, 1024.0, True)
 
 
-def test_same_sequence_as_torch_grad_scaler() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_same_sequence_as_torch_grad_scaler(device: str) -> None:
     infs = {3, 4, 9}
-    ours, theirs = _model(), _model()
+    ours, theirs = _model(device), _model(device)
     opt_a = torch.optim.SGD(ours.parameters(), lr=0.05, momentum=0.9)
     opt_b = torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9)
     scaler_a = DynamicLossScaler(init_scale=2.0**10, growth_interval=2, hysteresis=1)
-    scaler_b = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    scaler_b = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=2)
     for i in range(15):
-        x, y = _batch(i)
+        x, y = _batch(i, device)
         for model, opt, scaler in ((ours, opt_a, scaler_a), (theirs, opt_b, scaler_b)):
             opt.zero_grad()
             scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
@@ -620,3 +623,72 @@ def test_torch_grad_scaling_multiple(enabled: bool) -> None:
     for c, s in zip(list(mod_control0.parameters()) + list(mod_control1.parameters()),
                     list(mod_scaling0.parameters()) + list(mod_scaling1.parameters())):
         torch.testing.assert_close(c, s, rtol=1e-5, atol=1e-7)
+
+
+# -- bad input (moved from test_bad_input.py) ----------------------------------------
+
+
+def _nan_steps(scaler: DynamicLossScaler, steps: int) -> None:
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        scaler.scale(model(torch.randn(4, 2)).sum() * float("nan")).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def test_a_scale_that_cannot_back_off_still_ends_in_non_finite_error() -> None:
+    # backoff_factor=1.0 kept the scale: 50 NaN-loss steps were skipped without a word
+    with pytest.raises(NonFiniteError, match=r"cannot go lower \(65536: backoff_factor=1.0 keeps it\).*The loss itself is nan"):
+        _nan_steps(DynamicLossScaler(backoff_factor=1.0, max_min_scale_overflows=5), 50)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"max_min_scale_overflows": 0}, "max_min_scale_overflows=0 is invalid: use an integer >= 1"),
+        ({"max_min_scale_overflows": -1}, "max_min_scale_overflows=-1 is invalid"),
+        ({"max_scale": float("nan")}, "max_scale=nan is invalid: use a finite number > 0"),  # named min_scale before
+        ({"init_scale": float("inf")}, r"init_scale=inf is outside \[min_scale, max_scale\]"),
+        ({"backoff_factor": 0.0}, r"backoff_factor=0.0 is invalid: use a number in \(0, 1\]"),
+        ({"growth_interval": 0}, "growth_interval=0 is invalid: use an integer >= 1"),
+    ],
+)
+def test_scaler_constants_out_of_range(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        DynamicLossScaler(**kwargs)
+
+
+@pytest.mark.parametrize("new_scale", [float("nan"), float("inf"), 0.0, -4.0])
+def test_update_with_an_impossible_scale_is_refused(new_scale: float) -> None:
+    scaler = DynamicLossScaler()
+    with pytest.raises(ValueError, match=rf"new_scale={new_scale!r} is outside \[min_scale, max_scale\]"):
+        scaler.update(new_scale=new_scale)
+    assert scaler.get_scale() == 2.0**16
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"scale": float("nan")}, "scale=nan is outside"),
+        ({"scale": 0.0}, "scale=0.0 is outside"),
+        ({"scale": -1.0}, "scale=-1.0 is outside"),
+        ({"hysteresis": -2}, "hysteresis=-2 is invalid"),
+        ({"hysteresis_left": 0}, "hysteresis_left=0 is invalid"),
+        ({"steps": "x"}, "steps='x' is invalid"),  # had already changed the scale and growth factor
+        ({"version": "1"}, "version '1' is not 1"),  # said "version 1 is not 1"
+    ],
+)
+def test_a_bad_scaler_state_is_refused_and_changes_nothing(change: dict, message: str) -> None:
+    scaler = DynamicLossScaler(init_scale=1024.0, growth_factor=4.0)
+    before = scaler.state_dict()
+    bad = {**DynamicLossScaler(init_scale=8.0, growth_factor=3.0).state_dict(), **change}
+    with pytest.raises(RuntimeError, match=message):
+        scaler.load_state_dict(bad)
+    assert scaler.state_dict() == before
+
+
+def test_loading_none_names_what_to_pass() -> None:
+    with pytest.raises(RuntimeError, match="Cannot load loss scaler state from a NoneType"):
+        DynamicLossScaler().load_state_dict(None)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ampkit.experiment import report
+from ampkit.cli.flags import as_flags
 from ampkit.experiment.comparison import Comparison, check_out_dir, compare, reserve_out_dir
 from ampkit.experiment.config import LOSS_SCALES, PRECISIONS, RunConfig, low_dtype
 from ampkit.experiment.cost import Estimate, estimate
@@ -98,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"ampkit compare: {failure} (its full error output: {log})", file=sys.stderr)
         return 1
     paths = report.write_all(result, out)
-    diverged = [f"ampkit compare: the {run.label} run diverged: {run.diverged}." for run in result.runs if run.diverged]
+    diverged = [f"ampkit compare: the {run.label} run diverged: {as_flags(run.diverged)}." for run in result.runs
+                if run.diverged]
     if args.json:
         print(json.dumps(result.to_dict(), indent=2, allow_nan=False))
     else:

@@ -114,7 +114,7 @@ def execute(
         losses.append(loss_value)
         if not math.isfinite(loss_value) and not scaler.enabled:
             diverged = (f"the loss became {loss_value} at step {i + 1} with no loss scaling to skip the step "
-                        f"(lr {config.lr:g}): lower --lr, or look for the overflowing layer with `ampkit inspect`")
+                        f"(lr={config.lr:g}): lower the learning rate, or look for the overflowing layer with `ampkit inspect`")
         progress(i + 1, loss_value, diverged is not None)
         if diverged:
             break

@@ -6,7 +6,6 @@ The repros of the issue "Bad input gets a clear error and nothing is lost", as a
 from __future__ import annotations
 
 import json
-import os
 import stat
 import sys
 import textwrap
@@ -14,94 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
-import ampkit
-from ampkit import DynamicLossScaler, NonFiniteError
 from ampkit.cli.main import main
 from ampkit.cli import compare as compare_cmd
 from ampkit.experiment import comparison
 
 C = ["--model", "mlp", "--precision", "fp32", "--steps", "2", "--batch-size", "8", "--quiet"]
-
-MODELS = textwrap.dedent("""
-    import torch
-    from torch import nn
-
-    def raises(**kwargs):
-        raise RuntimeError("factory exploded")
-
-    def not_a_module(**kwargs):
-        return 3
-
-    def no_parameters(**kwargs):
-        return nn.Identity()
-
-    def no_kwargs():
-        return nn.Linear(784, 10)
-
-    class Pair(nn.Module):
-        def __init__(self, num_classes):
-            super().__init__()
-            self.fc = nn.Linear(784, num_classes)
-
-        def forward(self, x):
-            return self.fc(x.flatten(1)), x
-
-    def tuple_output(num_classes):
-        return Pair(num_classes)
-
-    def too_few_outputs(num_classes):
-        return nn.Sequential(nn.Flatten(), nn.Linear(784, 3))
-
-    class Named(nn.Module):
-        def __init__(self, num_classes):
-            super().__init__()
-            self.fc = nn.Linear(784, num_classes)
-
-        def forward(self, x):
-            return {"logits": self.fc(x.flatten(1))}
-
-    def dict_output(num_classes):
-        return Named(num_classes)
-
-    class TinyLM(nn.Module):
-        def __init__(self, vocab_size, context):
-            super().__init__()
-            self.embed, self.head = nn.Embedding(vocab_size, 8), nn.Linear(8, vocab_size)
-
-        def forward(self, idx):
-            return self.head(self.embed(idx))
-
-    def tiny_lm(vocab_size, context):
-        return TinyLM(vocab_size, context)
-
-    class FailsOnCall(nn.Module):  # its forward number `fail_on` raises (each process builds its own)
-        def __init__(self, num_classes, fail_on):
-            super().__init__()
-            self.fc, self.calls, self.fail_on = nn.Linear(784, num_classes), 0, fail_on
-
-        def forward(self, x):
-            self.calls += 1
-            if self.calls == self.fail_on:
-                raise RuntimeError(f"forward {self.calls} fails")
-            return self.fc(x.flatten(1))
-
-    def late_failure(num_classes):  # fine for the plan's warm-up and 3 timed steps, fails in the run's 7th step
-        return FailsOnCall(num_classes, fail_on=7)
-
-    def timed_failure(num_classes):  # fails in the plan's first timed step
-        return FailsOnCall(num_classes, fail_on=2)
-""")
-
-
-@pytest.fixture
-def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    (tmp_path / "user_models.py").write_text(MODELS)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return tmp_path
 
 
 @pytest.mark.parametrize("batch", ["-4", "2000"])
@@ -253,161 +170,6 @@ def test_a_run_dies_with_its_host() -> None:
     pytest.fail(f"the run process {pid} outlived its host by 10 s")
 
 
-# -- the loss scalers ------------------------------------------------------------------
-
-
-
-def _nan_steps(scaler: DynamicLossScaler, steps: int) -> None:
-    model = nn.Linear(2, 1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        scaler.scale(model(torch.randn(4, 2)).sum() * float("nan")).backward()
-        scaler.step(optimizer)
-        scaler.update()
-
-
-def test_a_scale_that_cannot_back_off_still_ends_in_non_finite_error() -> None:
-    # backoff_factor=1.0 kept the scale: 50 NaN-loss steps were skipped without a word
-    with pytest.raises(NonFiniteError, match=r"cannot go lower \(65536: backoff_factor=1.0 keeps it\).*The loss itself is nan"):
-        _nan_steps(DynamicLossScaler(backoff_factor=1.0, max_min_scale_overflows=5), 50)
-
-
-@pytest.mark.parametrize(
-    "kwargs, message",
-    [
-        ({"max_min_scale_overflows": 0}, "max_min_scale_overflows=0 is invalid: use an integer >= 1"),
-        ({"max_min_scale_overflows": -1}, "max_min_scale_overflows=-1 is invalid"),
-        ({"max_scale": float("nan")}, "max_scale=nan is invalid: use a finite number > 0"),  # named min_scale before
-        ({"init_scale": float("inf")}, r"init_scale=inf is outside \[min_scale, max_scale\]"),
-        ({"backoff_factor": 0.0}, r"backoff_factor=0.0 is invalid: use a number in \(0, 1\]"),
-        ({"growth_interval": 0}, "growth_interval=0 is invalid: use an integer >= 1"),
-    ],
-)
-def test_scaler_constants_out_of_range(kwargs: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        DynamicLossScaler(**kwargs)
-
-
-@pytest.mark.parametrize("new_scale", [float("nan"), float("inf"), 0.0, -4.0])
-def test_update_with_an_impossible_scale_is_refused(new_scale: float) -> None:
-    scaler = DynamicLossScaler()
-    with pytest.raises(ValueError, match=rf"new_scale={new_scale!r} is outside \[min_scale, max_scale\]"):
-        scaler.update(new_scale=new_scale)
-    assert scaler.get_scale() == 2.0**16
-
-
-@pytest.mark.parametrize(
-    "change, message",
-    [
-        ({"scale": float("nan")}, "scale=nan is outside"),
-        ({"scale": 0.0}, "scale=0.0 is outside"),
-        ({"scale": -1.0}, "scale=-1.0 is outside"),
-        ({"hysteresis": -2}, "hysteresis=-2 is invalid"),
-        ({"hysteresis_left": 0}, "hysteresis_left=0 is invalid"),
-        ({"steps": "x"}, "steps='x' is invalid"),  # had already changed the scale and growth factor
-        ({"version": "1"}, "version '1' is not 1"),  # said "version 1 is not 1"
-    ],
-)
-def test_a_bad_scaler_state_is_refused_and_changes_nothing(change: dict, message: str) -> None:
-    scaler = DynamicLossScaler(init_scale=1024.0, growth_factor=4.0)
-    before = scaler.state_dict()
-    bad = {**DynamicLossScaler(init_scale=8.0, growth_factor=3.0).state_dict(), **change}
-    with pytest.raises(RuntimeError, match=message):
-        scaler.load_state_dict(bad)
-    assert scaler.state_dict() == before
-
-
-def test_loading_none_names_what_to_pass() -> None:
-    with pytest.raises(RuntimeError, match="Cannot load loss scaler state from a NoneType"):
-        DynamicLossScaler().load_state_dict(None)  # type: ignore[arg-type]
-
-
-# -- master weights, opt levels and the measurement API --------------------------------
-
-
-def test_initialize_twice_is_refused() -> None:
-    # the second call wrapped masters of masters: training silently stopped changing the weights
-    model = nn.Linear(4, 4)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    ampkit.initialize(model, optimizer, "O2", torch.bfloat16)
-    with pytest.raises(ValueError, match="The model was initialized at O2 already; call ampkit.initialize once"):
-        ampkit.initialize(model, optimizer, "O2", torch.bfloat16)
-    with pytest.raises(ValueError, match="already keeps master weights"):
-        ampkit.MasterWeightOptimizer(optimizer)  # the inner optimizer, wrapped again
-
-
-def test_master_weight_optimizer_takes_an_optimizer() -> None:
-    with pytest.raises(ValueError, match="MasterWeightOptimizer takes a torch.optim.Optimizer, got Linear"):
-        ampkit.MasterWeightOptimizer(nn.Linear(2, 2))  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    "state, message",
-    [
-        (None, "Cannot load None into MasterWeightOptimizer"),
-        ({"version": 1, "master_params": []}, r"misses \['optimizer'\]"),  # was KeyError
-        ({"version": 99, "optimizer": {}, "master_params": []}, "version 99 is not 1"),  # was accepted
-    ],
-)
-def test_master_weight_state_mistakes_are_named(state: object, message: str) -> None:
-    model = nn.Linear(2, 2)
-    optimizer = ampkit.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(RuntimeError, match=message):
-        optimizer.load_state_dict(state)  # type: ignore[arg-type]
-
-
-def test_a_failed_master_weight_load_changes_nothing() -> None:
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
-    optimizer = ampkit.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    other = ampkit.MasterWeightOptimizer(torch.optim.SGD(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).parameters(),
-                                                         lr=0.5))
-    before = [m.clone() for m in optimizer.master_params]
-    with pytest.raises(RuntimeError, match=r"Master weight 2 in the checkpoint is \(2, 2\), this model's \(3, 2\)"):
-        optimizer.load_state_dict(other.state_dict())
-    assert all(torch.equal(a, b) for a, b in zip(before, optimizer.master_params))  # master 0 was replaced before
-    assert optimizer.param_groups[0]["lr"] == 0.1  # and the inner lr
-
-
-@pytest.mark.parametrize("multiple", [2.5, 0, -8, True])
-def test_alignment_multiples_must_be_positive_integers(multiple: object) -> None:
-    with pytest.raises(ValueError, match=rf"multiple={multiple!r} is invalid: use a positive integer"):
-        ampkit.check_alignment(nn.Linear(3, 3), multiple=multiple)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="is invalid: use a positive integer"):
-        ampkit.pad_vocab(nn.Linear(3, 3), multiple=multiple)  # type: ignore[arg-type]  # was ZeroDivisionError
-
-
-def test_frozen_parameters_still_take_weight_memory() -> None:
-    model = nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
-    model[0].requires_grad_(False)
-    estimate = ampkit.estimate_memory(model, torch.randn(2, 10), "O2", optimizer="adamw")
-    assert estimate.parameters == 220 and estimate.float32.weights == 4 * 220  # was 4 * 110
-    assert estimate.float32.gradients == 4 * 110 and estimate.mixed.master_weights == 4 * 110
-    assert estimate.mixed.weights == 2 * 220
-
-
-def test_exit_without_enter_and_non_string_op_names() -> None:
-    with pytest.raises(RuntimeError, match=r"__exit__\(\) without __enter__\(\)"):
-        ampkit.autocast(ampkit.Policy.default("cpu", compute="native")).__exit__(None, None, None)
-    with pytest.raises(ValueError, match="deny= takes op names \\(strings\\), got None"):
-        ampkit.Policy.default("cpu").with_ops(deny=[None])  # type: ignore[list-item]
-
-
-@pytest.mark.parametrize("batch", ["0", "-1", "100000"])
-def test_inspect_batch_sizes_are_checked(batch: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # 0 used 32, -1 used train_x[:-1], a huge value claimed a batch it did not use
-    assert main(["inspect", "--model", "mlp", "--batch-size", batch, "--out", str(tmp_path)]) == 2
-    assert f"--batch-size {batch} is invalid: use 1 to 1437" in capsys.readouterr().err
-
-
-def test_inspect_memory_estimate_counts_the_batch_not_the_dataset(tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", "--model", "mlp", "--batch-size", "8", "--out", str(tmp_path), "--json"]) == 0
-    memory = json.loads(capsys.readouterr().out)["memory"]
-    # 8 digits are 8 x 784 float32 inputs: 25 KB, not the 4.4 MiB of the whole training set
-    assert memory["float32"]["activations"] < 64 * 1024
-
-
 def _mnist(directory: Path, images_shape: tuple[int, int], top_label: int) -> None:
     import struct
 
@@ -436,11 +198,7 @@ def test_foreign_mnist_files_are_named_even_with_steps(shape: tuple[int, int], t
     assert re.search(message, err) and "Traceback" not in err
 
 
-def test_inspecting_a_model_without_parameters_is_named() -> None:
-    with pytest.raises(ValueError, match="needs a model with trainable parameters; this Sequential has none"):
-        ampkit.inspect_numerics(nn.Sequential(), torch.randn(2, 3))
-
-
+@pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
 def test_sigterm_stops_compare_in_one_line_and_keeps_the_steps_taken(tmp_path: Path) -> None:
     import signal
     import subprocess
@@ -461,23 +219,6 @@ def test_sigterm_stops_compare_in_one_line_and_keeps_the_steps_taken(tmp_path: P
     kept = json.loads((tmp_path / "run" / "results.json").read_text())  # the steps taken, not thrown away
     assert kept["incomplete"] and kept["runs"][0]["label"] == "fp32"
     assert 0 < kept["runs"][0]["steps_done"] == len(kept["runs"][0]["losses"]) < 5000
-
-
-@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_inspect_says_when_float32_itself_is_broken(bad: float) -> None:
-    # a NaN model got no reason; an inf one got "keep it in float32", where it is inf already
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    with torch.no_grad():
-        model[2].bias[0] = bad
-    report = ampkit.inspect_numerics(model, torch.randn(3, 4))
-    assert report.reasons[0].startswith("2: activations are already inf/NaN in this float32 pass")
-    assert "2" not in report.keep_float32
-
-
-def test_inspect_takes_a_custom_text_model_as_compare_does(models: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["inspect", "--model", "user_models:tiny_lm", "--data", "text", "--batch-size", "2",
-                 "--out", str(models / "inspect"), "--json"]) == 0  # was refused: "text goes with gpt only"
-    assert json.loads(capsys.readouterr().out)["numerics"]["modules"][0]["name"] == "embed"
 
 
 @pytest.mark.parametrize(
