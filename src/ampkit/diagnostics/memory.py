@@ -101,7 +101,7 @@ def estimate_memory(
         optimizer: one of OPTIMIZER_STATES' keys (default ``"adamw"``: two states).
         dtype: the 16-bit dtype.
         loss_fn: ``loss_fn(output) -> loss`` (default: mean square of the output).
-        update: O3's update rule (``ampkit.pure16``): ``"plain"``, ``"kahan"`` or ``"stochastic"``.
+        update: O3's update rule (``ampkit.optim.pure16``): ``"plain"``, ``"kahan"`` or ``"stochastic"``.
         keep_float32: at O2, module types kept in float32 besides the normalization layers, as
             ``initialize(..., keep_float32=...)`` keeps them (e.g. ``[nn.Embedding]``).
 

@@ -49,7 +49,7 @@ class _FirstNonFinite(TorchDispatchMode):
             if tensor is not None and not bool(torch.isfinite(tensor).all()):
                 previous = self._previous
                 if name in ("to", "_to_copy") and previous is not None and args and args[0] is previous[2]:
-                    # float32 compute (ampkit.compute): a GEMM's float32 result overflowed when rounded
+                    # float32 compute (ampkit.float32_compute): a GEMM's float32 result overflowed when rounded
                     # to 16 bits, where a native 16-bit kernel overflows in the GEMM itself.
                     name, inputs = previous[0], previous[1]
                 ranges = [

@@ -50,7 +50,7 @@ class RunConfig:
     compute: str = "auto"  # how 16-bit GEMMs compute: auto, native or float32 (Policy.compute)
     probe: bool = False  # a few timed steps only: no evaluation, no accuracy
     loss_scale: str = "auto"  # one of LOSS_SCALES; auto: dynamic for float16, none otherwise
-    update: str = "plain"  # O3's update rule (ampkit.pure16): plain, kahan or stochastic
+    update: str = "plain"  # O3's update rule (ampkit.optim.pure16): plain, kahan or stochastic
     # The training loss is divided by this (and AdamW's eps with it, so float32 trains as with 1): each gradient
     # value then sits where a loss_divisor-times larger batch's mean puts it (see ``plan``).
     loss_divisor: float = 1.0

@@ -5,12 +5,12 @@ the 16-bit format values are *rounded to and stored in*, and the arithmetic
 its GEMMs and convolutions *compute* in. Tensor cores and CPUs with AVX-512
 BF16 compute 16-bit GEMMs natively and fast. A CPU without them (AVX2 only)
 emulates them in software, many times slower than float32 (as
-``ampkit.hardware.measure`` finds; never assumed). There ampkit computes those
+``ampkit.measure()`` finds; never assumed). There ampkit computes those
 ops in float32 on the 16-bit values and rounds the result back to 16 bits,
 forward and backward:
 
 - memory is a native run's: autograd saves the 16-bit tensors (less where a linear
-  reads a GELU's output: it recomputes that instead of saving it, see ``_Linear``);
+  reads a GELU's output: it recomputes that instead of saving it, see ``gelu_recompute.py``);
 - the numerics are a tensor core's (16-bit inputs, float32 accumulation,
   output rounded once), so the same mode emulates GPU numerics on any CPU,
   float16 overflow to inf and subnormals included;

@@ -74,7 +74,7 @@ def initialize(
             that casts nothing.
         policy: the O1 policy (default ``Policy.default(device, dtype, compute=compute)``);
             O2 and O3 models are 16-bit and take none.
-        update: at O3, how the optimizer's updates reach the 16-bit weights (see ``ampkit.pure16``):
+        update: at O3, how the optimizer's updates reach the 16-bit weights (see ``ampkit.optim.pure16``):
             ``"plain"`` (default: the optimizer as given; updates smaller than half a weight's
             spacing are lost), ``"kahan"`` (torch-optimi with Kahan summation: a 16-bit
             compensation buffer per weight) or ``"stochastic"`` (unbiased stochastic rounding).

@@ -84,7 +84,7 @@ class Policy:
         enabled: False makes ``ampkit.autocast`` a pass-through.
         compute: how GEMMs and convolutions on 16-bit values compute: ``"native"``
             (16-bit kernels, as torch.autocast), ``"float32"`` (float32 arithmetic on
-            the 16-bit values, output rounded to 16 bits; see ``ampkit.compute``) or
+            the 16-bit values, output rounded to 16 bits; see ``ampkit.float32_compute``) or
             ``"auto"`` (default: per op class, native where this machine's measured
             16-bit kernels beat float32, else float32).
 

@@ -17,6 +17,8 @@ from ampkit.precision.policy import Policy
 
 
 class Region(NamedTuple):
+    """One open region (an ampkit.autocast, or a module override inside one)."""
+
     device_type: str
     policy: Policy | None  # None where autocast is off
     ctx: torch.autocast
@@ -32,6 +34,8 @@ def torch_nesting() -> int:
 
 
 class ThreadState(threading.local):
+    """Per thread: the open regions, the modules inside overrides, the weight-cast cache."""
+
     def __init__(self) -> None:
         # Innermost last.
         self.stack: list[Region] = []
@@ -46,6 +50,7 @@ _warned: set[str] = set()
 
 
 def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn ``message`` the first time ``key`` is seen in this process."""
     if key not in _warned:
         _warned.add(key)
         warnings.warn(message, category, stacklevel=3)
