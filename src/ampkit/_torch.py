@@ -39,7 +39,7 @@ __all__ = [
     "checkpoint_entry_points",
     "replace_checkpoint_entry_points",
     "forward_used_autocast",
-    "top_saved_tensors_hooks",
+    "saved_tensors_hooks_now",
     "forward_class",
     "gelu_saved",
     "fused_sdp_choice",
@@ -123,7 +123,7 @@ def forward_used_autocast(ctx: Any) -> bool:
     return bool(getattr(ctx, "_fwd_used_autocast", False))
 
 
-def top_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+def saved_tensors_hooks_now() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """The innermost ``saved_tensors_hooks`` pair, or None (``torch._C._autograd.
     _top_saved_tensors_default_hooks``, 2.4-2.13). Missing: the GELU recompute is skipped,
     as it is under others' hooks."""

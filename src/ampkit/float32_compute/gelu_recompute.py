@@ -49,7 +49,7 @@ def gelu_input(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
     if base is not None and (x.shape, x.stride(), x.storage_offset()) != (base.shape, base.stride(),
                                                                          base.storage_offset()):
         return None
-    hooks = _torch.top_saved_tensors_hooks()
+    hooks = _torch.saved_tensors_hooks_now()
     if hooks is not None and not getattr(hooks[0], "_ampkit_passthrough", False):
         return None
     saved = _torch.gelu_saved(fn)
