@@ -1,16 +1,75 @@
 #!/usr/bin/env bash
-# One prepared run for a machine with a CUDA GPU: the CUDA tests, then the CUDA rows of the
-# `ampkit compare` records. Results land in benchmarks/results/ (and are copied to $OUT when set,
-# for a remote device run); then `python benchmarks/make_benchmarks_md.py` adds them to BENCHMARKS.md.
+# One prepared run for a GPU machine that reaches no package registry (the H200 image: Python 3.12,
+# torch 2.11 with CUDA, no torchao, no torch-optimi). Carry the wheels: `bash benchmarks/device_wheels.sh`
+# here first, then run this with carry=[".whl"]. Every step is bounded by `timeout`; everything lands in
+# $OUT (log.txt, steps.txt, env.json and the result files: at most 8, one folder deep). Steps, in order of value, with their budgets (7 min 30 s in all):
+#   setup      45 s  wheels and ampkit installed offline (--no-index --no-deps), versions and `ampkit env`
+#   gpu-tests  90 s  pytest -m gpu: scaler vs GradScaler, autocast vs torch.autocast, float32 compute, FP8
+#   compare   120 s  ampkit compare on CUDA: fp32, fp16 O1/O2 with dynamic scaling, bf16 O1/O2 (ResNet-18, GPT)
+#   fp8        45 s  native FP8 (delayed and current scaling) against emulation over 20 steps
+#   cpu-tests 150 s  the CPU suite on this torch (a torch-version incompatibility shows here)
+# torch.compile and FSDP2 checks join when those features exist (issues 23, 24).
+# AMPKIT_DEVICE_REHEARSAL=1 (benchmarks/device_rehearsal.sh) runs the offline install and the CPU smoke
+# steps on a machine without a GPU and skips the CUDA steps and the CPU suite.
 #   bash benchmarks/device_check.sh
-set -euo pipefail
+set -uo pipefail
 cd "$(dirname "$0")/.."
-python -m pip show -q torch 2>/dev/null || python -m pip install torch==2.13.0
-python -m pip install -q -e ".[test]"
-python -c "import torch; assert torch.cuda.is_available(), 'no CUDA device here'; print(torch.cuda.get_device_name(0))"
-python -m pytest -q -p no:warnings -m gpu 2>&1 | tee /tmp/ampkit-gpu-tests.log
-python benchmarks/bench_compare.py --device cuda
-if [ -n "${OUT:-}" ]; then
-  cp /tmp/ampkit-gpu-tests.log "$OUT/"
-  for d in benchmarks/results/compare-*-cuda; do cp "$d/results.json" "$OUT/$(basename "$d").json"; done
+OUT=${OUT:-$(mktemp -d)}
+REHEARSAL=${AMPKIT_DEVICE_REHEARSAL:-0}
+SITE=${AMPKIT_DEVICE_SITE:-/tmp/ampkit-site}
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+failed=()
+
+step() {  # step NAME SECONDS COMMAND...: run it bounded, log to $OUT/log.txt, remember a failure
+  local name=$1 budget=$2; shift 2
+  echo "== $name (at most ${budget} s)" | tee -a "$OUT/log.txt"
+  local start=$SECONDS
+  timeout --kill-after=10 "$budget" "$@" 2>&1 | tee -a "$OUT/log.txt"
+  local rc=${PIPESTATUS[0]}
+  echo "== $name: exit $rc after $((SECONDS - start)) s" | tee -a "$OUT/steps.txt" "$OUT/log.txt"
+  [ "$rc" -eq 0 ] || failed+=("$name")
+}
+
+setup() {
+  set -e
+  ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: run bash benchmarks/device_wheels.sh first"; exit 1; }
+  # --target: the image's own packages stay as they are; the carried ones come first on the path.
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .
+  PYTHONPATH="$SITE" "$PY" - <<'PY'
+import sys, torch, torchao, optimi, ampkit
+from ampkit import _torch
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| CUDA", torch.version.cuda,
+      "| GPU", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
+print("torchao", torchao.__version__, torchao.__file__)
+print("torch-optimi", optimi.__file__)
+print("torch privates missing here:", _torch.missing() or "none")
+PY
+  PYTHONPATH="$SITE" "$PY" -m ampkit.cli.main env --json > "$OUT/env.json"
+}
+export -f setup
+export PY SITE OUT
+
+step setup 45 bash -c setup
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+if [ "$REHEARSAL" = 1 ]; then
+  step gpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu --collect-only
+  step compare 90 "$PY" -m ampkit.cli.main compare --model mlp --steps 2 --batch-size 8 --precision fp32 bf16 \
+    --opt-level O1 --quiet --out "$(mktemp -d)/run"
+else
+  step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider -p no:warnings -m gpu
+  for model in resnet18 gpt; do
+    steps=$([ "$model" = gpt ] && echo 60 || echo 30)
+    dir=$(mktemp -d)/run
+    step "compare-$model" 60 "$PY" -m ampkit.cli.main compare --device cuda --model "$model" --steps "$steps" \
+      --precision fp32 fp16 bf16 --opt-level O1 O2 --loss-scale dynamic --quiet --out "$dir"
+    [ -f "$dir/results.json" ] && cp "$dir/results.json" "$OUT/compare-$model-cuda.json"
+  done
+  step fp8 45 "$PY" benchmarks/device_fp8.py --out "$OUT/fp8-cuda.json"
+  step cpu-tests 150 env CUDA_VISIBLE_DEVICES= "$PY" -m pytest -q -p no:cacheprovider -x -m "not gpu and not slow"
 fi
+
+echo "steps that failed: ${failed[*]:-none}" | tee -a "$OUT/steps.txt"
+[ ${#failed[@]} -eq 0 ]

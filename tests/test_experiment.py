@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ampkit.cli.main import main
+from conftest import DEVICES
 from ampkit.experiment import comparison, config, cost, data, report, settings
 from ampkit.experiment.models import GPT, load_factory
 from ampkit.experiment.config import RunConfig
@@ -95,16 +96,21 @@ def test_runs_step_in_lockstep_in_alternating_order() -> None:
     assert [run.label for run in result.runs] == [a, b] and all(run.steps == 3 for run in result.runs)
 
 
-def test_peak_memory_counts_what_training_adds_not_torch_itself() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_peak_memory_counts_what_training_adds_not_torch_itself(device: str) -> None:
+    """The memory column: peak resident memory on the CPU, torch.cuda.max_memory_allocated on CUDA,
+    each above what was held before (a tensor already on the GPU is not training's)."""
     from ampkit.experiment.training import memory_baseline, peak_memory
 
-    cpu = torch.device("cpu")
-    baseline = memory_baseline(cpu)
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    added = peak_memory(cpu, baseline)
+    where = torch.device(device)
+    held = torch.ones(16 * 2**20 // 4, device=where)  # there before the baseline: not counted
+    baseline = memory_baseline(where)
+    block = torch.ones(64 * 2**20 // 4, device=where)  # 64 MiB, touched
+    added = peak_memory(where, baseline)
     del block
     assert 64 * 2**20 <= added < 96 * 2**20
-    assert peak_memory(cpu, memory_baseline(cpu)) < 32 * 2**20  # a new baseline forgets the old peak
+    assert peak_memory(where, memory_baseline(where)) < 32 * 2**20  # a new baseline forgets the old peak
+    del held
 
 
 def test_estimate_scales_a_measured_float32_step(fake_machine, monkeypatch) -> None:  # type: ignore[no-untyped-def]

@@ -206,7 +206,7 @@ class _FirstFloatInput(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _out_dtype(op: str, input_dtypes: list[torch.dtype], region: object) -> torch.dtype:
+def _out_dtype(op: str, input_dtypes: list[torch.dtype], region: object, device: str = "cpu") -> torch.dtype:
     """Run the op's sample with inputs cycling through input_dtypes inside region.
 
     Returns the output's floating dtype or, for ops with integer results
@@ -215,9 +215,9 @@ def _out_dtype(op: str, input_dtypes: list[torch.dtype], region: object) -> torc
     calls = iter(range(10_000))
 
     def mk(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape).to(input_dtypes[next(calls) % len(input_dtypes)])
+        return torch.randn(*shape, device=device).to(input_dtypes[next(calls) % len(input_dtypes)])
 
-    with region:  # type: ignore[attr-defined]
+    with region, torch.device(device):  # type: ignore[attr-defined]  # the samples' own tensors on device too
         sample = CPU_SAMPLES[op]
         out = sample(mk)
         try:
@@ -273,10 +273,10 @@ def test_lists_are_disjoint_and_every_cpu_op_has_a_sample() -> None:
     assert set(CPU_OPS) == set(CPU_SAMPLES)
 
 
-def _outcome(op: str, input_dtypes: list[torch.dtype], region: object) -> torch.dtype | str:
+def _outcome(op: str, input_dtypes: list[torch.dtype], region: object, device: str = "cpu") -> torch.dtype | str:
     """The output dtype, or the error (type and first line) the op raised."""
     try:
-        return _out_dtype(op, input_dtypes, region)
+        return _out_dtype(op, input_dtypes, region, device)
     except (RuntimeError, NotImplementedError) as error:
         return f"{type(error).__name__}: {str(error).splitlines()[0]}"
 
@@ -326,3 +326,24 @@ def test_op_moved_to_no_list_follows_its_inputs() -> None:
         assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32
         x = torch.randn(4, dtype=torch.bfloat16)
         assert F.mse_loss(x, x).dtype == torch.bfloat16
+
+
+# The CPU samples of ops that torch.autocast also lists for CUDA (PyTorch's CUDA autocast op lists, as
+# ampkit's own CUDA lists reproduce them): on a GPU, ampkit's default float16 policy must give each one
+# torch.autocast's dtype.
+CUDA_SHARED_OPS = sorted(set(CPU_SAMPLES) & set().union(*op_lists.TORCH_LISTS["cuda"].values()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("op", CUDA_SHARED_OPS)
+def test_cuda_op_matches_torch_autocast(op: str) -> None:
+    category = op_lists.torch_category("cuda", op)
+    inputs = {op_lists.ALLOW: [torch.float32], op_lists.DENY: [torch.float16]}.get(
+        category or "", [torch.float16, torch.float32])
+    torch_outcome = _outcome(op, inputs, torch.autocast("cuda", torch.float16), "cuda")
+    expected = {op_lists.ALLOW: torch.float16, op_lists.DENY: torch.float32, op_lists.INFER: torch.float32}[category]
+    assert torch_outcome == expected, f"torch.autocast gave {torch_outcome} for {op}"
+    policy = ampkit.Policy.default("cuda", torch.float16, compute="native")
+    assert _outcome(op, inputs, ampkit.autocast(policy), "cuda") == torch_outcome
+

@@ -80,9 +80,10 @@ def test_same_sequence_as_torch_grad_scaler(device: str) -> None:
         assert torch.equal(a, b)
 
 
-def test_resume_is_bitwise_identical(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("device", DEVICES)
+def test_resume_is_bitwise_identical(tmp_path, device: str) -> None:  # type: ignore[no-untyped-def]
     def make():  # type: ignore[no-untyped-def]
-        model = _model()
+        model = _model(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         return model, opt, DynamicLossScaler(init_scale=2.0**8, growth_interval=4, hysteresis=2)
 
@@ -94,7 +95,7 @@ def test_resume_is_bitwise_identical(tmp_path) -> None:  # type: ignore[no-untyp
     path = tmp_path / "ckpt.pt"
     torch.save({"model": first[0].state_dict(), "opt": first[1].state_dict(), "scaler": first[2].state_dict()}, path)
     resumed = make()
-    ckpt = torch.load(path)
+    ckpt = torch.load(path, map_location=device)
     resumed[0].load_state_dict(ckpt["model"])
     resumed[1].load_state_dict(ckpt["opt"])
     resumed[2].load_state_dict(ckpt["scaler"])
@@ -105,26 +106,28 @@ def test_resume_is_bitwise_identical(tmp_path) -> None:  # type: ignore[no-untyp
         assert torch.equal(a, b)
 
 
-def test_float16_gradients_are_unscaled_not_refused() -> None:
-    model = _model().half()
+@pytest.mark.parametrize("device", DEVICES)
+def test_float16_gradients_are_unscaled_not_refused(device: str) -> None:
+    model = _model(device).half()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = DynamicLossScaler(init_scale=8.0)
-    x = torch.randn(4, 6, dtype=torch.float16)
+    x = torch.randn(4, 6, dtype=torch.float16, device=device)
     scaler.scale(model(x).float().sum()).backward()
     grad_scaled = model[0].bias.grad.clone()
     scaler.unscale_(opt)
     assert torch.equal(model[0].bias.grad, grad_scaled / 8)
 
 
-def test_step_returns_false_on_skip_and_the_scheduler_warns_nothing() -> None:
-    model = _model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_returns_false_on_skip_and_the_scheduler_warns_nothing(device: str) -> None:
+    model = _model(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     scaler = DynamicLossScaler()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for i in range(3):
-            x, y = _batch(i)
+            x, y = _batch(i, device)
             opt.zero_grad()
             scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
             if i == 0:
@@ -136,10 +139,11 @@ def test_step_returns_false_on_skip_and_the_scheduler_warns_nothing() -> None:
 
 
 @pytest.mark.parametrize("target", ["optimizer", "params"])
-def test_clip_grad_norm_returns_the_unscaled_norm(target: str) -> None:
-    model = _model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_clip_grad_norm_returns_the_unscaled_norm(target: str, device: str) -> None:
+    model = _model(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = _batch(0)
+    x, y = _batch(0, device)
     nn.functional.mse_loss(model(x), y).backward()
     reference = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
     opt.zero_grad()
@@ -152,9 +156,10 @@ def test_clip_grad_norm_returns_the_unscaled_norm(target: str) -> None:
     scaler.update()
 
 
-def test_gradient_accumulation_equals_one_big_batch() -> None:
-    x, y = torch.randn(32, 6), torch.randn(32, 2)
-    big, small = _model(), _model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_accumulation_equals_one_big_batch(device: str) -> None:
+    x, y = torch.randn(32, 6, device=device), torch.randn(32, 2, device=device)
+    big, small = _model(device), _model(device)
     opt_big = torch.optim.SGD(big.parameters(), lr=0.1)
     opt_small = torch.optim.SGD(small.parameters(), lr=0.1)
     scaler_big, scaler_small = DynamicLossScaler(init_scale=2.0**10), DynamicLossScaler(init_scale=2.0**10)
@@ -170,7 +175,7 @@ def test_gradient_accumulation_equals_one_big_batch() -> None:
 
 
 def _gan_step(scaler, opt_d, opt_g, d, g, together: bool):  # type: ignore[no-untyped-def]
-    x = torch.randn(4, 6)
+    x = torch.randn(4, 6, device=next(d.parameters()).device)
     opt_d.zero_grad()
     opt_g.zero_grad()
     scaler.scale([d(x).sum(), g(x).sum()])[0].backward()
@@ -182,8 +187,9 @@ def _gan_step(scaler, opt_d, opt_g, d, g, together: bool):  # type: ignore[no-un
 
 
 @pytest.mark.parametrize("together, expected", [(True, [False]), (False, [True, False])])
-def test_one_scaler_several_optimizers(together: bool, expected: list[bool]) -> None:
-    d, g = _model(), _model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_scaler_several_optimizers(together: bool, expected: list[bool], device: str) -> None:
+    d, g = _model(device), _model(device)
     opt_d, opt_g = torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1)
     d_before = copy.deepcopy(d.state_dict())
     scaler = DynamicLossScaler()
@@ -193,11 +199,12 @@ def test_one_scaler_several_optimizers(together: bool, expected: list[bool]) -> 
     assert scaler.get_scale() == 2.0**15
 
 
-def test_one_scaler_per_loss() -> None:
-    d, g = _model(), _model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_scaler_per_loss(device: str) -> None:
+    d, g = _model(device), _model(device)
     opt_d, opt_g = torch.optim.SGD(d.parameters(), lr=0.1), torch.optim.SGD(g.parameters(), lr=0.1)
     scaler_d, scaler_g = DynamicLossScaler(), DynamicLossScaler()
-    x = torch.randn(4, 6)
+    x = torch.randn(4, 6, device=device)
     scaler_d.scale(d(x).sum()).backward()
     scaler_g.scale(g(x).sum()).backward()
     g[0].weight.grad[0, 0] = float("nan")
@@ -207,14 +214,15 @@ def test_one_scaler_per_loss() -> None:
     assert (scaler_d.get_scale(), scaler_g.get_scale()) == (2.0**16, 2.0**15)
 
 
-def test_non_finite_loss_raises_with_a_diagnosis_naming_the_loss() -> None:
-    model = _model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_finite_loss_raises_with_a_diagnosis_naming_the_loss(device: str) -> None:
+    model = _model(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = DynamicLossScaler(init_scale=4.0, min_scale=1.0, max_min_scale_overflows=3)
     with pytest.raises(NonFiniteError, match=r"The loss itself is (inf|nan) in the forward pass"):
         for _ in range(20):
             opt.zero_grad()
-            loss = model(torch.full((2, 6), float("inf"))).sum()
+            loss = model(torch.full((2, 6), float("inf"), device=device)).sum()
             scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
@@ -222,8 +230,9 @@ def test_non_finite_loss_raises_with_a_diagnosis_naming_the_loss() -> None:
     assert scaler.stats.skipped == 5  # 4 -> 2 -> 1, then 3 in a row at the minimum
 
 
-def test_gradient_overflow_with_finite_loss_is_diagnosed_as_such() -> None:
-    model = _model()
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradient_overflow_with_finite_loss_is_diagnosed_as_such(device: str) -> None:
+    model = _model(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = StaticLossScaler(2.0**10, max_min_scale_overflows=2)
     with pytest.raises(NonFiniteError, match="The loss is finite but its gradients overflow"):
@@ -692,3 +701,40 @@ def test_a_bad_scaler_state_is_refused_and_changes_nothing(change: dict, message
 def test_loading_none_names_what_to_pass() -> None:
     with pytest.raises(RuntimeError, match="Cannot load loss scaler state from a NoneType"):
         DynamicLossScaler().load_state_dict(None)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_fp16_training_skips_and_scales_as_torch_grad_scaler_does(level: str, device: str) -> None:
+    """ampkit.initialize at O1/O2 in float16 with DynamicLossScaler, against torch.autocast with
+    torch.amp.GradScaler, over planted overflows: the same steps skipped, the same scales."""
+    infs = {2, 3, 7}
+    ours = _model(device)
+    opt_a = torch.optim.SGD(ours.parameters(), lr=0.05)
+    ours, opt_a = ampkit.initialize(ours, opt_a, level, torch.float16)
+    scaler_a = DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=1)
+    theirs = _model(device)
+    opt_b = torch.optim.SGD(theirs.parameters(), lr=0.05)
+    scaler_b = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=3)
+    for i in range(12):
+        x, y = _batch(i, device)
+        opt_a.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # float32 compute's note on a CPU without fast float16
+            loss_a = nn.functional.mse_loss(ours(x).float(), y)
+        scaler_a.scale(loss_a).backward()
+        opt_b.zero_grad()
+        with torch.autocast(device, torch.float16):
+            loss_b = nn.functional.mse_loss(theirs(x).float(), y)
+        scaler_b.scale(loss_b).backward()
+        if i in infs:
+            next(ours.parameters()).grad[0, 0] = float("inf")
+            next(theirs.parameters()).grad[0, 0] = float("inf")
+        stepped_a = scaler_a.step(opt_a)
+        before = scaler_b.get_scale()
+        scaler_b.step(opt_b)
+        scaler_a.update()
+        scaler_b.update()
+        assert stepped_a == (i not in infs) == (scaler_b.get_scale() >= before)
+        assert scaler_a.get_scale() == scaler_b.get_scale()
+    assert scaler_a.stats.skipped == len(infs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._utils as torch_utils
 import torch.nn.functional as F
 
 from ampkit import _torch
@@ -43,3 +44,80 @@ def test_the_wrappers_call_what_they_name() -> None:
     grads = [torch.tensor([4.0, float("inf")])]
     _torch.amp_unscale_(grads, found, inv)
     assert found.item() == 1.0 and grads[0][0].item() == 2.0
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_torch, "_warned", set())
+
+
+def test_without_the_fused_unscale_gradients_are_unscaled_alike_and_it_is_said(monkeypatch: pytest.MonkeyPatch,
+                                                                               fresh_warnings: None) -> None:
+    def run() -> tuple[float, list[list[float]]]:
+        grads = [torch.tensor([4.0, -2.0]), torch.tensor([1.0, float("inf")]), torch.tensor([0.5])]
+        found = torch.zeros(1)
+        _torch.amp_unscale_(grads, found, torch.full((1,), 0.25))
+        return found.item(), [g.tolist() for g in grads]
+
+    fused = run()
+    monkeypatch.delattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
+    with pytest.warns(_torch.TorchVersionWarning, match="lacks torch._amp_foreach_non_finite_check_and_unscale_"):
+        assert run() == fused
+    clean = [torch.tensor([2.0])]
+    found = torch.zeros(1)
+    _torch.amp_unscale_(clean, found, torch.full((1,), 0.5))
+    assert found.item() == 0.0 and clean[0].item() == 1.0
+
+
+def test_without_the_foreach_and_flatten_helpers_the_fallbacks_agree(monkeypatch: pytest.MonkeyPatch,
+                                                                     fresh_warnings: None) -> None:
+    tensors = [torch.randn(3, 2), torch.randn(5)]
+    flat = _torch.flatten_dense_tensors(tensors)
+    norms = _torch.foreach_norm(tensors, 2.0)
+    monkeypatch.delattr(torch_utils, "_flatten_dense_tensors")
+    monkeypatch.delattr(torch_utils, "_unflatten_dense_tensors")
+    monkeypatch.delattr(torch, "_foreach_norm")
+    monkeypatch.delattr(torch, "_foreach_copy_")
+    assert torch.equal(_torch.flatten_dense_tensors(tensors), flat)
+    assert all(torch.equal(a, b) for a, b in zip(_torch.unflatten_dense_tensors(flat, tensors), tensors))
+    with pytest.warns(_torch.TorchVersionWarning):
+        assert all(torch.allclose(a, b) for a, b in zip(_torch.foreach_norm(tensors, 2.0), norms))
+    targets = [torch.zeros(3, 2), torch.zeros(5)]
+    with pytest.warns(_torch.TorchVersionWarning):
+        _torch.foreach_copy_(targets, tensors)
+    assert all(torch.equal(a, b) for a, b in zip(targets, tensors))
+
+
+def test_without_scaled_mm_fp8_is_emulated_and_it_is_said(monkeypatch: pytest.MonkeyPatch,
+                                                          fresh_warnings: None) -> None:
+    monkeypatch.delattr(torch, "_scaled_mm")
+    with pytest.warns(_torch.TorchVersionWarning, match="FP8 matmuls are emulated"):
+        assert not _torch.has_scaled_mm()
+
+
+_WITHOUT_THE_GUARD = """
+import torch
+del torch._C._ExcludeDispatchKeyGuard  # as on a torch that moved it
+import ampkit
+edited = ampkit.Policy.default("cpu", compute="native").with_ops(deny=["gelu"])
+try:
+    ampkit.autocast(edited)
+except RuntimeError as error:
+    print("refused:", error)
+with ampkit.autocast(ampkit.Policy.default("cpu", compute="native")):  # torch.autocast alone: still works
+    print("default:", torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype)
+"""
+
+
+def test_without_the_dispatcher_keys_edited_policies_are_refused_at_once() -> None:
+    # A fresh process: this one may hold ampkit's kernels already, which a torch without the guard never would.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_THE_GUARD], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    refused, default = done.stdout.strip().splitlines()
+    assert refused.startswith("refused: This policy (edited op lists, float32 compute or 16-bit module overrides) "
+                              "needs torch._C._ExcludeDispatchKeyGuard, which torch")
+    assert "compute='native') needs none" in refused
+    assert default == "default: torch.bfloat16"

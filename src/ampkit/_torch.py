@@ -2,11 +2,15 @@
 
 Private torch API is a loan: these names can move in any release. Each one is
 taken here, and nowhere else, with the torch versions it was checked on and
-what ampkit does where it is missing. ``missing()`` lists the ones the running
-torch lacks; ``tests/test_torch_privates.py`` fails on any, so a torch release
-that moves one fails a test instead of switching a feature off silently.
+what ampkit does where it is missing: a fallback (said once, with a
+``TorchVersionWarning``), or a clear RuntimeError from the feature that needs
+it, at its first call. Nothing is looked up at import in a way that could
+fail: ``import ampkit`` works on any torch. ``missing()`` lists what the running
+torch lacks; ``tests/test_torch_shim.py`` fails on any, so a torch release that
+moves one fails a test instead of switching a feature off silently.
 
-Checked on torch 2.13.0 (CPU); the names below exist unchanged since 2.4.
+Checked on torch 2.13.0 (CPU); ``benchmarks/device_check.sh`` runs the suite on the
+GPU image's torch 2.11. The names below exist unchanged since 2.4.
 This module imports nothing of ampkit.
 """
 
@@ -14,19 +18,71 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
+import types
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+
+class TorchVersionWarning(RuntimeWarning):
+    """A torch private that ampkit uses is missing from this torch: the feature falls back."""
+
+
+_warned: set[str] = set()
+
+
+def _fallback(name: str, what_happens: str) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"torch {torch.__version__} lacks {name}, which ampkit was checked with (2.13): "
+                      f"{what_happens}.", TorchVersionWarning, stacklevel=3)
+
+
+def _lookup(path: str) -> Any:
+    """The object at ``path`` (``torch._C._autograd.x``), or None where this torch lacks it."""
+    obj: Any = torch
+    for part in path.split(".")[1:]:
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _module(name: str) -> types.ModuleType | None:
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+class _Absent(types.ModuleType):
+    """Stands for a private torch module this torch lacks: any use names it."""
+
+    def __getattr__(self, attribute: str) -> Any:
+        raise RuntimeError(f"ampkit needs {self.__name__}.{attribute}, which torch {torch.__version__} lacks "
+                           "(ampkit was checked on torch 2.13): float32 compute's generic path and "
+                           "find_nonfinite cannot run here; compute='native' and the rest of ampkit can.")
+
+
 # The tensor-tree helpers and the dispatch-mode machinery: torch.utils._pytree and
 # torch.utils._python_dispatch are private modules that torch's own public APIs
 # (torch.compile, torch.func) are built on; TorchDispatchMode is documented, its
-# module is not. Without them float32 compute's generic path and find_nonfinite
-# cannot exist, so ampkit imports them plainly: an ImportError names the module.
-from torch.utils import _pytree as pytree  # noqa: F401  (re-exported)
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+# module is not (2.4-2.13). Without them float32 compute's generic path and
+# find_nonfinite refuse at their first call, naming the module.
+pytree: Any = _module("torch.utils._pytree") or _Absent("torch.utils._pytree")
+_dispatch = _module("torch.utils._python_dispatch") or _Absent("torch.utils._python_dispatch")
+if TYPE_CHECKING:
+    from torch.utils._python_dispatch import TorchDispatchMode
+elif isinstance(_dispatch, _Absent):
+    class TorchDispatchMode:  # a base class that refuses to be entered
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            _dispatch.TorchDispatchMode  # raises, naming the module
+else:
+    TorchDispatchMode = _dispatch.TorchDispatchMode
 
 __all__ = [
     "TorchDispatchMode",
@@ -46,6 +102,9 @@ __all__ = [
     "flash_attention_cpu",
     "flash_attention_cpu_backward",
     "scaled_mm",
+    "has_scaled_mm",
+    "require",
+    "DISPATCHER_KERNELS",
     "amp_unscale_",
     "OpOverload",
     "foreach_copy_",
@@ -54,16 +113,17 @@ __all__ = [
     "unflatten_dense_tensors",
     "NORM_BASE",
     "missing",
+    "TorchVersionWarning",
 ]
 
 
 # An ATen op overload, as the dispatcher hands kernels (the type of ``torch.ops.aten.mm.default``).
-OpOverload = torch._ops.OpOverload
+OpOverload: Any = getattr(getattr(torch, "_ops", None), "OpOverload", object)
 
 
 def disable_current_modes() -> contextlib.AbstractContextManager[Any]:
     """Run the enclosed code below every active TorchDispatchMode (torch 2.4-2.13)."""
-    return _disable_current_modes()
+    return _dispatch._disable_current_modes()
 
 
 @functools.cache
@@ -73,8 +133,25 @@ def aten_op_names() -> frozenset[str]:
     ``torch._C._dispatch_get_all_op_names`` (2.4-2.13). Missing: policies cannot check
     op names and refuse every edit (``missing()`` names it).
     """
-    names = torch._C._dispatch_get_all_op_names()
-    return frozenset(n[len("aten::") :].split(".")[0] for n in names if n.startswith("aten::"))
+    getter = _lookup("torch._C._dispatch_get_all_op_names")
+    if getter is None:
+        _fallback("torch._C._dispatch_get_all_op_names", "op names are checked against the ops torch.ops.aten "
+                  "has loaded so far, so a valid but unloaded op may be refused")
+        return frozenset(n for n in dir(torch.ops.aten) if not n.startswith("_"))
+    return frozenset(n[len("aten::") :].split(".")[0] for n in getter() if n.startswith("aten::"))
+
+
+# What ampkit's dispatcher kernels (edited policies, float32 compute, module overrides) need.
+DISPATCHER_KERNELS = ("torch._C.DispatchKey.AutocastCPU", "torch._C.DispatchKey.AutocastCUDA",
+                      "torch._C._ExcludeDispatchKeyGuard", "torch._C.DispatchKeySet")
+
+
+def require(feature: str, names: tuple[str, ...], way_out: str) -> None:
+    """Refuse ``feature`` at its first call where this torch lacks any of ``names`` (RuntimeError)."""
+    absent = [name for name in names if _lookup(name) is None]
+    if absent:
+        raise RuntimeError(f"{feature} needs {', '.join(absent)}, which torch {torch.__version__} lacks (ampkit was "
+                           f"checked on torch 2.13). {way_out}")
 
 
 def autocast_key(device_type: str) -> Any:
@@ -89,7 +166,7 @@ def excluding_key(device_type: str) -> contextlib.AbstractContextManager[Any]:
     return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(autocast_key(device_type)))
 
 
-def is_mutable(overload: torch._ops.OpOverload) -> bool:
+def is_mutable(overload: Any) -> bool:
     """Whether an op overload writes to an argument (``out=``, in-place): ``OpOverload._schema``
     (2.4-2.13)."""
     return bool(overload._schema.is_mutable)
@@ -171,48 +248,76 @@ def flash_attention_cpu_backward(*args: Any, **kwargs: Any) -> Any:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
 
 
+def has_scaled_mm() -> bool:
+    """Whether ``torch._scaled_mm`` exists (2.4-2.13). Missing: FP8 recipes emulate on every device."""
+    if _lookup("torch._scaled_mm") is None:
+        _fallback("torch._scaled_mm", "FP8 matmuls are emulated (FP8's numerics, float32's speed)")
+        return False
+    return True
+
+
 def scaled_mm(*args: Any, **kwargs: Any) -> Any:
-    """``torch._scaled_mm``, the FP8 GEMM of compute capability >= 8.9 (2.4-2.13). Missing:
-    FP8 recipes emulate on every device."""
+    """``torch._scaled_mm``, the FP8 GEMM of compute capability >= 8.9 (2.4-2.13)."""
     return torch._scaled_mm(*args, **kwargs)
 
 
 def amp_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """``torch._amp_foreach_non_finite_check_and_unscale_``: GradScaler's fused unscale and
     inf/NaN check (2.4-2.13)."""
-    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found_inf, inv_scale)
+    fused = _lookup("torch._amp_foreach_non_finite_check_and_unscale_")
+    if fused is not None:
+        fused(tensors, found_inf, inv_scale)
+        return
+    _fallback("torch._amp_foreach_non_finite_check_and_unscale_", "gradients are unscaled one tensor at a time")
+    for t in tensors:  # the same arithmetic: multiply by the inverse scale, flag any inf/NaN
+        found_inf.add_((~torch.isfinite(t)).any().to(found_inf.dtype)).clamp_(max=1.0)
+        t.mul_(inv_scale.to(t.dtype))
 
 
 def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """``torch._foreach_copy_``: one fused, converting copy of many tensors (2.4-2.13)."""
-    torch._foreach_copy_(targets, sources)
+    fused = _lookup("torch._foreach_copy_")
+    if fused is None:
+        _fallback("torch._foreach_copy_", "tensors are copied one at a time")
+        for target, source in zip(targets, sources):
+            target.copy_(source)
+        return
+    fused(targets, sources)
 
 
 def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
     """``torch._foreach_norm``: one fused norm per tensor (2.4-2.13)."""
-    return list(torch._foreach_norm(tensors, ord))
+    fused = _lookup("torch._foreach_norm")
+    if fused is None:
+        _fallback("torch._foreach_norm", "norms are taken one tensor at a time")
+        return [torch.linalg.vector_norm(t, ord) for t in tensors]
+    return list(fused(tensors, ord))
 
 
 def flatten_dense_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``torch._utils._flatten_dense_tensors`` (DDP's own bucketing, 2.4-2.13)."""
-    from torch._utils import _flatten_dense_tensors
-
-    return _flatten_dense_tensors(tensors)
+    flatten = getattr(_module("torch._utils"), "_flatten_dense_tensors", None)
+    return flatten(tensors) if flatten is not None else torch.cat([t.reshape(-1) for t in tensors])
 
 
 def unflatten_dense_tensors(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``torch._utils._unflatten_dense_tensors`` (2.4-2.13)."""
-    from torch._utils import _unflatten_dense_tensors
-
-    return list(_unflatten_dense_tensors(flat, tensors))
+    unflatten = getattr(_module("torch._utils"), "_unflatten_dense_tensors", None)
+    if unflatten is not None:
+        return list(unflatten(flat, tensors))
+    sizes = [t.numel() for t in tensors]
+    return [part.view_as(t) for part, t in zip(flat.split(sizes), tensors)]
 
 
 # BatchNorm's base class (nn.modules.batchnorm._NormBase, 2.4-2.13): O2 keeps every
 # batch norm in float32, SyncBatchNorm and the lazy ones included.
-NORM_BASE: type[nn.Module] = nn.modules.batchnorm._NormBase
+NORM_BASE: Any = getattr(nn.modules.batchnorm, "_NormBase", None) or (
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
 _NEEDED: dict[str, Callable[[], object]] = {
+    "torch.utils._pytree": lambda: None if isinstance(pytree, _Absent) else pytree,
+    "torch.utils._python_dispatch": lambda: None if isinstance(_dispatch, _Absent) else _dispatch,
     "torch._C._dispatch_get_all_op_names": lambda: torch._C._dispatch_get_all_op_names,
     "torch._C.DispatchKey.AutocastCPU": lambda: torch._C.DispatchKey.AutocastCPU,
     "torch._C.DispatchKey.AutocastCUDA": lambda: torch._C.DispatchKey.AutocastCUDA,

@@ -242,13 +242,14 @@ def _status_kib(field: str) -> int | None:
 def memory_baseline(device: torch.device) -> int:
     """Start measuring training's memory; returns the baseline to pass to ``peak_memory``.
 
-    CUDA: resets the peak statistics (baseline 0: the allocator counts tensors only).
+    CUDA: resets the peak statistics; the baseline is what tensors hold already (the allocator
+    counts tensors only).
     CPU: the resident memory now (torch, data and Python are already loaded), after
     resetting the kernel's peak-RSS mark where Linux allows it (``/proc/self/clear_refs``).
     """
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return 0
+        return int(torch.cuda.memory_allocated(device))
     try:
         with open("/proc/self/clear_refs", "w") as clear:
             clear.write("5")  # resets VmHWM, the peak RSS
@@ -261,7 +262,7 @@ def memory_baseline(device: torch.device) -> int:
 def peak_memory(device: torch.device, baseline: int) -> int:
     """What training added at its peak, above ``memory_baseline``'s figure."""
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return max(int(torch.cuda.max_memory_allocated(device)) - baseline, 0)
     peak = _status_kib("VmHWM")
     peak_bytes = peak * 1024 if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return max(peak_bytes - baseline, 0)

@@ -36,7 +36,6 @@ from ampkit.formats.recipes import (
     STATE_VERSION,
     WEIGHT,
     Fp8Recipe,
-    native_fp8,
 )
 from ampkit.formats.torchao import convert_current
 
@@ -103,6 +102,11 @@ def cast_numerics(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtyp
                            (scaled > fp8_max(dtype)).sum().double() / nonzero,
                            ((a > 0) & (scaled <= tiny)).sum().double() / nonzero]).tolist()
     return CastNumerics({E4M3: "E4M3", E5M2: "E5M2"}[dtype], *figures)
+
+
+def native_fp8(device: torch.device) -> bool:
+    """Whether ``device`` has FP8 matmuls (CUDA compute capability >= 8.9, and torch's ``_scaled_mm``)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) and _torch.has_scaled_mm()
 
 
 def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
@@ -274,7 +278,8 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: t
     decisions = eligible(model, keep, include)
     chosen = {name for name, decision in decisions.items() if decision == "fp8"}
     if recipe.scaling == "current":
-        convert_current(model, recipe, chosen, emulate)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        convert_current(model, recipe, chosen, not native_fp8(device) if emulate is None else emulate)
     else:
         for name in chosen:
             parent, _, child = name.rpartition(".")

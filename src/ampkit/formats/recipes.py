@@ -56,8 +56,3 @@ class Fp8Recipe:
     def dtype(self, role: int) -> torch.dtype:
         """The FP8 dtype of ``INPUT``, ``WEIGHT`` or ``GRAD`` tensors."""
         return E5M2 if role == GRAD and self.format == "hybrid" else E4M3
-
-
-def native_fp8(device: torch.device) -> bool:
-    """Whether ``device`` has FP8 matmuls (CUDA compute capability >= 8.9)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)

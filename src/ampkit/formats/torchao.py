@@ -7,13 +7,12 @@ extra (``ampkit[fp8]``), imported on first use.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from ampkit.formats.recipes import E4M3, GRAD, Fp8Recipe, native_fp8
+from ampkit.formats.recipes import E4M3, GRAD, Fp8Recipe
 
 
-def convert_current(model: nn.Module, recipe: Fp8Recipe, chosen: set[str], emulate: bool | None) -> None:
+def convert_current(model: nn.Module, recipe: Fp8Recipe, chosen: set[str], emulate: bool) -> None:
     """Current scaling through torchao's ``convert_to_float8_training`` (its tensorwise / rowwise recipes)."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -21,8 +20,6 @@ def convert_current(model: nn.Module, recipe: Fp8Recipe, chosen: set[str], emula
     except ImportError as error:
         raise ImportError("Fp8Recipe(scaling='current') runs on torchao's float8 training: pip install "
                           "'ampkit[fp8]' (or torchao), or use scaling='delayed', which is ampkit's own.") from error
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    emulate = not native_fp8(device) if emulate is None else emulate
     granularity = ScalingGranularity.AXISWISE if recipe.granularity == "row" else ScalingGranularity.TENSORWISE
     forward, backward = CastConfig(scaling_granularity=granularity, target_dtype=E4M3), CastConfig(
         scaling_granularity=granularity, target_dtype=recipe.dtype(GRAD))

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from ampkit import _torch
 from ampkit.float32_compute.decide import describe, float32_ops
 from ampkit.hardware.advice import slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
@@ -73,6 +74,10 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         self.float32_ops = float32_ops(self.policy) if self.policy.enabled else frozenset()
         self._kernel_ops = kernel_ops(self.policy, self.float32_ops) if self.policy.enabled else frozenset()
         self._hooks = bool(self.policy.enabled and self.policy.overrides)  # module overrides need the global hooks
+        if self._kernel_ops:
+            _torch.require("This policy (edited op lists, float32 compute or 16-bit module overrides)",
+                           _torch.DISPATCHER_KERNELS, "Policy.default(device_type, dtype, compute='native') needs none: "
+                           "it runs on torch.autocast alone.")
         if self.float32_ops:
             key = f"compute:{self.policy.device_type}:{self.policy.dtype}:{self.policy.compute}"
             warn_once(key, describe(self.policy), ComputeModeWarning)

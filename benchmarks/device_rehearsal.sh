@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# A rehearsal of benchmarks/device_check.sh on this machine, without a GPU and without a registry: a fresh
+# venv (seeing the system's packages, as the GPU image has its own), the carried wheels and ampkit installed
+# with --no-index, then the steps that need no GPU (the CUDA steps and the CPU suite are skipped). An
+# install step that would need the network fails here first. The one step that uses a registry is the
+# wheels' download (benchmarks/device_wheels.sh), skipped where .whl/ holds them already.
+#   bash benchmarks/device_rehearsal.sh      (tests/test_device_scripts.py runs it in the test command)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash benchmarks/device_wheels.sh >/dev/null
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+python3 -m venv --system-site-packages --without-pip "$work/venv"  # pip and setuptools: the system's, as on the image
+mkdir "$work/out"
+OUT="$work/out" PYTHON="$work/venv/bin/python" AMPKIT_DEVICE_SITE="$work/site" AMPKIT_DEVICE_REHEARSAL=1 \
+  bash benchmarks/device_check.sh
+PYTHONPATH="$work/site" "$work/venv/bin/python" benchmarks/device_fp8.py --device cpu --steps 2 \
+  --out "$work/out/fp8-cpu.json" >/dev/null 2>&1 || { echo "device_fp8.py failed its smoke run"; exit 1; }
+echo "rehearsal files: $(cd "$work/out" && ls | tr '\n' ' ')"

@@ -1,0 +1,43 @@
+"""benchmarks/device_check.sh stays runnable on a GPU image with no registry: its rehearsal here
+installs everything offline (--no-index) in a fresh venv and runs the steps that need no GPU."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = ROOT / "benchmarks" / "device_check.sh"
+
+
+def test_the_device_steps_are_listed_with_budgets_inside_eight_minutes() -> None:
+    header = CHECK.read_text().split("set -uo pipefail")[0]
+    budgets = {m.group(1): int(m.group(2)) for m in re.finditer(r"^#   (\S+)\s+(\d+) s ", header, re.M)}
+    assert list(budgets) == ["setup", "gpu-tests", "compare", "fp8", "cpu-tests"]
+    assert sum(budgets.values()) <= 8 * 60
+    body = CHECK.read_text()
+    # every step the script runs is bounded by its listed budget
+    assert re.search(r"step setup 45 ", body) and re.search(r"step gpu-tests 90 ", body)
+    assert "timeout --kill-after" in body and "--no-index" in body and "--no-deps" in body
+
+
+def test_at_least_25_gpu_tests_are_collected() -> None:
+    done = subprocess.run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "--collect-only"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    found = re.search(r"(\d+)/\d+ tests collected", done.stdout)
+    assert found and int(found.group(1)) >= 25, done.stdout[-500:]
+
+
+@pytest.mark.slow  # about 35 s: a venv, an offline install, a tiny compare
+def test_the_rehearsal_installs_offline_and_runs_the_cpu_steps() -> None:
+    done = subprocess.run(["bash", "benchmarks/device_rehearsal.sh"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "steps that failed: none" in out and "torch privates missing here: none" in out
+    carried = re.search(r"^torchao \S+ (\S+)", out, re.M)
+    assert carried and "/site/torchao/" in carried.group(1)  # the carried wheel, not this machine's torchao
+    assert re.search(r"rehearsal files: env.json fp8-cpu.json log.txt steps.txt", out)
