@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One prepared run for a GPU machine that reaches no package registry (the H200 image: Python 3.12,
-# torch 2.11 with CUDA, no torchao, no torch-optimi). Carry the wheels: `bash benchmarks/device_wheels.sh`
+# torch 2.11 with CUDA, no torchao, no torch-optimi, no expecttest). Carry the wheels: `bash benchmarks/device_wheels.sh`
 # here first, then run this with carry=[".whl"]. Every step is bounded by `timeout`; everything lands in
-# $OUT (log.txt, steps.txt, env.json and the result files: at most 8, one folder deep). Steps, in order of value, with their budgets (7 min 30 s in all):
+# $OUT (log.txt, steps.txt, env.json, compare-<model>-cuda/results.json, fp8-cuda.json: at most 8 files, one
+# folder deep; `cp -r $OUT/compare-*-cuda benchmarks/results/ && python benchmarks/make_benchmarks_md.py` puts the
+# compare records, labelled with the GPU and the torch version, into BENCHMARKS.md).
+# Steps, in order of value, with their budgets (7 min 30 s in all):
 #   setup      45 s  wheels and ampkit installed offline (--no-index --no-deps), versions and `ampkit env`
 #   gpu-tests  90 s  pytest -m gpu: scaler vs GradScaler, autocast vs torch.autocast, float32 compute, FP8
 #   compare   120 s  ampkit compare on CUDA: fp32, fp16 O1/O2 with dynamic scaling, bf16 O1/O2 (ResNet-18, GPT)
@@ -65,7 +68,8 @@ else
     dir=$(mktemp -d)/run
     step "compare-$model" 60 "$PY" -m ampkit.cli.main compare --device cuda --model "$model" --steps "$steps" \
       --precision fp32 fp16 bf16 --opt-level O1 O2 --loss-scale dynamic --quiet --out "$dir"
-    [ -f "$dir/results.json" ] && cp "$dir/results.json" "$OUT/compare-$model-cuda.json"
+    # as benchmarks/results/ files the records: copy these folders there, then make_benchmarks_md.py renders them
+    [ -f "$dir/results.json" ] && mkdir -p "$OUT/compare-$model-cuda" && cp "$dir/results.json" "$OUT/compare-$model-cuda/"
   done
   step fp8 45 "$PY" benchmarks/device_fp8.py --out "$OUT/fp8-cuda.json"
   step cpu-tests 150 env CUDA_VISIBLE_DEVICES= "$PY" -m pytest -q -p no:cacheprovider -x -m "not gpu and not slow"

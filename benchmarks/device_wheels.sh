@@ -5,7 +5,8 @@
 #   bash benchmarks/device_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=("torchao==0.18.0" "torch-optimi==0.3.3")  # ampkit[fp8] and ampkit[pure16], pinned to what CI tests
+# ampkit[fp8], ampkit[pure16] and expecttest (PyTorch's autocast test lists import it), as CI tests them
+WHEELS=("torchao==0.18.0" "torch-optimi==0.3.3" "expecttest==0.3.0")
 mkdir -p .whl
 for wheel in "${WHEELS[@]}"; do
   name=${wheel%%==*}; version=${wheel##*==}

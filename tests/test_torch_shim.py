@@ -121,3 +121,14 @@ def test_without_the_dispatcher_keys_edited_policies_are_refused_at_once() -> No
                               "needs torch._C._ExcludeDispatchKeyGuard, which torch")
     assert "compute='native') needs none" in refused
     assert default == "default: torch.bfloat16"
+
+
+def test_importing_on_a_torch_without_a_private_warns_once_naming_it() -> None:
+    import subprocess
+    import sys
+
+    script = ("import torch, warnings; del torch._fused_sdp_choice; warnings.simplefilter('always'); "
+              "import ampkit; print('imported')")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "imported", done.stderr[-2000:]
+    assert done.stderr.count("TorchVersionWarning") == 1 and "lacks torch._fused_sdp_choice" in done.stderr

@@ -351,3 +351,11 @@ def missing() -> list[str]:
             absent.append(name)
     return absent
 
+
+
+# Checked once, at import, against the running torch: one warning naming what is missing (each feature
+# then says what it does without it, at its first call).
+if absent := missing():
+    warnings.warn(f"torch {torch.__version__} lacks {', '.join(absent)}, which ampkit was checked with (torch "
+                  "2.13); the features that need them fall back or refuse at their first call, saying so.",
+                  TorchVersionWarning, stacklevel=2)
