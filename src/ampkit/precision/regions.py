@@ -20,7 +20,7 @@ from ampkit import _torch
 from ampkit.float32_compute.decide import describe, float32_ops
 from ampkit.hardware.advice import slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
-from ampkit.precision import checkpointing, overrides
+from ampkit.precision import checkpointing, compiling, overrides
 from ampkit.precision.kernels import COMPILE_UNSUPPORTED, kernel_ops, registry
 from ampkit.precision.modes import ComputeModeWarning
 from ampkit.precision.policy import Policy
@@ -74,6 +74,8 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         self.float32_ops = float32_ops(self.policy) if self.policy.enabled else frozenset()
         self._kernel_ops = kernel_ops(self.policy, self.float32_ops) if self.policy.enabled else frozenset()
         self._hooks = bool(self.policy.enabled and self.policy.overrides)  # module overrides need the global hooks
+        # torch.compile cannot see such a policy: compiled code inside runs eagerly (see precision/compiling.py)
+        self._eager = bool(self._kernel_ops or self._hooks)
         if self._kernel_ops:
             _torch.require("This policy (edited op lists, float32 compute or 16-bit module overrides)",
                            _torch.DISPATCHER_KERNELS, "Policy.default(device_type, dtype, compute='native') needs none: "
@@ -99,6 +101,8 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         if self._kernel_ops:
             registry.acquire(policy.device_type, self._kernel_ops)
             checkpointing.install(autocast)  # torch restores its own autocast state on recompute, not ampkit's
+        if self._eager:
+            compiling.hold_eager()
         ctx.__enter__()
         state.stack.append(Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops,
                                     torch_nesting()))
@@ -113,6 +117,8 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             overrides.release_hooks()
         if self._kernel_ops:
             registry.release(self.policy.device_type, self._kernel_ops)
+        if self._eager:
+            compiling.release_eager()
         if not state.stack:
             state.weight_cache.clear()
 
