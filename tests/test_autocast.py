@@ -559,3 +559,21 @@ def test_exit_without_enter_and_non_string_op_names() -> None:
         ampkit.autocast(ampkit.Policy.default("cpu", compute="native")).__exit__(None, None, None)
     with pytest.raises(ValueError, match="deny= takes op names \\(strings\\), got None"):
         ampkit.Policy.default("cpu").with_ops(deny=[None])  # type: ignore[list-item]
+
+
+def test_enabled_must_be_a_bool() -> None:
+    with pytest.raises(ValueError, match="enabled='yes' is not a bool"):
+        autocast(CPU, enabled="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_cuda_policy_without_cuda_warns_and_disables_as_torch_autocast_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state, "_warned", set())
+    with pytest.warns(UserWarning, match="a CUDA policy on a machine where CUDA is not available"):
+        region = autocast(Policy.default("cuda"))  # was torch's AssertionError at construction
+
+    @region
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, x)
+
+    assert not region.policy.enabled and f(torch.ones(2, 2)).dtype == torch.float32

@@ -129,3 +129,22 @@ def test_a_failed_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
         ampkit.save_checkpoint(path, epoch=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs at least one object"):
         ampkit.save_checkpoint(path)
+
+
+def test_extra_values_that_would_not_load_back_are_refused_at_save(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import numpy as np
+
+    model = nn.Linear(2, 2)
+    for value, kind in ((np.float64(0.97), "numpy.float64"), (tmp_path, "pathlib")):
+        with pytest.raises(ValueError, match=rf"extra\['best'\] is a {kind}"):
+            ampkit.save_checkpoint(tmp_path / "c.pt", extra={"best": value}, model=model)
+    assert not (tmp_path / "c.pt").exists()  # was: saved, then "truncated or not a torch checkpoint" at load
+    ampkit.save_checkpoint(tmp_path / "c.pt", extra={"best": 0.97, "path": str(tmp_path)}, model=model)
+    assert ampkit.load_checkpoint(tmp_path / "c.pt", model=model)["best"] == 0.97
+
+
+def test_a_path_without_an_extension_saves(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model = nn.Linear(2, 2)
+    ampkit.save_checkpoint(tmp_path / "run" / "last", model=model)  # was: "invalid file name: run/.last-xxx"
+    ampkit.load_checkpoint(tmp_path / "run" / "last", model=model)
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["last"]  # no temporary file left behind

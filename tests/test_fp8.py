@@ -282,3 +282,19 @@ def test_native_fp8_matches_emulation(monkeypatch: pytest.MonkeyPatch) -> None:
         results.append((out.detach(), x.grad.clone(), layer.weight.grad.clone()))
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+
+
+def test_a_margin_past_the_formats_range_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"Fp8Recipe\(margin=200\) is invalid: use an integer in \[0, 8\]"):
+        Fp8Recipe(margin=200)  # was accepted, and every output turned NaN from step 2
+    assert Fp8Recipe(margin=8).margin == 8
+
+
+def test_converting_twice_is_refused_and_keeps_the_histories() -> None:
+    model = _mlp()
+    convert_to_fp8(model)
+    model(torch.randn(4, 32))
+    history = model[2].amax_history.clone()
+    with pytest.raises(ValueError, match=r"The model trains in FP8 already \(2\): convert_to_fp8 converts a model once"):
+        convert_to_fp8(model)  # was: a silent reset of the amax histories and scales
+    assert torch.equal(model[2].amax_history, history) and history.abs().sum() > 0

@@ -227,3 +227,34 @@ def test_a_failed_master_weight_load_changes_nothing() -> None:
         optimizer.load_state_dict(other.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(before, optimizer.master_params))  # master 0 was replaced before
     assert optimizer.param_groups[0]["lr"] == 0.1  # and the inner lr
+
+
+# -- the second bad-input sweep (issue 25): every check before any change ---------------------------
+
+
+@pytest.mark.parametrize("optimizer, message", [
+    ("sgd", "optimizer='sgd' is a str, not a torch.optim.Optimizer"),
+    ("other-model", r"The optimizer steps 2 tensor\(s\) that are not parameters of this model"),
+])
+def test_initialize_refuses_an_optimizer_that_would_train_nothing(optimizer: object, message: str) -> None:
+    model = nn.Linear(3, 3)
+    if optimizer == "other-model":
+        optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)  # was: trained nothing, silently
+    with pytest.raises(ValueError, match=message):
+        ampkit.initialize(model, optimizer, "O1")  # type: ignore[arg-type]
+    assert getattr(model, "_ampkit_opt_level", None) is None
+
+
+@pytest.mark.parametrize("call", ["int8", "string-at-O2", "stochastic-adam"])
+def test_a_refused_initialize_changes_nothing_and_the_retry_works(call: str) -> None:
+    model = nn.Linear(3, 3)
+    with pytest.raises(ValueError):
+        if call == "int8":
+            ampkit.initialize(model, None, "O2", torch.int8)  # type: ignore[arg-type]
+        elif call == "string-at-O2":
+            ampkit.initialize(model, "adam", "O2", torch.bfloat16)  # type: ignore[arg-type]
+        else:  # was refused only after the weights were cast to bfloat16
+            ampkit.initialize(model, torch.optim.Adam(model.parameters()), "O3", torch.bfloat16, update="stochastic")
+    assert model.weight.dtype == torch.float32 and getattr(model, "_ampkit_opt_level", None) is None
+    model, optimizer = ampkit.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", torch.bfloat16)
+    assert model.weight.dtype == torch.bfloat16 and isinstance(optimizer, MasterWeightOptimizer)

@@ -738,3 +738,18 @@ def test_fp16_training_skips_and_scales_as_torch_grad_scaler_does(level: str, de
         assert stepped_a == (i not in infs) == (scaler_b.get_scale() >= before)
         assert scaler_a.get_scale() == scaler_b.get_scale()
     assert scaler_a.stats.skipped == len(infs)
+
+
+def test_a_grad_scaler_state_with_a_missing_key_is_named() -> None:
+    state = torch.amp.GradScaler("cpu").state_dict()
+    del state["growth_factor"]
+    scaler = DynamicLossScaler()
+    with pytest.raises(RuntimeError, match=r"missing keys \['growth_factor'\]"):  # was a raw KeyError
+        scaler.load_state_dict(state)
+    assert scaler.state_dict() == DynamicLossScaler().state_dict()
+
+
+@pytest.mark.parametrize("make", [lambda: DynamicLossScaler(enabled=1), lambda: ampkit.StaticLossScaler(8.0, enabled="no")])
+def test_enabled_must_be_a_bool(make) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="is not a bool: pass True or False"):
+        make()

@@ -26,6 +26,23 @@ class _Stateful(Protocol):
     def load_state_dict(self, state_dict: Any) -> Any: ...
 
 
+_PLAIN = (bool, int, float, str, type(None), torch.Tensor)
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Refuse what torch.load(weights_only=True) would refuse to read back (numpy scalars, paths, objects)."""
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_plain(item, f"{where}[{key!r}]")
+    elif not isinstance(value, _PLAIN) or type(value).__module__ == "numpy":
+        raise ValueError(f"{where} is a {type(value).__module__}.{type(value).__name__} ({value!r}): a checkpoint "
+                         "keeps plain values (bool, int, float, str, None, tensors, and lists or dicts of them), "
+                         "which load safely. Convert it first, e.g. float(value) or str(path).")
+
+
 def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **objects: _Stateful) -> None:
     """Save each object's ``state_dict()`` under its keyword name, atomically.
 
@@ -39,7 +56,8 @@ def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **obj
             ``MasterWeightOptimizer``.
 
     Raises:
-        ValueError: no objects were given.
+        ValueError: no objects were given, or an ``extra`` value that would not load back (a numpy
+            scalar, a Path: named, with the conversion to make).
         TypeError: an object has no ``state_dict()`` (it is named).
 
     Example:
@@ -53,6 +71,8 @@ def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **obj
         if not callable(getattr(obj, "state_dict", None)):
             raise TypeError(f"{name}={type(obj).__name__} has no state_dict(): pass modules, optimizers, schedulers "
                             "and loss scalers by name, and plain values in extra={...}.")
+    for key, value in (extra or {}).items():
+        _check_plain(value, f"extra[{key!r}]")
     state = {
         "ampkit_checkpoint": CHECKPOINT_VERSION,
         "states": {name: obj.state_dict() for name, obj in objects.items()},

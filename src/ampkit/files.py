@@ -12,7 +12,8 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Write ``path`` through a temporary file in its directory, then rename it into place,
     so a crash never leaves a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix)
+    # A suffix even where ``path`` has none: torch.save's zip writer refuses a dot-file without one.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix or ".tmp")
     os.close(fd)
     try:
         write(Path(tmp))

@@ -265,10 +265,15 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: t
 
     Raises:
         ValueError: a pattern in ``keep`` or ``include`` matches no linear (a typo would silently
-            convert or keep the wrong layers).
+            convert or keep the wrong layers), or the model has FP8 layers already.
         ImportError: current scaling without torchao (``pip install ampkit[fp8]``).
     """
     recipe = recipe or Fp8Recipe()
+    converted = fp8_layers(model)
+    if converted:
+        raise ValueError(f"The model trains in FP8 already ({', '.join(converted[:3])}{' ...' if len(converted) > 3 else ''}): "
+                         "convert_to_fp8 converts a model once (a second call would reset its amax histories and "
+                         "scales). To try another recipe, convert a fresh copy of the float32 model.")
     keep, include = tuple(keep), tuple(include)
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for pattern in keep + include:

@@ -17,6 +17,7 @@ GRANULARITIES = ("tensor", "row")
 AMAX_ALGOS = ("max", "most_recent")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 SMALLEST_SUBNORMAL = {E4M3: 2.0**-9, E5M2: 2.0**-16}
+MAX_MARGIN = 8  # binades of headroom a delayed scale may leave (Transformer Engine's recipes use 0)
 INPUT, WEIGHT, GRAD = 0, 1, 2  # rows of a delayed-scaling module's amax history and scales
 
 
@@ -45,10 +46,13 @@ class Fp8Recipe:
                               ("amax_compute_algo", AMAX_ALGOS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"Fp8Recipe({name}={getattr(self, name)!r}) is invalid: choose one of {list(choices)}.")
-        for name, low in (("amax_history_len", 1), ("margin", 0)):
+        # A margin leaves 2**margin of headroom below the format's largest value; past MAX_MARGIN binades most
+        # of E4M3's ~18 binades are given up and small values flush to zero (margin=200 made every output NaN).
+        for name, low, high in (("amax_history_len", 1, None), ("margin", 0, MAX_MARGIN)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"Fp8Recipe({name}={value!r}) is invalid: use an integer >= {low}.")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+                bounds = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
+                raise ValueError(f"Fp8Recipe({name}={value!r}) is invalid: use {bounds}.")
         if self.granularity == "row" and self.scaling == "delayed":
             raise ValueError("Fp8Recipe(granularity='row') needs scaling='current': delayed scaling keeps one amax "
                              "history per tensor (as Transformer Engine does).")

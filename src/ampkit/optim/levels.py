@@ -98,6 +98,7 @@ def initialize(
     Example:
         >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
     """
+    # Every check before any change: a refused call leaves the model and the optimizer as they were.
     check_settings(opt_level, compute, policy, update)
     check_keep_float32(opt_level, keep_float32)
     if getattr(model, "_ampkit_opt_level", None) is not None:
@@ -105,9 +106,12 @@ def initialize(
             f"The model was initialized at {model._ampkit_opt_level} already; call ampkit.initialize once, on the "
             "float32 model and its plain optimizer (a second call adds masters of masters and a second set of hooks)."
         )
-    model._ampkit_opt_level = opt_level  # type: ignore[assignment]
+    check_model_and_optimizer(model, optimizer)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = resolve_dtype(dtype) if dtype is not None else recommend_dtype(device)
+    if optimizer is not None and update != "plain":
+        pure16.pure16_groups(optimizer, update)  # refuses before the weights are cast
+    model._ampkit_opt_level = opt_level  # type: ignore[assignment]
     if opt_level == "O0":
         return model, optimizer
     if opt_level == "O1":
@@ -122,6 +126,25 @@ def initialize(
     if float32_ops(model16):
         _wrap_forward(model, autocast(model16))
     return model, optimizer
+
+
+def check_model_and_optimizer(model: object, optimizer: object) -> None:
+    """Refuse a model that is no nn.Module, an optimizer that is no torch.optim.Optimizer, and one that
+    steps tensors other than the model's parameters (it would train nothing of this model): ValueError."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={type(model).__name__} is not an nn.Module: pass the model itself.")
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer={optimizer!r} is a {type(optimizer).__name__}, not a torch.optim.Optimizer: build "
+                         "one on the model's parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3), or pass "
+                         "None for inference.")
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
+    if foreign:
+        raise ValueError(f"The optimizer steps {len(foreign)} tensor(s) that are not parameters of this model (shapes "
+                         f"{[tuple(p.shape) for p in foreign[:3]]}): build it on this model's parameters, "
+                         "model.parameters(), after any change to the model.")
 
 
 def check_settings(opt_level: str, compute: str, policy: Policy | None, update: str = "plain") -> None:

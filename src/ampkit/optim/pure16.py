@@ -206,6 +206,29 @@ def pure16_optimizer(optimizer: torch.optim.Optimizer, update: str = "kahan") ->
     check_update(update)
     if update == "plain":
         return optimizer
+    kind, groups = pure16_groups(optimizer, update)
+    if update == "stochastic":
+        return StochasticRoundingOptimizer(groups, kind, lr=groups[0]["lr"])
+    import optimi  # torch-optimi: the `pure16` extra (pure16_groups checked it is there)
+
+    if kind == "sgd":
+        # optimi.SGD's momentum is torch's (without dampening) when torch_init=True.
+        return optimi.SGD(groups, lr=groups[0]["lr"], kahan_sum=True, torch_init=True)
+    for group in groups:  # optimi's groups name the betas apart
+        group["beta1"], group["beta2"] = group.pop("betas")
+    return optimi.AdamW(groups, lr=groups[0]["lr"], kahan_sum=True)
+
+
+def pure16_groups(optimizer: torch.optim.Optimizer, update: str) -> tuple[str, list[dict[str, Any]]]:
+    """Check that ``optimizer`` can become a pure 16-bit optimizer with ``update`` (``"kahan"`` or
+    ``"stochastic"``), changing nothing; returns its kind (``"sgd"``, ``"adamw"``) and parameter groups.
+
+    ``initialize`` calls it before it casts the model, so a refusal leaves the model as it was.
+
+    Raises:
+        ValueError: another optimizer class, one that has stepped, or an unsupported option.
+        ImportError: ``"kahan"`` without torch-optimi.
+    """
     kind = {torch.optim.SGD: "sgd", torch.optim.AdamW: "adamw"}.get(type(optimizer))  # type: ignore[call-overload]
     if kind is None:
         raise ValueError(f"update={update!r} needs a torch.optim.SGD or torch.optim.AdamW, got "
@@ -225,17 +248,10 @@ def pure16_optimizer(optimizer: torch.optim.Optimizer, update: str = "kahan") ->
                  else {"lr": lr, "betas": tuple(group["betas"]), "eps": group["eps"],
                        "weight_decay": group["weight_decay"]})
         groups.append({"params": group["params"], **hyper})
-    if update == "stochastic":
-        return StochasticRoundingOptimizer(groups, kind, lr=groups[0]["lr"])
-    try:
-        import optimi  # torch-optimi: the `pure16` extra
-    except ImportError as error:
-        raise ImportError("update='kahan' uses torch-optimi, which is not installed: pip install 'ampkit[pure16]' "
-                          "(or torch-optimi), or use update='stochastic'.") from error
-
-    if kind == "sgd":
-        # optimi.SGD's momentum is torch's (without dampening) when torch_init=True.
-        return optimi.SGD(groups, lr=groups[0]["lr"], kahan_sum=True, torch_init=True)
-    for group in groups:  # optimi's groups name the betas apart
-        group["beta1"], group["beta2"] = group.pop("betas")
-    return optimi.AdamW(groups, lr=groups[0]["lr"], kahan_sum=True)
+    if update == "kahan":
+        try:
+            import optimi  # noqa: F401  (torch-optimi: the `pure16` extra)
+        except ImportError as error:
+            raise ImportError("update='kahan' uses torch-optimi, which is not installed: pip install 'ampkit[pure16]' "
+                              "(or torch-optimi), or use update='stochastic'.") from error
+    return kind, groups

@@ -70,6 +70,14 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
                 f"ampkit.autocast takes an ampkit.Policy, got {type(policy).__name__}: "
                 "build one with ampkit.Policy.default(device_type, dtype)."
             )
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled={enabled!r} is not a bool: pass True or False (as torch.autocast).")
+        if policy.enabled and policy.device_type == "cuda" and not torch.cuda.is_available():
+            # torch.autocast warns and disables itself here; so does ampkit (a decorated function must not
+            # break the import of its module on a machine without CUDA).
+            warn_once("no-cuda", "ampkit.autocast: a CUDA policy on a machine where CUDA is not available (torch "
+                      f"{torch.__version__}): the region is disabled, as torch.autocast disables itself.")
+            enabled = False
         self.policy = policy if enabled else policy.disabled()
         self.float32_ops = float32_ops(self.policy) if self.policy.enabled else frozenset()
         self._kernel_ops = kernel_ops(self.policy, self.float32_ops) if self.policy.enabled else frozenset()

@@ -91,6 +91,8 @@ class DynamicLossScaler:
                 or max_min_scale_overflows < 1:
             raise ValueError(f"max_min_scale_overflows={max_min_scale_overflows!r} is invalid: use an integer >= 1 "
                              "(overflowing steps in a row, at a scale that cannot go lower, before NonFiniteError).")
+        if not isinstance(enabled, bool):
+            raise ValueError(f"enabled={enabled!r} is not a bool: pass True or False (as torch.amp.GradScaler).")
         self.enabled = enabled
         self.max_min_scale_overflows = max_min_scale_overflows
         self.process_group = process_group

@@ -46,7 +46,15 @@ def check_scale(scale: object, rule: ScaleRule, name: str) -> None:
 
 
 def from_grad_scaler(state: dict[str, Any], rule: ScaleRule) -> dict[str, Any]:
-    """Translate a torch.amp.GradScaler state dict (counters start at 0)."""
+    """Translate a torch.amp.GradScaler state dict (counters start at 0).
+
+    Raises:
+        RuntimeError: a key GradScaler's state dicts have is missing (named).
+    """
+    missing = sorted({"scale", "_growth_tracker", "growth_factor", "backoff_factor", "growth_interval"} - set(state))
+    if missing:
+        raise RuntimeError(f"Cannot load torch.amp.GradScaler state: missing keys {missing}. Pass the dict from "
+                           "GradScaler.state_dict() as it is, or DynamicLossScaler.state_dict().")
     return {
         "version": STATE_VERSION,
         "scale": float(state["scale"]),
