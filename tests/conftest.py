@@ -111,6 +111,13 @@ MODELS = textwrap.dedent("""
     def tiny_lm(vocab_size, context):
         return TinyLM(vocab_size, context)
 
+    def exits(num_classes):
+        import sys
+        sys.exit(0)
+
+    def batch_mean(num_classes):  # one row of scores for the whole batch
+        return nn.Sequential(nn.Flatten(0), nn.Linear(784 * 8, num_classes))
+
     class FailsOnCall(nn.Module):  # its forward number `fail_on` raises (each process builds its own)
         def __init__(self, num_classes, fail_on):
             super().__init__()

@@ -113,3 +113,32 @@ def test_inspect_takes_a_custom_text_model_as_compare_does(models: Path, capsys:
     assert main(["inspect", "--model", "user_models:tiny_lm", "--data", "text", "--batch-size", "2",
                  "--out", str(models / "inspect"), "--json"]) == 0  # was refused: "text goes with gpt only"
     assert json.loads(capsys.readouterr().out)["numerics"]["modules"][0]["name"] == "embed"
+
+
+def test_inspect_json_is_strict_where_float32_itself_is_broken(tmp_path: Path, models: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    (models / "nan_models.py").write_text(
+        "import torch\nfrom torch import nn\n\n"
+        "def nan_mlp(num_classes=10):\n"
+        "    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 16), nn.ReLU(), nn.Linear(16, num_classes))\n"
+        "    with torch.no_grad():\n        model[3].bias[0] = float('nan')\n    return model\n")
+    assert main(["inspect", "--model", "nan_models:nan_mlp", "--batch-size", "8", "--out", str(tmp_path),
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"bare {constant} in --json output")
+
+    payload = json.loads(out, parse_constant=refuse)  # was: bare NaN, which is not JSON
+    assert payload["non_finite"] and all(": nan" in entry or ": inf" in entry for entry in payload["non_finite"])
+
+
+def test_inspect_checks_its_out_and_the_model_before_the_work(tmp_path: Path, models: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a_file").write_text("not a directory")
+    assert main(["inspect", "--model", "mlp", "--out", str(tmp_path / "a_file" / "sub")]) == 2
+    assert "--out " in capsys.readouterr().err  # was: a failure only after all the work was done
+    assert main(["inspect", "--model", "user_models:tuple_output", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err  # was AttributeError; compare refuses the same model cleanly
+    assert "returned a tuple; ampkit compare needs one tensor of class scores" in err and "Traceback" not in err
+

@@ -44,6 +44,11 @@ def test_batch_sizes_that_looped_forever_now_fail_at_once(batch: str, tmp_path: 
         (["--seed", str(2**64)], "--seed 18446744073709551616 is out of range"),
         (["--model", "gpt", "--data", "digits"], "--model gpt and --data digits do not fit"),
         (["--model", "mlp", "--data", "text"], "--model mlp and --data text do not fit"),
+        # options the chosen settings would ignore (issue 25): refused, never dropped
+        (["--model", "gpt", "--epochs", "3"], "--epochs 3 applies to image data; text runs (--model gpt) train for "
+                                              "a number of steps"),  # was: 400 steps, the epochs ignored
+        (["--opt-level", "O3", "--compute", "native", "--update", "kahan"],
+         "--precision fp32 runs float32 alone, which ignores --opt-level O3, --compute native, --update kahan"),
     ],
 )
 def test_bad_values_exit_2_with_one_line(argv: list[str], message: str, tmp_path: Path,
@@ -68,6 +73,11 @@ def test_bad_values_exit_2_with_one_line(argv: list[str], message: str, tmp_path
         ("dict_output", "returned a dict; ampkit compare needs one tensor of class scores"),
         ("timed_failure", "The model from 'user_models:timed_failure' failed on a batch of digits "
                           "(inputs (8, 1, 28, 28), torch.float32): RuntimeError: forward 2 fails"),
+        # issue 25: was exit 0 with no results and no message
+        ("exits", "Model factory 'user_models:exits' called sys.exit(0)"),
+        # issue 25: was torch's "Expected input batch_size ..." naming no model
+        ("batch_mean", "The model from 'user_models:batch_mean' returned scores of shape (10,) for targets of "
+                       "shape (8,): one row of 10 scores per target is needed"),
     ],
 )
 def test_user_model_mistakes_exit_2_with_one_line(factory: str, message: str, models: Path,
@@ -240,3 +250,108 @@ def test_corrupt_mnist_files_are_named_with_steps(damage: str, message: str, tmp
     assert main(argv) == 2  # with --steps, a 41-line traceback before
     err = capsys.readouterr().err
     assert re.search(message, err) and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_an_empty_out_is_refused_not_the_current_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", *C, "--out", ""])  # was: results.json and both PNGs written into the current directory
+    assert exit_.value.code == 2 and "argument --out: '' is empty: give a directory" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_user_module_with_a_syntax_error_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "broken_models.py").write_text("def model(:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["compare", *C, "--model", "broken_models:model", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "broken_models has a syntax error at" in err and "broken_models.py:1" in err and "Traceback" not in err
+
+
+def test_the_probe_of_an_o3_stochastic_comparison_takes_plain_updates(fake_machine) -> None:  # type: ignore[no-untyped-def]
+    from ampkit.experiment.settings import plan
+
+    fake_machine({"matmul": 0.05, "conv": 0.05})  # auto computes in float32 here: a native probe is added
+    configs = plan(model="mlp", precisions=["fp16"], opt_levels=["O3"], updates=["stochastic"], steps=2)
+    probe = configs[-1]
+    assert probe.probe and probe.opt_level == "O1" and probe.update == "plain"  # was update='stochastic' at O1
+    assert [c.update for c in configs[1:-1]] == ["stochastic"]
+
+
+def test_batch_norm_on_one_sample_names_the_batch_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["compare", "--model", "resnet18", "--precision", "fp32", "--steps", "2", "--batch-size", "1", "--quiet",
+            "--out", str(tmp_path / "run")]
+    assert main(argv) == 2  # was BatchNorm's message alone, without the flag that caused it
+    err = capsys.readouterr().err
+    assert "Expected more than 1 value per channel" in err and "(--batch-size 1: batch norm needs at least 2" in err
+
+
+def _finished_comparison(tmp_path: Path) -> tuple[Path, list[str]]:
+    return tmp_path / "run", ["compare", *C, "--out", str(tmp_path / "run")]
+
+
+def test_a_results_file_that_appears_during_the_run_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out, argv = _finished_comparison(tmp_path)
+    real = compare_cmd.compare
+
+    def compare_while_someone_writes(*args, **kwargs):  # type: ignore[no-untyped-def]
+        result = real(*args, **kwargs)
+        (out / "results.json").write_text("someone else's\n")  # appears while the runs train
+        return result
+
+    monkeypatch.setattr(compare_cmd, "compare", compare_while_someone_writes)
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 0
+    assert (out / "results.json").read_text() == "someone else's\n"  # was overwritten at the end
+    assert not (out / "curves.png").exists()  # all or nothing in that directory
+    err = capsys.readouterr().err
+    assert "results.json appeared during the run and is kept as it is; these results are in ampkit-runs" in err
+    elsewhere = next((tmp_path / "ampkit-runs").iterdir())
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["curves.png", "results.json", "summary.png"]
+
+
+def test_a_full_disk_at_the_end_writes_nothing_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import errno
+
+    from ampkit.experiment import report
+
+    out, argv = _finished_comparison(tmp_path)
+
+    def no_space(comparison, path):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(report, "write_summary", no_space)  # the last of the three files
+    assert main(argv) == 1  # was a traceback, with results.json and curves.png written and summary.png missing
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"ampkit compare: cannot write the results in {out}: No space left on device; "
+                              "nothing was written.")
+    assert list(out.iterdir()) == []  # no half set, no temporary files
+
+
+def test_corrupt_and_constant_mnist_files_are_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import gzip
+
+    _mnist(tmp_path, (28, 28), 9)
+    images = (tmp_path / "train-images-idx3-ubyte").read_bytes()
+    packed = bytearray(gzip.compress(images))
+    packed[20:28] = bytes(b ^ 0xFF for b in packed[20:28])  # a corrupt deflate stream (was zlib.error)
+    (tmp_path / "train-images-idx3-ubyte").unlink()
+    (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(bytes(packed))
+    argv = ["compare", *C, "--batch-size", "4", "--data", f"mnist:{tmp_path}", "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "train-images-idx3-ubyte.gz is not valid gzip" in err and "Traceback" not in err
+
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    _mnist(flat, (28, 28), 9)
+    header = (flat / "train-images-idx3-ubyte").read_bytes()[:16]
+    (flat / "train-images-idx3-ubyte").write_bytes(header + bytes(12 * 28 * 28))  # all-zero images
+    argv = ["compare", *C, "--batch-size", "4", "--data", f"mnist:{flat}", "--out", str(flat / "run")]
+    assert main(argv) == 2  # was: every input NaN, reported as "diverged: lower --lr"
+    assert "The training images are constant (every value 0)" in capsys.readouterr().err
+

@@ -432,3 +432,26 @@ def test_learning_rate_schedule_decays_to_a_tenth() -> None:
     assert all(a > b for a, b in zip(factors, factors[1:]))
     assert factors[-1] == pytest.approx(0.1)
     assert lr_factor(0, 1) == 1.0  # a one-step run trains at lr
+
+
+def test_evaluation_of_a_model_with_inf_or_nan_outputs_reports_no_accuracy() -> None:
+    from torch import nn
+
+    from ampkit.experiment.training import evaluate
+
+    dataset = data.load("digits")
+    model = nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+
+    def batch(index: torch.Tensor, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        return dataset.test_x[index], dataset.test_y[index]
+
+    assert evaluate(model, dataset, batch) is not None
+    with torch.no_grad():
+        model[1].bias[3] = float("nan")
+    assert evaluate(model, dataset, batch) is None  # was: an accuracy from the argmax of NaN scores
+
+
+def test_epochs_and_steps_together_are_refused() -> None:  # the CLI's parser refuses them as exclusive
+    with pytest.raises(ValueError, match="epochs=1 and steps=3 both set the run's length: give one of them"):
+        settings.plan(model="mlp", epochs=1, steps=3)
+

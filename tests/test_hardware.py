@@ -117,3 +117,17 @@ def test_report_lists_and_measures_the_gpu() -> None:
     gpu = [m for m in report.measured if m.device.startswith("cuda")][0]
     if torch.cuda.get_device_capability(0) >= (8, 0):  # tensor cores: native 16-bit GEMMs beat float32
         assert gpu.native_is_faster("matmul", torch.bfloat16) and gpu.native_is_faster("matmul", torch.float16)
+
+
+def test_a_cache_file_whose_entries_are_a_list_is_measured_again(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))  # a cache of its own: the suite's stays as measured
+    monkeypatch.setattr(throughput, "_memo", {})
+    throughput.cache_path().parent.mkdir(parents=True, exist_ok=True)
+    throughput.cache_path().write_text(json.dumps({"version": throughput.CACHE_VERSION, "entries": []}))
+    fresh = fake_throughput({"matmul": 2.0})
+    monkeypatch.setattr(throughput, "_measure", lambda *a: fresh)
+    assert throughput.measure("cpu") == fresh  # was: AttributeError in env, compare and inspect alike
+

@@ -7,13 +7,12 @@ import json
 import sys
 import time
 import warnings
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ampkit.experiment import report
-from ampkit.cli.flags import as_flags
+from ampkit.cli.flags import as_flags, directory
 from ampkit.experiment.comparison import Comparison, check_out_dir, compare, reserve_out_dir
 from ampkit.experiment.config import LOSS_SCALES, PRECISIONS, RunConfig, low_dtype
 from ampkit.experiment.cost import Estimate, estimate
@@ -59,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--lr", type=float)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="output directory (default: ./ampkit-runs/<timestamp>/)")
+    parser.add_argument("--out", type=directory, help="output directory (default: ./ampkit-runs/<timestamp>/)")
     parser.add_argument("--json", action="store_true", help="print results.json to stdout instead of the table")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(run=run)
@@ -98,7 +97,17 @@ def run(args: argparse.Namespace) -> int:
         atomic_write(log, lambda tmp: tmp.write_text(text))
         print(f"ampkit compare: {failure} (its full error output: {log})", file=sys.stderr)
         return 1
-    paths = report.write_all(result, out)
+    try:
+        paths = report.write_all(result, out)
+    except FileExistsError as clash:  # a file appeared in --out during the run: keep both, overwrite nothing
+        elsewhere = reserve_out_dir(None)
+        paths = report.write_all(result, elsewhere)
+        print(f"ampkit compare: {clash.filename2 or clash.filename} appeared during the run and is kept as it is; these results are "
+              f"in {elsewhere} instead.", file=sys.stderr)
+    except OSError as error:  # a full disk, say: nothing half-written is left
+        print(f"ampkit compare: cannot write the results in {out}: {error.strerror or error}; nothing was written. "
+              "Free space (or pass another --out) and run again.", file=sys.stderr)
+        return 1
     diverged = [f"ampkit compare: the {run.label} run diverged: {as_flags(run.diverged)}." for run in result.runs
                 if run.diverged]
     if args.json:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
+from pathlib import Path
 
 # Parameter of the library call -> the flag that sets it.
 FLAGS = {
@@ -31,3 +33,11 @@ def as_flags(message: str) -> str:
         '--batch-size 0 is invalid; --precision fp8 bf16'
     """
     return _PARAMETER.sub(lambda m: f"{FLAGS[m.group(1)]} {_value(m.group(2))}", message)
+
+
+def directory(text: str) -> Path:
+    """An ``--out`` value: a directory path, never empty (``Path("")`` is the current directory, where results
+    would land among the user's own files)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is empty: give a directory, e.g. --out runs/first")
+    return Path(text)

@@ -12,13 +12,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ampkit.cli.flags import directory
+from ampkit.files import strict_json, writable_directory
 from ampkit.diagnostics.alignment import check_alignment
 from ampkit.diagnostics.memory import estimate_memory
 from ampkit.diagnostics.nonfinite import find_nonfinite
 from ampkit.diagnostics.numerics import NumericsReport, inspect_numerics, write_histogram
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import CONTEXT
-from ampkit.experiment.models import MODELS, build
+from ampkit.experiment.models import MODELS, build, check_output
 from ampkit.float32_compute.decide import compute_label
 from ampkit.formats.recipes import Fp8Recipe
 from ampkit.precision.policy import Policy
@@ -36,7 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "first op that makes inf/NaN (slow: checks every op)")
     parser.add_argument("--fp8", action="store_true", help="also name the linears FP8 (E4M3/E5M2, per-tensor scales) "
                         "would lose values of")
-    parser.add_argument("--out", type=Path, help="directory for the histogram (default: ./ampkit-runs/inspect-<time>/)")
+    parser.add_argument("--out", type=directory, help="directory for the histogram (default: ./ampkit-runs/inspect-<time>/)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(run=run)
 
@@ -50,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     histogram = out / "grad_histogram.png"
     if histogram.exists():
         raise ValueError(f"{histogram} exists; ampkit never overwrites results. Pass another --out.")
+    writable_directory(out)  # before the work: an --out that cannot be written fails now, not at the end
     dataset = data_mod.load(data_name)
     torch.manual_seed(0)
     model = build(args.model, **dataset.model_kwargs(CONTEXT))
@@ -64,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
         # Copies, not views: a view keeps the whole dataset's storage, which the memory estimate would count.
         x, y = dataset.train_x[:batch].clone(), dataset.train_y[:batch].clone()
 
+    with torch.no_grad():  # the model's output, checked as compare checks it (a tuple, a wrong shape: one line)
+        check_output(args.model, model(x), dataset.num_classes, tuple(y.shape))
     report = inspect_numerics(model, x, y, fp8=Fp8Recipe() if args.fp8 else None)
     memory = estimate_memory(model, x, args.opt_level)
     alignment = check_alignment(model)
@@ -79,7 +84,10 @@ def run(args: argparse.Namespace) -> int:
                    "nonfinite": dataclasses.asdict(nonfinite) if nonfinite else None,
                    "nonfinite_compute": compute_label(policy) if args.find_nonfinite else None,
                    "histogram": str(histogram)}
-        print(json.dumps(payload, indent=2))
+        non_finite: list[str] = []
+        payload = strict_json(payload, "", non_finite)  # inf/NaN as null, their places listed: strict JSON
+        payload["non_finite"] = non_finite
+        print(json.dumps(payload, indent=2, allow_nan=False))
         return 0
     console = Console(width=max(Console().width, 120))
     table = Table(title=f"ampkit inspect: {args.model} on {data_name}, batch {batch} (float32 pass)")

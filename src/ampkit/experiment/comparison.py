@@ -6,8 +6,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import math
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +16,7 @@ from ampkit.experiment.config import (
     RunResult,
 )
 from ampkit.experiment.process import RunProcess
+from ampkit.files import strict_json, writable_directory
 from ampkit.hardware.advice import machine_summary
 
 RESULT_FILES = ("results.json", "curves.png", "summary.png")
@@ -68,22 +67,9 @@ class Comparison:
             "estimated_s": self.estimated_s, "wall_s": self.wall_s, "runs": runs,
         }
         non_finite: list[str] = []
-        record = _strict(record, "", non_finite)
+        record = strict_json(record, "", non_finite)
         record["non_finite"] = non_finite
         return record
-
-
-def _strict(value: Any, path: str, found: list[str]) -> Any:
-    """``value`` with every inf/NaN float replaced by None, its path added to ``found``:
-    strict JSON (JavaScript's JSON.parse and others reject bare NaN)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        found.append(f"{path}: {value}")
-        return None
-    if isinstance(value, dict):
-        return {k: _strict(v, f"{path}.{k}" if path else k, found) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_strict(v, f"{path}[{i}]", found) for i, v in enumerate(value)]
-    return value
 
 
 def compare(
@@ -146,7 +132,7 @@ def partial_record(configs: list[RunConfig], hosts: list[RunProcess]) -> dict[st
     record = {"version": 2, "incomplete": True, "created": datetime.datetime.now().isoformat(timespec="seconds"),
               "config": _shared_config(configs), "runs": runs}
     non_finite: list[str] = []
-    record = _strict(record, "", non_finite)
+    record = strict_json(record, "", non_finite)
     record["non_finite"] = non_finite
     return record
 
@@ -190,12 +176,5 @@ def reserve_out_dir(out: Path | None) -> Path:
                 raise ValueError(f"Cannot create {candidate}: {error.strerror}. Pass out=DIR.") from error
         raise ValueError(f"{base}-2 to -999 exist already; pass out=DIR.")
     check_out_dir(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as error:
-        raise ValueError(
-            f"out='{out}' cannot hold results: {error.strerror or error}. Pass a directory you can write to."
-        ) from error
+    writable_directory(out)
     return out

@@ -20,7 +20,7 @@ from ampkit.experiment.config import (
     RunConfig,
     low_dtype,
 )
-from ampkit.experiment.models import build, check_output
+from ampkit.experiment.models import ModelMistake, build, check_output
 from ampkit.float32_compute.decide import GEMM_OPS
 from ampkit.hardware import throughput
 
@@ -84,7 +84,7 @@ def estimate(configs: list[RunConfig]) -> Estimate:
         """One training step; returns its time and its forward's."""
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        logits = check_output(first.model, model(x), dataset.num_classes)
+        logits = check_output(first.model, model(x), dataset.num_classes, tuple(y.shape))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         sync()
         forward_s = time.perf_counter() - t0
@@ -97,11 +97,15 @@ def estimate(configs: list[RunConfig]) -> Estimate:
         with FlopCounterMode(display=False) as flops:
             step()  # also the warm-up
         timed = [step() for _ in range(ESTIMATE_STEPS)]
-    except ValueError:
+    except ModelMistake:
         raise
-    except Exception as error:  # the user's model on this data: say so in one line
+    except Exception as error:  # the user's model on this data (torch's own ValueErrors too): one line
+        hint = ""
+        if "Expected more than 1 value per channel" in str(error):
+            hint = (f" (batch_size={first.batch_size}: batch norm needs at least 2 samples per channel in "
+                    "training; use batch_size=2 or more)")
         raise ValueError(f"The model from {first.model!r} failed on a batch of {first.data} (inputs "
-                         f"{tuple(x.shape)}, {x.dtype}): {type(error).__name__}: {error}") from error
+                         f"{tuple(x.shape)}, {x.dtype}): {type(error).__name__}: {error}{hint}") from error
     step_s, forward_s = (statistics.median(times) for times in zip(*timed))
     share: dict[str, float] = {}  # op class -> its part of the step's GEMM arithmetic
     for op, count in flops.get_flop_counts()["Global"].items():

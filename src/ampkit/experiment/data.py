@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import zlib
 import struct
 import sysconfig
 from pathlib import Path
@@ -73,7 +74,16 @@ def load(spec: str) -> Dataset:
 
 
 def _standardize(train: torch.Tensor, test: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero mean and unit variance by the training set's statistics.
+
+    Raises:
+        ValueError: every training value is the same (a standard deviation of 0 would make every input
+            NaN, and the run would be reported as diverged).
+    """
     mean, std = train.mean(), train.std()
+    if not float(std) > 0:
+        raise ValueError(f"The training images are constant (every value {float(mean):g}): there is nothing to "
+                         "learn from, and standardizing would divide by 0. Check the files.")
     return (train - mean) / std, (test - mean) / std
 
 
@@ -122,7 +132,7 @@ def _open(path: Path) -> bytes:
             if candidate.suffix == ".gz":
                 try:
                     raw = gzip.decompress(raw)
-                except (OSError, EOFError) as error:
+                except (OSError, EOFError, zlib.error) as error:  # a bad header, a cut file, a corrupt stream
                     raise ValueError(f"MNIST file {candidate} is not valid gzip: {error}.") from error
             return raw
     raise ValueError(f"MNIST file {path} (or {path.name}.gz) is missing.")

@@ -158,8 +158,14 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
     module_name, _, attr = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
+    except SystemExit as exit_:
+        raise ValueError(f"Cannot load model factory {spec!r}: importing {module_name} called "
+                         f"sys.exit({exit_.code!r}).") from None
     except (ImportError, AttributeError) as error:
         raise ValueError(f"Cannot load model factory {spec!r}: {error}. Is the module on PYTHONPATH?") from error
+    except SyntaxError as error:  # the user's module itself does not parse
+        raise ValueError(f"Cannot load model factory {spec!r}: {module_name} has a syntax error at "
+                         f"{error.filename}:{error.lineno}: {error.msg}. Fix the module, then run again.") from error
     if not callable(factory):
         raise ValueError(f"Model factory {spec!r} is not callable.")
     return factory
@@ -176,6 +182,9 @@ def build(spec: str, **kwargs: int) -> nn.Module:
     arguments = ", ".join(f"{k}={v}" for k, v in kwargs.items())
     try:
         model = factory(**kwargs)
+    except SystemExit as exit_:  # it would end ampkit itself, with its code and no message
+        raise ValueError(f"Model factory {spec!r} called sys.exit({exit_.code!r}) (called as {spec}({arguments})): "
+                         "a factory returns a model; raise an exception to refuse.") from None
     except Exception as error:
         raise ValueError(f"Model factory {spec!r} raised {type(error).__name__}: {error} (called as "
                          f"{spec}({arguments}); a factory receives num_classes= for images, vocab_size= and "
@@ -187,12 +196,21 @@ def build(spec: str, **kwargs: int) -> nn.Module:
     return model
 
 
-def check_output(spec: str, output: object, classes: int) -> torch.Tensor:
-    """``output`` if it is a tensor of per-class scores in its last dimension, else ValueError."""
+class ModelMistake(ValueError):
+    """What ampkit found wrong with a user's model (its output, its factory): already one line."""
+
+
+def check_output(spec: str, output: object, classes: int, targets: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``output`` if it is a tensor of per-class scores in its last dimension, one row per target
+    (``targets``: the targets' shape, where given), else ValueError."""
     if not isinstance(output, torch.Tensor):
-        raise ValueError(f"The model from {spec!r} returned a {type(output).__name__}; ampkit compare needs one "
+        raise ModelMistake(f"The model from {spec!r} returned a {type(output).__name__}; ampkit compare needs one "
                          "tensor of class scores (logits). Wrap the model to return that tensor.")
     if output.shape[-1] != classes:
-        raise ValueError(f"The model from {spec!r} returned {output.shape[-1]} scores per sample; the data has "
+        raise ModelMistake(f"The model from {spec!r} returned {output.shape[-1]} scores per sample; the data has "
                          f"{classes} classes. Build its last layer with the num_classes / vocab_size it receives.")
+    if targets is not None and tuple(output.shape[:-1]) != targets:
+        raise ModelMistake(f"The model from {spec!r} returned scores of shape {tuple(output.shape)} for targets of shape "
+                         f"{targets}: one row of {classes} scores per target is needed. Does its forward keep the "
+                         "batch dimension (no flatten across samples, no mean over the batch)?")
     return output

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from rich import box
 from rich.table import Table
 
 from ampkit.experiment.comparison import Comparison
-from ampkit.files import atomic_write
+from ampkit.files import atomic_write, publish_new
 
 MIB = 2**20
 
@@ -123,9 +124,17 @@ def write_summary(comparison: Comparison, path: Path) -> None:
 
 
 def write_all(comparison: Comparison, out: Path) -> list[Path]:
-    """results.json, curves.png and summary.png in ``out``; returns their paths."""
-    paths = [out / "results.json", out / "curves.png", out / "summary.png"]
-    write_json(comparison, paths[0])
-    write_curves(comparison, paths[1])
-    write_summary(comparison, paths[2])
-    return paths
+    """results.json, curves.png and summary.png in ``out``, all three or none, never over a file that
+    appeared there meanwhile (``files.publish_new``); returns their paths.
+
+    Raises:
+        FileExistsError: one of them exists in ``out`` (named): nothing was written.
+        OSError: a write failed (a full disk): nothing was written.
+    """
+    writers: dict[Path, Callable[[Path], object]] = {
+        out / "results.json": lambda tmp: write_json(comparison, tmp),
+        out / "curves.png": lambda tmp: write_curves(comparison, tmp),
+        out / "summary.png": lambda tmp: write_summary(comparison, tmp),
+    }
+    publish_new(writers)
+    return list(writers)

@@ -133,6 +133,19 @@ def plan(
         _check_choice(scaling, LOSS_SCALES, "loss scaling")
     for update in updates or ():
         _check_choice(update, UPDATES, "update")
+    # Options that the chosen settings would ignore are refused, never dropped: a run must be what was asked.
+    if precisions is not None and set(precisions) == {"fp32"}:
+        ignored = [f"{name}={list(value)!r}" for name, value in (("opt_levels", opt_levels), ("computes", computes),
+                                                                 ("loss_scales", loss_scales), ("updates", updates))
+                   if value]
+        if ignored:
+            raise ValueError(f"precisions=['fp32'] runs float32 alone, which ignores {', '.join(ignored)}: add a "
+                             "16-bit precision, e.g. precisions=['fp32', 'bf16'], or drop them.")
+    if epochs is not None and data in ("text",):
+        raise ValueError(f"epochs={epochs} applies to image data; text runs (model={model!r}) train for a number "
+                         "of steps: use steps=N instead.")
+    if epochs is not None and steps is not None:
+        raise ValueError(f"epochs={epochs} and steps={steps} both set the run's length: give one of them.")
     if updates and "O3" not in (opt_levels or ()):
         raise ValueError(f"updates={list(updates)!r} applies to O3 runs only: add opt_levels=['O3'] (pure 16-bit "
                          "weights; O1 and O2 keep float32 weights or masters, which take small updates as they are).")
@@ -201,7 +214,9 @@ def plan(
     if probe or (probe is None and auto_in_float32):
         first = (auto_in_float32 or configs[1:])[0] if len(configs) > 1 else None
         if first is not None:
-            configs.append(dataclasses.replace(first, opt_level="O1", compute="native", steps=PROBE_STEPS, probe=True))
+            # the probe times native kernels at O1: O3's update and fp16's scaling choice do not apply to it
+            configs.append(dataclasses.replace(first, opt_level="O1", compute="native", steps=PROBE_STEPS, probe=True,
+                                               update="plain"))
     return configs
 
 

@@ -125,6 +125,10 @@ def execute(
     if not config.probe and diverged is None:
         recalibrate_batchnorm(model, [batch(index)[0] for index in plan[-PRECISE_BN_BATCHES:]])
         accuracy = evaluate(model, dataset, batch)
+        if accuracy is None:  # reported as a divergence: exit 1 and the reason, never a made-up accuracy
+            skipped = scaler.stats.skipped
+            diverged = "the model's outputs are inf/NaN in evaluation, so no accuracy is reported" + (
+                f" (all {skipped} steps were skipped: every scaled gradient overflowed)" if skipped == len(times) else "")
     median_s = statistics.median(times[PROBE_WARMUP_STEPS if config.probe else WARMUP_STEPS :] or times)
     stats = scaler.stats
     return RunResult(
@@ -208,7 +212,8 @@ def recalibrate_batchnorm(model: nn.Module, inputs: list[torch.Tensor]) -> None:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset: data_mod.Dataset, batch: Callable[..., Any]) -> float:
+def evaluate(model: nn.Module, dataset: data_mod.Dataset, batch: Callable[..., Any]) -> float | None:
+    """The test accuracy; None where the model's outputs are inf/NaN (an argmax of NaN is no accuracy)."""
     model.eval()
     correct = total = 0
     if dataset.kind == "text":
@@ -219,7 +224,11 @@ def evaluate(model: nn.Module, dataset: data_mod.Dataset, batch: Callable[..., A
         indices = list(torch.arange(len(dataset.test_y)).split(256))
     for index in indices:
         x, y = batch(index, "test")
-        correct += int((model(x).argmax(-1) == y).sum())
+        out = model(x)
+        if not bool(torch.isfinite(out).all()):
+            model.train()
+            return None
+        correct += int((out.argmax(-1) == y).sum())
         total += y.numel()
     model.train()
     return correct / total

@@ -163,6 +163,8 @@ def _read_cache() -> dict[str, Throughput]:
         entries = raw["entries"] if raw.get("version") == CACHE_VERSION else {}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}  # missing or unreadable: measure again
+    if not isinstance(entries, dict):
+        return {}  # a damaged file (entries a list, say): measure again, and the next write replaces it
     found = {}
     for key, entry in entries.items():
         try:
