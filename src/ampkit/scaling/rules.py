@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -74,18 +74,24 @@ class ScaleRule:
         def finite(v: object) -> bool:
             return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-        checks = [
-            (finite(self.growth_factor) and self.growth_factor >= 1.0, "growth_factor", "a finite number >= 1.0"),
-            (finite(self.backoff_factor) and 0.0 < self.backoff_factor <= 1.0, "backoff_factor", "a number in (0, 1]"),
-            (isinstance(self.growth_interval, int) and self.growth_interval >= 1, "growth_interval",
-             "an integer >= 1"),
-            (isinstance(self.hysteresis, int) and self.hysteresis >= 1, "hysteresis", "an integer >= 1"),
-            (finite(self.max_scale) and self.max_scale > 0, "max_scale", "a finite number > 0"),
-            (finite(self.min_scale) and 0.0 < self.min_scale <= self.max_scale, "min_scale",
+        def integer(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        # In order, each check evaluated only once the ones before passed (min_scale is compared with a
+        # max_scale already known to be a number).
+        checks: list[tuple[Callable[[], bool], str, str]] = [
+            (lambda: finite(self.growth_factor) and self.growth_factor >= 1.0, "growth_factor",
+             "a finite number >= 1.0"),
+            (lambda: finite(self.backoff_factor) and 0.0 < self.backoff_factor <= 1.0, "backoff_factor",
+             "a number in (0, 1]"),
+            (lambda: integer(self.growth_interval) and self.growth_interval >= 1, "growth_interval", "an integer >= 1"),
+            (lambda: integer(self.hysteresis) and self.hysteresis >= 1, "hysteresis", "an integer >= 1"),
+            (lambda: finite(self.max_scale) and self.max_scale > 0, "max_scale", "a finite number > 0"),
+            (lambda: finite(self.min_scale) and 0.0 < self.min_scale <= self.max_scale, "min_scale",
              "a finite number in (0, max_scale]"),
         ]
         for ok, name, valid in checks:
-            if not ok:
+            if not ok():
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: use {valid}.")
 
 

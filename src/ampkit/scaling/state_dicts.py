@@ -49,21 +49,31 @@ def from_grad_scaler(state: dict[str, Any], rule: ScaleRule) -> dict[str, Any]:
     """Translate a torch.amp.GradScaler state dict (counters start at 0).
 
     Raises:
-        RuntimeError: a key GradScaler's state dicts have is missing (named).
+        RuntimeError: a key GradScaler's state dicts have is missing, or not a number (named).
     """
     missing = sorted({"scale", "_growth_tracker", "growth_factor", "backoff_factor", "growth_interval"} - set(state))
     if missing:
         raise RuntimeError(f"Cannot load torch.amp.GradScaler state: missing keys {missing}. Pass the dict from "
                            "GradScaler.state_dict() as it is, or DynamicLossScaler.state_dict().")
+    numbers: dict[str, float | int] = {}
+    for key, kind in (("scale", float), ("_growth_tracker", int), ("growth_factor", float),
+                      ("backoff_factor", float), ("growth_interval", int)):
+        value = state[key]
+        whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not whole):
+            what = "a whole number" if kind is int else "a number"
+            raise RuntimeError(f"Cannot load torch.amp.GradScaler state: {key}={value!r} is not {what}. Pass the "
+                               "dict from GradScaler.state_dict() as it is.")
+        numbers[key] = kind(value)  # ScaleRule and the counter checks that follow judge the values
     return {
         "version": STATE_VERSION,
-        "scale": float(state["scale"]),
-        "growth_tracker": int(state["_growth_tracker"]),
+        "scale": numbers["scale"],
+        "growth_tracker": numbers["_growth_tracker"],
         "hysteresis_left": 1,
         **dataclasses.asdict(rule),
-        "growth_factor": float(state["growth_factor"]),
-        "backoff_factor": float(state["backoff_factor"]),
-        "growth_interval": int(state["growth_interval"]),
+        "growth_factor": numbers["growth_factor"],
+        "backoff_factor": numbers["backoff_factor"],
+        "growth_interval": numbers["growth_interval"],
         "hysteresis": 1,
         "steps": 0,
         "skipped": 0,
