@@ -139,3 +139,14 @@ def test_the_readme_layout_names_every_module() -> None:
         if relative.name not in layout or (folder and folder not in layout):
             missing.append(str(relative))
     assert missing == []
+
+
+def test_the_names_the_readme_documented_before_the_layout_still_work() -> None:
+    import ampkit
+    import ampkit.distributed
+
+    assert ampkit.memory.measured_state_bytes is ampkit.measured_state_bytes
+    for name in ("Compression", "HookState", "compression_hook", "reduce_", "DistributedOptimizer", "init_from_env"):
+        assert callable(getattr(ampkit.distributed, name))
+    from ampkit.experiment.data import load  # noqa: F401
+    from ampkit.experiment.models import GPT, ResNet18  # noqa: F401

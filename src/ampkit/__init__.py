@@ -33,6 +33,9 @@ from ampkit.hardware.throughput import measure
 
 # Distributed: ampkit.distributed (imported on use: it needs torch.distributed)
 
+# Before the subpackages the README documented ``ampkit.memory.measured_state_bytes``: it keeps working.
+from ampkit.diagnostics import memory  # noqa: E402, F401
+
 __version__ = "0.1.0"
 
 __all__ = [
