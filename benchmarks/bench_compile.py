@@ -1,7 +1,7 @@
 """torch.compile (inductor) against eager for the GPT under ampkit's default policy.
 
 ampkit's default policy with native kernels is torch.autocast, which torch.compile traces and
-guards on; edited and float32-compute policies are refused under compile (README, "Policies").
+guards on; under edited and float32-compute policies compiled code runs eagerly (docs/policies.md).
 This script times a training step of the small GPT of `ampkit compare` (batch 2, context 128,
 so that native 16-bit kernels stay affordable on a CPU without 16-bit arithmetic) eagerly and
 compiled, each inside an ampkit default region and in float32, in alternation, and checks that

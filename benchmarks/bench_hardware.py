@@ -2,7 +2,7 @@
 
 Measures afresh (``throughput.measure(refresh=True)``, as `ampkit env` does on a
 new machine) and keeps the figures, the flags that explain them and ``recommend()``
-for the "What mixed precision buys on your hardware" section of the README.
+for the "What mixed precision buys on your hardware" page of the manual (docs/hardware.md).
 
     python benchmarks/bench_hardware.py   # writes benchmarks/results/hardware.json
 """

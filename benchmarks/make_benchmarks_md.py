@@ -1,4 +1,4 @@
-"""Write BENCHMARKS.md, and the generated tables of README.md, from benchmarks/results/.
+"""Write BENCHMARKS.md, and the generated blocks of README.md and docs/, from benchmarks/results/.
 
 Nothing here is typed by hand: every figure comes from a results file that a
 benchmark script wrote.
@@ -410,15 +410,29 @@ def load(directory: Path, name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def replace_block(text: str, name: str, body: str) -> str:
+def compare_line(results: dict[str, Any]) -> str:
+    """One sentence of the default comparison, for the README's front page."""
+    base = results["runs"][0]
+    mixed = [run for run in results["runs"][1:] if not run.get("probe")]
+    figures = "; ".join(
+        f"{run['label']} {run['ratio_to_fp32']['ms_per_step']:.2f}x float32's step time, "
+        f"{run['ratio_to_fp32']['saved_for_backward_bytes']:.2f}x its activation memory, "
+        f"{100 * run['test_accuracy']:.1f}% test accuracy" for run in mixed)
+    return (f"`ampkit compare` (ResNet-18 on the digits, {results['created'][:10]}, {machine_line(results['machine'])}): "
+            f"{figures}, against float32's {100 * base['test_accuracy']:.1f}% "
+            "([every record](BENCHMARKS.md)).")
+
+
+def replace_block(text: str, name: str, body: str) -> str | None:
+    """``text`` with the generated block ``name`` filled with ``body``; None where it has no such block."""
     pattern = re.compile(rf"(<!-- generated:{name}:start -->\n).*?(<!-- generated:{name}:end -->)", re.S)
     if not pattern.search(text):
-        raise SystemExit(f"README.md has no generated:{name} block")
+        return None
     return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
 
 
 def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
-    """The Markdown sections of one machine's records, and the README blocks they fill."""
+    """The Markdown sections of one machine's records, and the generated blocks (README.md, docs/) they fill."""
     relative = directory.relative_to(ROOT).as_posix()
     sections: list[str] = []
     blocks: dict[str, str] = {}
@@ -432,6 +446,8 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
                      f"![time and memory]({relative}/{name}/summary.png)", ""]
         if name == "compare-digits-cpu":
             blocks["compare"] = compare_table(results)
+            if all("ratio_to_fp32" in run for run in results["runs"]):  # the earlier machine's records predate it
+                blocks["compare-line"] = compare_line(results)
             digits = results
     seeds = seeds_section(directory)
     if seeds:
@@ -488,12 +504,19 @@ def main() -> None:
                      "machine, which computed bfloat16 natively (about 2x float32), before ampkit measured hardware "
                      "or had float32 compute; peak memory there is the whole process's peak RSS.", ""]
         sections += earlier
-    readme = (ROOT / "README.md").read_text()
+    # The README and the manual's pages hold generated blocks; each block lives in exactly one of them.
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    texts = {page: page.read_text() for page in pages}
     for name, body in blocks.items():
-        readme = replace_block(readme, name, body)
+        holders = [page for page in pages if replace_block(texts[page], name, body) is not None]
+        if len(holders) != 1:
+            raise SystemExit(f"the generated:{name} block is in {len(holders)} of README.md and docs/*.md, not 1")
+        texts[holders[0]] = replace_block(texts[holders[0]], name, body)  # type: ignore[assignment]
     atomic_write(ROOT / "BENCHMARKS.md", lambda tmp: tmp.write_text("\n".join(sections)))
-    atomic_write(ROOT / "README.md", lambda tmp: tmp.write_text(readme))
-    print(f"wrote BENCHMARKS.md and README.md's generated blocks ({', '.join(blocks)})")
+    for page, text in texts.items():
+        if text != page.read_text():
+            atomic_write(page, lambda tmp, text=text: tmp.write_text(text))
+    print(f"wrote BENCHMARKS.md and the generated blocks ({', '.join(blocks)}) of README.md and docs/")
 
 
 if __name__ == "__main__":

@@ -379,7 +379,7 @@ def test_sparse_embedding_trains_as_without_scaling() -> None:
 # ampkit.autocast with float16 computed in float32 (CPUs have no fast float16), torch's uses CUDA float16;
 # pickling the scaler mid-run (try_pickle) is left out (ampkit's scaler state travels by state_dict, and
 # test_resume_is_bitwise_identical covers it); fused optimizers are left out (ampkit has no
-# `_step_supports_amp_scaling` protocol; the README lists the differences).
+# `_step_supports_amp_scaling` protocol; docs/loss-scaling.md lists the differences).
 
 
 def _create_scaling_models_optimizers(optimizer_ctor=torch.optim.SGD):  # type: ignore[no-untyped-def]

@@ -60,7 +60,7 @@ def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **obj
             scalar, a Path: named, with the conversion to make).
         TypeError: an object has no ``state_dict()`` (it is named).
 
-    Example:
+    Examples:
         >>> ampkit.save_checkpoint("run/last.pt", model=model, optimizer=optimizer, scaler=scaler,
         ...                        extra={"epoch": epoch})
     """

@@ -28,7 +28,7 @@ def _value(text: str) -> str:
 def as_flags(message: str) -> str:
     """``message`` with each ``parameter=value`` written as the flag that sets it.
 
-    Example:
+    Examples:
         >>> as_flags("batch_size=0 is invalid; precisions=['fp8', 'bf16']")
         '--batch-size 0 is invalid; --precision fp8 bf16'
     """

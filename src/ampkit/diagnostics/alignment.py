@@ -79,6 +79,13 @@ def pad_vocab(module: nn.Embedding | nn.Linear, multiple: int = 8) -> nn.Embeddi
     ``logits[..., :vocab]``, before the loss or sampling. Tied weights must be
     re-tied after padding both modules.
 
+    Args:
+        module: the ``nn.Embedding`` or the ``nn.Linear`` head whose vocabulary dimension is padded.
+        multiple: the vocabulary size is rounded up to a multiple of this (default 8, tensor cores' step).
+
+    Returns:
+        A new module of the same type with the padded vocabulary (``module`` itself is unchanged).
+
     Raises:
         ValueError: neither an nn.Embedding nor an nn.Linear, or ``multiple`` not a positive integer.
     """

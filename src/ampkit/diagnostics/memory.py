@@ -105,6 +105,10 @@ def estimate_memory(
         keep_float32: at O2, module types kept in float32 besides the normalization layers, as
             ``initialize(..., keep_float32=...)`` keeps them (e.g. ``[nn.Embedding]``).
 
+    Returns:
+        A ``MemoryEstimate``: the parameter count and a ``MemoryBreakdown`` (weights, gradients, masters,
+        optimizer states, activations saved for backward) for float32 and for the mixed setting.
+
     Raises:
         ValueError: an unknown optimizer, opt level or update, an update other than plain below O3,
             or ``keep_float32`` below or above O2 or listing something that is not an nn.Module type.
@@ -164,7 +168,15 @@ def estimate_memory(
 def measured_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     """Bytes of what training keeps between steps, from the tensors themselves: the model's
     weights (and floating buffers), their gradients, and the optimizer's parameters (float32
-    masters), their gradients and its states (moments, Kahan buffers). Storages count once."""
+    masters), their gradients and its states (moments, Kahan buffers). Storages count once.
+
+    Args:
+        model: the model being trained.
+        optimizer: its optimizer (a ``MasterWeightOptimizer`` counts its masters).
+
+    Returns:
+        The bytes those tensors hold now (measure after a step, when the states exist).
+    """
     seen: dict[int, int] = {}
 
     def add(t: Any) -> None:

@@ -76,6 +76,15 @@ def find_nonfinite(
     starts: either it overflowed on finite inputs (``finite_inputs``), or it read a
     weight, buffer or model input that already held inf/NaN.
 
+    Args:
+        model: the model, float32 or 16-bit.
+        inputs: a tensor or tuple of positional inputs.
+        policy: the ampkit policy to run under (default None: float32, autocast off).
+        target: the loss target, for the backward (default None).
+        loss_fn: ``loss_fn(output, target) -> loss`` (default: cross-entropy for integer targets, mean
+            square error for floating ones, the output's mean square without a target).
+        backward: also run the backward and look there (default True).
+
     Returns:
         A NonFiniteFinding, or None when everything stayed finite.
 

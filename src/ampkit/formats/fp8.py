@@ -253,7 +253,8 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: t
     Args:
         model: a model on its device (its parameters are kept, so an optimizer built on them works).
         recipe: ``Fp8Recipe()`` by default: delayed scaling, hybrid formats.
-        keep, include: name patterns (fnmatch) kept in 16/32 bits, or converted although first or last.
+        keep: name patterns (fnmatch) of linears kept in 16/32 bits.
+        include: name patterns of linears converted although first or last.
         emulate: None picks native FP8 GEMMs on CUDA compute capability >= 8.9, emulation elsewhere.
             Delayed scaling decides per call from the device; current scaling passes it to torchao.
         process_group: delayed scaling: reduce amaxes over it (the data-parallel group) so every rank

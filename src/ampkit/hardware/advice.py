@@ -95,6 +95,15 @@ def recommend_dtype(device: torch.device | str) -> torch.dtype:
     bfloat16 on CPUs (float16 there is emulated unless the CPU has native
     float16) and on CUDA GPUs of compute capability >= 8.0; float16 on older
     GPUs, whose tensor cores have no bfloat16.
+
+    Args:
+        device: a ``torch.device`` or its name (``"cpu"``, ``"cuda:0"``).
+
+    Returns:
+        torch.bfloat16 or torch.float16.
+
+    Examples:
+        >>> dtype = ampkit.recommend_dtype("cpu")  # torch.bfloat16
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -138,6 +147,18 @@ def recommend(device: torch.device | str | None = None, batch_size: int | None =
     Where native 16-bit GEMMs are slower than float32 (a CPU without avx512_bf16,
     say), float32 is the fastest choice and 16-bit storage with float32 compute is
     recommended for memory: activations take half the bytes at about float32's time.
+
+    Args:
+        device: the device to advise on (default: the current CUDA device if there is one, else the CPU).
+        batch_size: the training batch, if known: small batches get a caution (per-op casts may outweigh
+            faster matmuls).
+
+    Returns:
+        A ``Recommendation``: dtype, compute mode, opt level, loss scaling, the fastest setting, the
+        measured speedups and the reasons (and cautions) behind them.
+
+    Note:
+        Reads ``measure(device)``: the first call on a machine times its kernels for about a second.
     """
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = recommend_dtype(device)

@@ -72,7 +72,7 @@ def prepare(
         ValueError: Accelerate's own mixed precision is on, not exactly one model, several
             optimizers, a scaler that is not ampkit's, an invalid compression dtype.
 
-    Example:
+    Examples:
         >>> accelerator = Accelerator()
         >>> model, optimizer, loader, scheduler = prepare(accelerator, model, optimizer, loader, scheduler,
         ...                                               opt_level="O2", dtype=torch.float16)

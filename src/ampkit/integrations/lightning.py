@@ -132,7 +132,7 @@ class AmpkitPrecision(_AmpkitCore, Precision):
         ValueError: an unknown opt level, dtype, compute mode or compression dtype; a policy
             with O2/O3; a scaler that is not ampkit's.
 
-    Example:
+    Examples:
         >>> trainer = lightning.Trainer(plugins=[AmpkitPrecision("O2", torch.float16)])
 
     Note:

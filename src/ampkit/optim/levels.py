@@ -95,7 +95,7 @@ def initialize(
         ValueError: an unknown ``opt_level``, dtype, compute mode or update; a policy with O0, O2 or O3;
             an update other than ``"plain"`` below O3.
 
-    Example:
+    Examples:
         >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
     """
     # Every check before any change: a refused call leaves the model and the optimizer as they were.

@@ -32,7 +32,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             Build this wrapper while they are still float32 (``initialize`` does),
             or the masters start from already-rounded values.
 
-    Example:
+    Examples:
         >>> opt = MasterWeightOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
         >>> model.to(torch.bfloat16)
         >>> loss_fn(model(x), y).backward(); opt.step(); opt.zero_grad()
@@ -59,14 +59,17 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     # torch.optim.Optimizer's own attributes, delegated so schedulers and hooks work.
     @property  # type: ignore[misc]
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        """The inner optimizer's groups (over the float32 masters): a scheduler edits their ``lr`` here."""
         return self.optimizer.param_groups
 
     @property  # type: ignore[misc]
     def state(self) -> Any:  # type: ignore[override]
+        """The inner optimizer's per-parameter state (its moments, keyed by the masters)."""
         return self.optimizer.state
 
     @property
     def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's default hyperparameters."""
         return self.optimizer.defaults
 
     def __getattr__(self, name: str) -> Any:

@@ -90,9 +90,10 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
         params: 16-bit parameters (or groups).
         kind: ``"sgd"`` or ``"adamw"``.
         lr: learning rate.
-        momentum, weight_decay: SGD's (default 0); AdamW's weight decay is decoupled as
-            torch.optim.AdamW's (default 0.01).
-        betas, eps: AdamW's (defaults as torch.optim.AdamW).
+        momentum: SGD's (default 0).
+        weight_decay: SGD's (default 0); AdamW's is decoupled as torch.optim.AdamW's (default 0.01).
+        betas: AdamW's (default as torch.optim.AdamW's).
+        eps: AdamW's (default as torch.optim.AdamW's).
         seed: seed of the rounding's random draws (default 0: reproducible runs).
 
     Raises:
@@ -199,7 +200,7 @@ def pure16_optimizer(optimizer: torch.optim.Optimizer, update: str = "kahan") ->
         ValueError: an unknown update, another optimizer class, or an option the pure 16-bit
             optimizers do not have (named, with the fix).
 
-    Example:
+    Examples:
         >>> model.to(torch.bfloat16)
         >>> optimizer = ampkit.pure16_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), "kahan")
     """

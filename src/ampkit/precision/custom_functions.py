@@ -27,9 +27,13 @@ def custom_fwd(
     autocast state, also when the backward runs after the region exited.
 
     Args:
+        fwd: the ``forward`` staticmethod (omitted when used as ``@custom_fwd(device_type=...)``).
         device_type: ``"cpu"`` or ``"cuda"``.
         cast_inputs: if set, floating inputs are cast to it and the forward runs
             with autocast off (torch's semantics).
+
+    Returns:
+        The wrapped forward.
     """
     if fwd is None:
         return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
@@ -44,7 +48,19 @@ def custom_fwd(
 
 
 def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> Callable[..., Any]:
-    """Decorate the matching ``backward``: it runs under its forward's policy."""
+    """Decorate the matching ``backward``: it runs under its forward's policy.
+
+    torch.amp.custom_bwd restores torch.autocast's state of the forward; this also re-enters the
+    forward's ampkit region, so an edited policy applies in the backward too, which runs after the
+    region has exited.
+
+    Args:
+        bwd: the ``backward`` staticmethod (omitted when used as ``@custom_bwd(device_type=...)``).
+        device_type: ``"cpu"`` or ``"cuda"``, as given to ``custom_fwd``.
+
+    Returns:
+        The wrapped backward.
+    """
     if bwd is None:
         return functools.partial(custom_bwd, device_type=device_type)
 

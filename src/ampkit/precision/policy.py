@@ -63,7 +63,11 @@ class ModuleOverride:
     ``pattern`` is an ``nn.Module`` subclass (matches instances) or an fnmatch
     pattern over qualified names from ``named_modules()`` (``"lm_head"``,
     ``"*.attn.*"``); names are taken relative to the outermost module called in
-    the autocast region.
+    the autocast region. Built by ``Policy.with_modules``.
+
+    Attributes:
+        pattern: an ``nn.Module`` subclass or a name pattern.
+        dtype: torch.float32, or the policy's 16-bit dtype.
     """
 
     pattern: ModulePattern
@@ -92,7 +96,7 @@ class Policy:
     ``Policy.default()`` and edit it with ``with_ops`` / ``with_modules`` /
     ``with_compute``.
 
-    Example:
+    Examples:
         >>> policy = Policy.default("cpu", torch.bfloat16).with_ops(deny=["gelu"])
         >>> policy.category("gelu")
         'deny'
@@ -169,7 +173,9 @@ class Policy:
         """Return a policy with the named ops moved into the given lists.
 
         Args:
-            allow / deny / infer: ops to move into that list (from wherever they are).
+            allow: ops to move into the allow list (from wherever they are).
+            deny: ops to move into the deny list.
+            infer: ops to move into the infer list.
             none: ops to take out of every list, so they follow their inputs.
 
         Raises:
@@ -198,7 +204,7 @@ class Policy:
             dtype: torch.float32 (keep them out of mixed precision) or the policy's dtype
                 (every listed op, deny ops too, runs in 16 bits).
 
-        Example:
+        Examples:
             >>> policy = Policy.default("cpu").with_modules(nn.LayerNorm, "lm_head", dtype=torch.float32)
         """
         dtype = torch.float32 if dtype in (torch.float32, "fp32", "float32") else resolve_dtype(dtype)

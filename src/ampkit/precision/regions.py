@@ -48,7 +48,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
     ``forward`` that runs in several threads at once. Casts of float32 weights
     are cached for the outermost region and dropped when it exits.
 
-    Example:
+    Examples:
         >>> policy = ampkit.Policy.default("cpu", torch.bfloat16)
         >>> with ampkit.autocast(policy):
         ...     loss = loss_fn(model(x), y)

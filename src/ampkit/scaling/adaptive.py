@@ -112,7 +112,7 @@ class AdaptiveLossScaler(DynamicLossScaler):
     Raises:
         ValueError: a constant out of range, or a model without parameters.
 
-    Example:
+    Examples:
         >>> scaler = ampkit.AdaptiveLossScaler(model)
         >>> scaler.scale(loss_fn(model(x), y)).backward()
         >>> scaler.step(optimizer); scaler.update()

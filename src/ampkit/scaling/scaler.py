@@ -54,7 +54,8 @@ class DynamicLossScaler:
         hysteresis: overflowing steps tolerated before a back-off (default 1: every
             overflow backs off, as torch's GradScaler; DeepSpeed uses 2). Steps that
             overflow are skipped either way.
-        min_scale / max_scale: bounds of the scale (default 1.0 and 2**24).
+        min_scale: the lower bound of the scale (default 1.0).
+        max_scale: the upper bound of the scale (default 2**24).
         max_min_scale_overflows: overflowing steps in a row at ``min_scale`` before
             raising NonFiniteError (default 10).
         enabled: False makes every method a pass-through (``scale`` returns its input,
@@ -146,7 +147,8 @@ class DynamicLossScaler:
             optimizer: one optimizer, or a list of them to step together: all step,
                 or (when any of their gradients overflowed) none does. Separate
                 ``step`` calls skip independently, as torch's GradScaler.
-            args, kwargs: passed to ``optimizer.step``.
+            *args: passed to ``optimizer.step``.
+            **kwargs: passed to ``optimizer.step``.
 
         Returns:
             True when the optimizer(s) stepped, False when skipped.
@@ -239,7 +241,8 @@ class DynamicLossScaler:
         Args:
             optimizer_or_params: an optimizer (unscaled via ``unscale_`` if not yet),
                 or parameters whose gradients are unscaled here.
-            max_norm, norm_type: as ``torch.nn.utils.clip_grad_norm_``.
+            max_norm: as ``torch.nn.utils.clip_grad_norm_``'s.
+            norm_type: as ``torch.nn.utils.clip_grad_norm_``'s.
 
         Returns:
             The total norm of the unscaled gradients before clipping (inf/NaN when a
