@@ -9,7 +9,7 @@ few microseconds only on the ops it moved.
 
 The registrations are process-wide (the dispatcher has no per-thread table) and stay for
 the life of the process once a region first needed them: registering costs about
-0.1-0.3 ms per op, too much to pay on every step, and removing a kernel while another
+a fraction of a millisecond per op, too much to pay on every step, and removing a kernel while another
 thread dispatches to it is not safe. Each kernel reads the calling thread's innermost
 ampkit region (``state.py``) and, in a thread without one, does what torch.autocast would.
 """

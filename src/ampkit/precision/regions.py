@@ -56,7 +56,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
 
     Note:
         An edited policy, or float32 compute, registers process-wide dispatcher
-        kernels on entry of the first region that needs them (0.1-0.3 ms per op,
+        kernels on entry of the first region that needs them (a fraction of a millisecond per op,
         once per process); they stay, and do what torch.autocast does in threads
         without an ampkit region. ``"auto"`` compute reads ``ampkit.measure()``,
         which times this machine's kernels for about a second the first time it
