@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import tempfile
@@ -48,7 +49,16 @@ def publish_new(files: dict[Path, Callable[[Path], object]]) -> None:
             write(Path(tmp))
             os.chmod(tmp, 0o644)
         for path, tmp in temporary.items():
-            os.link(tmp, path)  # FileExistsError where the path exists: exclusive, unlike a rename
+            try:
+                os.link(tmp, path)  # FileExistsError where the path exists: exclusive, unlike a rename
+            except FileExistsError:
+                raise
+            except OSError as error:  # a file system without hard links: check, then rename (a narrow race)
+                if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                    raise
+                if path.exists():
+                    raise FileExistsError(errno.EEXIST, "File exists", tmp, None, str(path)) from None
+                os.replace(tmp, path)
             placed.append(path)
     except BaseException:
         for path in placed:
