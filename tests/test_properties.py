@@ -90,6 +90,17 @@ def _fake_compare(outcome: str) -> Any:
        outcome=some(["ok", "diverged", "interrupt"]))
 def test_compare_exits_with_a_known_code_no_traceback_and_whole_results(argv: list[str], out: str,
                                                                          outcome: str) -> None:
+    _compare_holds(argv, out, outcome)
+
+
+@pytest.mark.parametrize("outcome, code", [("ok", 0), ("diverged", 1), ("interrupt", 130)])
+def test_the_sweeps_property_is_met_by_valid_arguments_with_each_outcome(outcome: str, code: int) -> None:
+    # the property alone would also hold for a CLI that refused everything: valid arguments must get through
+    assert _compare_holds(["--model", "mlp", "--precision", "fp32", "bf16", "--steps", "2"], "fresh", outcome) == code
+
+
+def _compare_holds(argv: list[str], out: str, outcome: str) -> int:
+    """Run ``ampkit compare`` (training faked) and check the property; returns the exit code."""
     work = Path(tempfile.mkdtemp(prefix="ampkit-property-"))
     try:
         target = work / "run"
@@ -120,6 +131,9 @@ def test_compare_exits_with_a_known_code_no_traceback_and_whole_results(argv: li
             assert written is None or not written.exists()  # refused: nothing written
         if out == "existing_results":
             assert (target / "results.json").read_text() == "{}"  # never overwritten
+        if code in (0, 1) and out == "fresh":
+            assert written is not None and written.exists()  # a finished comparison left its results
+        return code
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

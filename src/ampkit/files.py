@@ -11,13 +11,19 @@ from pathlib import Path
 from typing import Any
 
 
-def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Write ``path`` through a temporary file in its directory, then rename it into place,
-    so a crash never leaves a half-written file."""
+def _temporary_beside(path: Path) -> str:
+    """A new empty temporary file in ``path``'s directory (created), named after it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # A suffix even where ``path`` has none: torch.save's zip writer refuses a dot-file without one.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix or ".tmp")
     os.close(fd)
+    return tmp
+
+
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """Write ``path`` through a temporary file in its directory, then rename it into place,
+    so a crash never leaves a half-written file."""
+    tmp = _temporary_beside(path)
     try:
         write(Path(tmp))
         os.chmod(tmp, 0o644)  # mkstemp makes the file private (0600); results and caches are not secrets
@@ -42,10 +48,7 @@ def publish_new(files: dict[Path, Callable[[Path], object]]) -> None:
     placed: list[Path] = []
     try:
         for path, write in files.items():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=path.suffix or ".tmp")
-            os.close(fd)
-            temporary[path] = tmp
+            tmp = temporary[path] = _temporary_beside(path)
             write(Path(tmp))
             os.chmod(tmp, 0o644)
         for path, tmp in temporary.items():

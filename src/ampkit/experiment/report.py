@@ -1,4 +1,4 @@
-"""Tables, figures and files of a comparison. Files are written atomically."""
+"""Tables, figures and files of a comparison. ``write_all`` writes the files all or none."""
 
 from __future__ import annotations
 
@@ -11,14 +11,15 @@ from rich import box
 from rich.table import Table
 
 from ampkit.experiment.comparison import Comparison
-from ampkit.files import atomic_write, publish_new
+from ampkit.files import publish_new
 
 MIB = 2**20
 
 
 def write_json(comparison: Comparison, path: Path) -> None:
+    """results.json's text to ``path`` (``write_all`` makes the three files atomic together)."""
     text = json.dumps(comparison.to_dict(), indent=2, allow_nan=False)  # inf/NaN are null, listed in non_finite
-    atomic_write(path, lambda tmp: tmp.write_text(text + "\n"))
+    path.write_text(text + "\n")
 
 
 def _ratio(value: float | None) -> str:
@@ -88,7 +89,7 @@ def write_curves(comparison: Comparison, path: Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    fig.savefig(path, format="png")
     plt.close(fig)
 
 
@@ -119,7 +120,7 @@ def write_summary(comparison: Comparison, path: Path) -> None:
     fig.suptitle(f"{comparison.config['model']} on {comparison.config['data']}, {comparison.machine['device_name']}",
                  fontsize=9)
     fig.tight_layout()
-    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    fig.savefig(path, format="png")
     plt.close(fig)
 
 

@@ -141,7 +141,7 @@ def plan(
         if ignored:
             raise ValueError(f"precisions=['fp32'] runs float32 alone, which ignores {', '.join(ignored)}: add a "
                              "16-bit precision, e.g. precisions=['fp32', 'bf16'], or drop them.")
-    if epochs is not None and data in ("text",):
+    if epochs is not None and data == "text":
         raise ValueError(f"epochs={epochs} applies to image data; text runs (model={model!r}) train for a number "
                          "of steps: use steps=N instead.")
     if epochs is not None and steps is not None:

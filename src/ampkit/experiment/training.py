@@ -222,15 +222,16 @@ def evaluate(model: nn.Module, dataset: data_mod.Dataset, batch: Callable[..., A
         indices = list(starts.split(16))
     else:
         indices = list(torch.arange(len(dataset.test_y)).split(256))
-    for index in indices:
-        x, y = batch(index, "test")
-        out = model(x)
-        if not bool(torch.isfinite(out).all()):
-            model.train()
-            return None
-        correct += int((out.argmax(-1) == y).sum())
-        total += y.numel()
-    model.train()
+    try:
+        for index in indices:
+            x, y = batch(index, "test")
+            out = model(x)
+            if not bool(torch.isfinite(out).all()):
+                return None
+            correct += int((out.argmax(-1) == y).sum())
+            total += y.numel()
+    finally:
+        model.train()
     return correct / total
 
 

@@ -45,19 +45,23 @@ def check_scale(scale: object, rule: ScaleRule, name: str) -> None:
         )
 
 
+# What a torch.amp.GradScaler state dict holds that ampkit reads, and its type.
+_GRAD_SCALER_KEYS: dict[str, type] = {"scale": float, "_growth_tracker": int, "growth_factor": float,
+                                      "backoff_factor": float, "growth_interval": int}
+
+
 def from_grad_scaler(state: dict[str, Any], rule: ScaleRule) -> dict[str, Any]:
     """Translate a torch.amp.GradScaler state dict (counters start at 0).
 
     Raises:
         RuntimeError: a key GradScaler's state dicts have is missing, or not a number (named).
     """
-    missing = sorted({"scale", "_growth_tracker", "growth_factor", "backoff_factor", "growth_interval"} - set(state))
+    missing = sorted(set(_GRAD_SCALER_KEYS) - set(state))
     if missing:
         raise RuntimeError(f"Cannot load torch.amp.GradScaler state: missing keys {missing}. Pass the dict from "
                            "GradScaler.state_dict() as it is, or DynamicLossScaler.state_dict().")
     numbers: dict[str, float | int] = {}
-    for key, kind in (("scale", float), ("_growth_tracker", int), ("growth_factor", float),
-                      ("backoff_factor", float), ("growth_interval", int)):
+    for key, kind in _GRAD_SCALER_KEYS.items():
         value = state[key]
         whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not whole):
