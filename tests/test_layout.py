@@ -15,7 +15,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 
 # Modules of vocabulary: every other module may import them, they import nothing of ampkit.
 LEAVES = {"ampkit._torch", "ampkit.files", "ampkit.precision.modes", "ampkit.precision.op_lists",
-          "ampkit.formats.recipes"}
+          "ampkit.formats.recipes", "ampkit.shards"}
 # The layers that use the library; the library never imports them (not even inside a function).
 USERS = ("ampkit.cli", "ampkit.experiment", "ampkit.integrations")
 # What counts as reaching into torch's privates (the patterns shared/hooks/before-stop looks for, and more).

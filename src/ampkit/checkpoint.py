@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from ampkit.files import atomic_write
+from ampkit.shards import is_sharded
 
 CHECKPOINT_VERSION = 1
 
@@ -29,18 +30,32 @@ class _Stateful(Protocol):
 _PLAIN = (bool, int, float, str, type(None), torch.Tensor)
 
 
-def _check_plain(value: Any, where: str) -> None:
+def check_plain(value: Any, where: str) -> None:
     """Refuse what torch.load(weights_only=True) would refuse to read back (numpy scalars, paths, objects)."""
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            _check_plain(item, f"{where}[{i}]")
+            check_plain(item, f"{where}[{i}]")
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_plain(item, f"{where}[{key!r}]")
+            check_plain(item, f"{where}[{key!r}]")
     elif not isinstance(value, _PLAIN) or type(value).__module__ == "numpy":
         raise ValueError(f"{where} is a {type(value).__module__}.{type(value).__name__} ({value!r}): a checkpoint "
                          "keeps plain values (bool, int, float, str, None, tensors, and lists or dicts of them), "
                          "which load safely. Convert it first, e.g. float(value) or str(path).")
+
+
+def _refuse_shards(value: Any, where: str) -> None:
+    """Refuse FSDP2 shards: one process's file would keep only this rank's part of them."""
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _refuse_shards(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _refuse_shards(item, f"{where}[{key!r}]")
+    elif is_sharded(value):
+        raise ValueError(f"{where} is a DTensor (an FSDP2 shard): a file from one process would keep only this "
+                         "rank's part. Save sharded models with ampkit.distributed.save_sharded_checkpoint "
+                         "(every rank writes its shards; it loads on any world size).")
 
 
 def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **objects: _Stateful) -> None:
@@ -57,7 +72,8 @@ def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **obj
 
     Raises:
         ValueError: no objects were given, or an ``extra`` value that would not load back (a numpy
-            scalar, a Path: named, with the conversion to make).
+            scalar, a Path: named, with the conversion to make); an FSDP2 model's DTensor state (use
+            ``ampkit.distributed.save_sharded_checkpoint``).
         TypeError: an object has no ``state_dict()`` (it is named).
 
     Examples:
@@ -72,10 +88,12 @@ def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **obj
             raise TypeError(f"{name}={type(obj).__name__} has no state_dict(): pass modules, optimizers, schedulers "
                             "and loss scalers by name, and plain values in extra={...}.")
     for key, value in (extra or {}).items():
-        _check_plain(value, f"extra[{key!r}]")
+        check_plain(value, f"extra[{key!r}]")
+    states = {name: obj.state_dict() for name, obj in objects.items()}
+    _refuse_shards(states, "states")
     state = {
         "ampkit_checkpoint": CHECKPOINT_VERSION,
-        "states": {name: obj.state_dict() for name, obj in objects.items()},
+        "states": states,
         "extra": dict(extra or {}),
     }
     atomic_write(Path(path), lambda tmp: torch.save(state, tmp))

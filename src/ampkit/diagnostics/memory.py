@@ -18,8 +18,10 @@ from torch import nn
 from ampkit.float32_compute.gelu_recompute import passthrough
 from ampkit.float32_compute.weights import is_weight_copy, weight_storages
 from ampkit.precision.modes import resolve_dtype
+from ampkit.shards import local_shard
 
 # Optimizer states per parameter, in the dtype of the parameters the optimizer updates.
+SHARDINGS = ("none", "fsdp")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-nomomentum": 0, "adagrad": 1, "rmsprop": 1}
 
 
@@ -73,6 +75,8 @@ class MemoryEstimate:
     parameters: int  # all of them, frozen ones included
     float32: MemoryBreakdown
     mixed: MemoryBreakdown
+    world_size: int = 1  # sharded over (sharding="fsdp"): the breakdowns are per rank
+    largest_gather_bytes: int = 0  # FSDP2: the largest unit's all-gathered weights (mixed), transient
 
 
 def estimate_memory(
@@ -84,6 +88,9 @@ def estimate_memory(
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     update: str = "plain",
     keep_float32: Sequence[type[nn.Module]] = (),
+    world_size: int = 1,
+    sharding: str = "none",
+    blocks: Sequence[type[nn.Module]] | None = None,
 ) -> MemoryEstimate:
     """Estimate training memory in float32 and at ``opt_level``.
 
@@ -104,6 +111,12 @@ def estimate_memory(
         update: O3's update rule (``ampkit.optim.pure16``): ``"plain"``, ``"kahan"`` or ``"stochastic"``.
         keep_float32: at O2, module types kept in float32 besides the normalization layers, as
             ``initialize(..., keep_float32=...)`` keeps them (e.g. ``[nn.Embedding]``).
+        world_size: ranks the model is sharded over (``sharding="fsdp"``).
+        sharding: ``"none"`` (default: one process's bytes) or ``"fsdp"``: per-rank bytes under
+            ``ampkit.distributed.fully_shard`` (each parameter's first dimension split over the ranks,
+            rounded up as FSDP2 pads it; its float32 shards are O2's masters, so ``master_weights`` is 0
+            and the shards count as weights); ``inputs`` are one rank's batch.
+        blocks: with ``sharding="fsdp"``, ``fully_shard``'s ``blocks`` (for ``largest_gather_bytes``).
 
     Returns:
         A ``MemoryEstimate``: the parameter count and a ``MemoryBreakdown`` (weights, gradients, masters,
@@ -111,7 +124,8 @@ def estimate_memory(
 
     Raises:
         ValueError: an unknown optimizer, opt level or update, an update other than plain below O3,
-            or ``keep_float32`` below or above O2 or listing something that is not an nn.Module type.
+            ``keep_float32`` below or above O2 or listing something that is not an nn.Module type, an
+            unknown sharding, or a world size below 1 (or above 1 without sharding).
     """
     from ampkit.optim.levels import NORM_TYPES, OPT_LEVELS, check_keep_float32, check_settings, initialize
 
@@ -121,6 +135,12 @@ def estimate_memory(
         raise ValueError(f"Unknown opt_level {opt_level!r} for a mixed estimate. Choose one of {list(OPT_LEVELS[1:])}.")
     check_settings(opt_level, "auto", None, update)
     check_keep_float32(opt_level, keep_float32)
+    if sharding not in SHARDINGS:
+        raise ValueError(f"Unknown sharding {sharding!r}. Choose one of {list(SHARDINGS)}.")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1 \
+            or (sharding == "none" and world_size != 1):
+        raise ValueError(f"world_size={world_size!r} is invalid: an integer >= 1, with sharding='fsdp' (without "
+                         "sharding, every rank holds what one process holds: world_size=1).")
     kept_types = (*NORM_TYPES, *keep_float32)
     dtype = resolve_dtype(dtype)
     states = OPTIMIZER_STATES[optimizer]
@@ -162,7 +182,44 @@ def estimate_memory(
         label = f"O3 {dtype}" + (f" {update}" if update != "plain" else "")
         mixed = MemoryBreakdown(label, model_bytes(list(params.values())), model_bytes(trained), 0,
                                 states * model_bytes(trained) + compensation, activations("O3"))
+    if sharding == "fsdp":
+        return sharded_estimate(model, MemoryEstimate(n, fp32, mixed), opt_level, dtype, states, update,
+                                tuple(keep_float32), world_size, blocks)
     return MemoryEstimate(n, fp32, mixed)
+
+
+def sharded_estimate(model: nn.Module, whole: MemoryEstimate, opt_level: str, dtype: torch.dtype, states: int,
+                     update: str, keep_float32: tuple[type[nn.Module], ...], world_size: int,
+                     blocks: Sequence[type[nn.Module]] | None) -> MemoryEstimate:
+    """``whole``'s per-rank counterpart under ``fully_shard``: parameters, gradients and optimizer states
+    sharded (FSDP2 pads each first dimension to a multiple of the world size), activations unchanged."""
+    from ampkit.distributed.units import kept_units, shard_blocks
+
+    def shard(p: torch.Tensor) -> int:
+        rows = p.shape[0] if p.dim() else 1
+        return -(-rows // world_size) * (p.numel() // max(rows, 1))
+
+    params = {id(p): p for p in model.parameters()}.values()
+    trained = [p for p in params if p.requires_grad]
+    n, t = sum(shard(p) for p in params), sum(shard(p) for p in trained)
+    low = torch.finfo(dtype).bits // 8
+    stored = low if opt_level == "O3" else 4  # O0-O2 keep float32 shards, O3 16-bit ones
+    extra = t * low if update == "kahan" else 0
+    fp32 = dataclasses.replace(whole.float32, weights=4 * n, gradients=4 * t, optimizer_states=4 * states * t)
+    mixed = dataclasses.replace(whole.mixed, label=whole.mixed.label + " fsdp", weights=stored * n,
+                                gradients=stored * t, master_weights=0, optimizer_states=stored * states * t + extra)
+    # The largest unit's gathered weights: each unit's own parameters (not an inner unit's), in the dtype gathered.
+    kept = [m for _, m in kept_units(model, opt_level, keep_float32)]
+    units = kept + [m for _, m in shard_blocks(model, blocks)] + [model]
+    owner: dict[int, int] = {}
+    for i, unit in enumerate(units):
+        for p in unit.parameters():
+            owner.setdefault(id(p), i)
+    sizes = [0] * len(units)
+    for p in params:
+        i = owner[id(p)]
+        sizes[i] += p.numel() * (4 if opt_level in ("O0", "O1") or i < len(kept) else low)
+    return MemoryEstimate(whole.parameters, fp32, mixed, world_size, max(sizes))
 
 
 def measured_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -181,7 +238,7 @@ def measured_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor):
-            storage = t.untyped_storage()
+            storage = local_shard(t).untyped_storage()  # an FSDP2 tensor: this rank's shard
             seen[storage.data_ptr()] = storage.nbytes()
 
     for tensor in [*model.parameters(), *model.buffers()]:

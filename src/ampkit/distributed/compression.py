@@ -164,3 +164,31 @@ def compression_hook(dtype: torch.dtype | None = torch.float16, predivide_factor
     # DDP checks the hook's annotations as objects; `from __future__ import annotations` made them strings.
     hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
     return hook
+
+
+class PredividedReduceScatter:
+    """FSDP2's gradient reduce-scatter, summed with ampkit's pre-divide (set with
+    ``FSDPModule.set_custom_reduce_scatter``; FSDP2 is told to sum and divide by 1)."""
+
+    def __init__(self, factor: float, counts: Any) -> None:
+        self.factor, self.counts = factor, counts  # counts: anything with bytes_sent and overflows
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        world_size = dist.get_world_size(group)
+        if self.factor != 1.0:
+            input_tensor.div_(self.factor)
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None)  # torch >= 2.13's name
+        if reduce_scatter is None:
+            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=group)
+        else:
+            reduce_scatter(output=output_tensor, input=input_tensor, op=dist.ReduceOp.SUM, group=group)
+        output_tensor.mul_(self.factor / world_size)
+        self.counts.bytes_sent += input_tensor.numel() * input_tensor.element_size()
+        if not bool(torch.isfinite(output_tensor).all()):  # left for the loss scaler to skip
+            self.counts.overflows += 1
+            warnings.warn(overflow_message(input_tensor.dtype, self.factor, world_size), ReductionOverflowWarning,
+                          stacklevel=2)

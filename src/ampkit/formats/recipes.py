@@ -32,6 +32,9 @@ class Fp8Recipe:
         amax_history_len: steps of amax kept per tensor (delayed scaling; default 16).
         amax_compute_algo: ``"max"`` of the history (default) or its ``"most_recent"`` entry.
         margin: the scale is divided by ``2**margin`` (headroom against growth; default 0).
+        fsdp_all_gather: under FSDP2 (``ampkit.distributed.fully_shard``), all-gather the weights in
+            FP8 (torchao's ``enable_fsdp_float8_all_gather``: a quarter of float32's bytes on the
+            wire); current scaling only (default False: weights all-gather in their own dtype).
     """
 
     scaling: str = "delayed"
@@ -40,6 +43,7 @@ class Fp8Recipe:
     amax_history_len: int = 16
     amax_compute_algo: str = "max"
     margin: int = 0
+    fsdp_all_gather: bool = False
 
     def __post_init__(self) -> None:
         for name, choices in (("scaling", SCALINGS), ("format", FORMATS), ("granularity", GRANULARITIES),
@@ -53,6 +57,12 @@ class Fp8Recipe:
             if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
                 bounds = f"an integer >= {low}" if high is None else f"an integer in [{low}, {high}]"
                 raise ValueError(f"Fp8Recipe({name}={value!r}) is invalid: use {bounds}.")
+        if not isinstance(self.fsdp_all_gather, bool):
+            raise ValueError(f"Fp8Recipe(fsdp_all_gather={self.fsdp_all_gather!r}) is not a bool: pass True or False.")
+        if self.fsdp_all_gather and (self.scaling, self.granularity) != ("current", "tensor"):
+            raise ValueError(f"Fp8Recipe(fsdp_all_gather=True) needs scaling='current' and granularity='tensor' "
+                             f"(got {self.scaling!r}, {self.granularity!r}): torchao all-gathers tensorwise FP8 "
+                             "weights; ampkit's delayed scaling all-gathers weights in their own dtype.")
         if self.granularity == "row" and self.scaling == "delayed":
             raise ValueError("Fp8Recipe(granularity='row') needs scaling='current': delayed scaling keeps one amax "
                              "history per tensor (as Transformer Engine does).")

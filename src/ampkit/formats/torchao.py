@@ -24,5 +24,16 @@ def convert_current(model: nn.Module, recipe: Fp8Recipe, chosen: set[str], emula
     forward, backward = CastConfig(scaling_granularity=granularity, target_dtype=E4M3), CastConfig(
         scaling_granularity=granularity, target_dtype=recipe.dtype(GRAD))
     config = Float8LinearConfig(cast_config_input=forward, cast_config_weight=forward,
-                                cast_config_grad_output=backward, emulate=emulate)
+                                cast_config_grad_output=backward, emulate=emulate,
+                                enable_fsdp_float8_all_gather=recipe.fsdp_all_gather)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen)
+
+
+def precompute_fsdp_scales(model: nn.Module) -> None:
+    """torchao's ``precompute_float8_dynamic_scale_for_fsdp``: every FP8-all-gathered weight's scale in
+    one all-reduce; nothing for a model without them (or without torchao)."""
+    try:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+    except ImportError:
+        return  # no torchao: no FP8 all-gathers either
+    precompute_float8_dynamic_scale_for_fsdp(model)

@@ -22,12 +22,13 @@ from ampkit.optim.master import MasterWeightOptimizer
 from ampkit.precision.modes import LOW_DTYPES, check_compute, resolve_dtype
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
+from ampkit.shards import is_sharded
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 NORM_TYPES = (_torch.NORM_BASE, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
-def _cast_inputs(dtype: torch.dtype) -> Any:
+def cast_inputs(dtype: torch.dtype) -> Any:
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         def cast(v: Any) -> Any:
             if isinstance(v, torch.Tensor) and v.is_floating_point():
@@ -107,6 +108,10 @@ def initialize(
             "float32 model and its plain optimizer (a second call adds masters of masters and a second set of hooks)."
         )
     check_model_and_optimizer(model, optimizer)
+    if opt_level in ("O2", "O3") and any(is_sharded(p) for p in model.parameters()):
+        raise ValueError(f"The model is sharded with FSDP2 already: {opt_level} casts weights, which FSDP2 does "
+                         "at its all-gathers. Call ampkit.distributed.fully_shard(model, opt_level="
+                         f"{opt_level!r}) on the float32 model instead of torch's fully_shard and initialize.")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = resolve_dtype(dtype) if dtype is not None else recommend_dtype(device)
     if optimizer is not None and update != "plain":
@@ -115,7 +120,7 @@ def initialize(
     if opt_level == "O0":
         return model, optimizer
     if opt_level == "O1":
-        _wrap_forward(model, autocast(policy or Policy.default(device.type, dtype, compute=compute)))
+        wrap_forward(model, autocast(policy or Policy.default(device.type, dtype, compute=compute)))
         return model, optimizer
     if opt_level == "O2" and optimizer is not None:
         optimizer = MasterWeightOptimizer(optimizer)  # before the cast: masters are exact
@@ -124,7 +129,7 @@ def initialize(
         optimizer = pure16.pure16_optimizer(optimizer, update)
     model16 = Policy.for_16bit_model(device.type, dtype, compute)
     if float32_ops(model16):
-        _wrap_forward(model, autocast(model16))
+        wrap_forward(model, autocast(model16))
     return model, optimizer
 
 
@@ -191,12 +196,12 @@ def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype,
         _cast_own(module, dtype, kept)
         own = list(module.parameters(recurse=False))
         if keep_float32 and module is not model and own and all(p.dtype == dtype for p in own):
-            module.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
-    model.register_forward_pre_hook(_cast_inputs(dtype), with_kwargs=True)
+            module.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
+    model.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
     model.register_forward_hook(cast_output_to_float32)
 
 
-def _wrap_forward(model: nn.Module, region: autocast) -> None:
+def wrap_forward(model: nn.Module, region: autocast) -> None:
     model.forward = types.MethodType(region(type(model).forward), model)  # type: ignore[method-assign]
 
 

@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from ampkit.shards import local_shard
+
 UPDATES = ("plain", "kahan", "stochastic")
 
 
@@ -127,10 +129,12 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
                 else:
                     _adamw_update(weight, grad, state, group, p.dtype)
                 generator = self._generator_for(p)
+                # An FSDP2 weight rounds on this rank's shard (its states stay DTensors, as checkpoints need).
+                target, weight = local_shard(p), local_shard(weight)
                 if p.dtype == torch.bfloat16:
-                    p.copy_(_cut_to_bfloat16(weight, generator))  # exact: the low bits are zero
+                    target.copy_(_cut_to_bfloat16(weight, generator))  # exact: the low bits are zero
                 else:
-                    p.copy_(stochastic_round(weight, p.dtype, generator))
+                    target.copy_(stochastic_round(weight, p.dtype, generator))
         return loss
 
     def _generator_for(self, p: torch.Tensor) -> torch.Generator | None:

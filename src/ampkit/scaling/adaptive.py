@@ -44,6 +44,7 @@ from ampkit.float32_compute.gelu_recompute import identity_forward
 from ampkit.scaling import rules
 from ampkit.scaling.rules import total
 from ampkit.scaling.scaler import DynamicLossScaler
+from ampkit.shards import local_shard, shard_group
 
 STATE_VERSION = 1
 _GLOBAL = -1  # the group of parameters outside every bracketed layer
@@ -265,11 +266,12 @@ class AdaptiveLossScaler(DynamicLossScaler):
                 if p.grad.is_sparse and p.grad.dtype == torch.float16:
                     p.grad = p.grad.coalesce()
                 groups[self._group_of.get(self._master_of.get(id(p), id(p)), _GLOBAL)].append(p.grad)
+                self._shard_group = self._shard_group or shard_group(p.grad)
         found = []
         for group, grads in groups.items():
             scale = self._state.scale if group == _GLOBAL else self._layer_scales[group]
             found += list(rules.unscale_and_check_(grads, 1.0 / scale).values())
-            values = [g._values() if g.is_sparse else g for g in grads]
+            values = [g._values() if g.is_sparse else local_shard(g) for g in grads]
             norms = _torch.foreach_norm(values, math.inf)
             self._events[group]["weights"].append(torch.stack([n.float() for n in norms]).amax())
         return total(found)
@@ -285,10 +287,11 @@ class AdaptiveLossScaler(DynamicLossScaler):
             rows.append(torch.stack([torch.nan_to_num(torch.stack(events[k]).amax(), nan=math.inf, posinf=math.inf)
                                      if events[k] else torch.tensor(-1.0, device=found.device) for k in kinds]))
         packed = torch.cat([torch.stack(rows).flatten(), found.detach().float().reshape(1)])
-        if self.process_group is not None:
+        group = self.process_group if self.process_group is not None else self._shard_group
+        if group is not None:
             import torch.distributed as dist
 
-            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=self.process_group)
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
         *table, overflow = packed.tolist()  # the one sync
         self._table = [table[i:i + len(kinds)] for i in range(0, len(table), len(kinds))]
         return overflow > 0

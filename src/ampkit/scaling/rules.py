@@ -2,7 +2,8 @@
 
 Small functions of tensors and plain numbers with no globals; the scaler
 classes in ``scaler.py`` hold the state and sequence the calls. Of ampkit this
-module imports only the torch shim (``ampkit._torch``, for GradScaler's fused unscale).
+module imports only the torch shim (``ampkit._torch``, for GradScaler's fused unscale) and
+``ampkit.shards`` (an FSDP2 gradient is checked on this rank's shard).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from ampkit import _torch
+from ampkit.shards import local_shard
 
 
 def unscale_and_check_(grads: Iterable[torch.Tensor], inv_scale: float) -> dict[torch.device, torch.Tensor]:
@@ -37,6 +39,7 @@ def unscale_and_check_(grads: Iterable[torch.Tensor], inv_scale: float) -> dict[
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for grad in grads:
+        grad = local_shard(grad)  # an FSDP2 gradient: this rank's shard, checked here, agreed on by the scaler
         if grad.is_sparse:
             grad = grad._values()  # the values themselves, not a copy (coalesce() copies)
         groups[(grad.device, grad.dtype)].append(grad)

@@ -22,10 +22,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ampkit.scaling import rules
 from ampkit.scaling.rules import ScaleRule, ScaleState, total
 from ampkit.scaling.state_dicts import STATE_VERSION, ScalerStats, check_scale, checked_state
+from ampkit.shards import is_sharded, shard_group
 
 _HISTORY_LEN = 1000
 
@@ -63,7 +65,8 @@ class DynamicLossScaler:
         process_group: with torch.distributed, a process group (``dist.group.WORLD`` for
             all ranks): the overflow finding is all-reduced over it (one scalar) before
             deciding, so every rank skips the same steps even when ranks check different
-            gradients. None (default): decide locally.
+            gradients. None (default): locally, or over the group FSDP2 gradients (DTensors)
+            are sharded over (a rank skipping alone would leave the model half-updated).
 
     Raises:
         ValueError: a constant out of range.
@@ -97,6 +100,7 @@ class DynamicLossScaler:
         self.enabled = enabled
         self.max_min_scale_overflows = max_min_scale_overflows
         self.process_group = process_group
+        self._shard_group: Any = None  # found on the first FSDP2 gradient when process_group is None
         self._last_loss: torch.Tensor | None = None
         self._state = ScaleState(float(init_scale), 0, hysteresis)
         self._steps = self._skipped = self._overflows = self._updates = 0
@@ -256,7 +260,8 @@ class DynamicLossScaler:
             params = list(optimizer_or_params)
             if self.enabled:  # counted in the next step's decision
                 self._loose_found.append(self._unscale_grads(params))
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)  # over FSDP2 shards too
+        return norm.full_tensor() if is_sharded(norm) else norm  # a replicated DTensor for sharded gradients
 
     # -- checkpoints --------------------------------------------------------------
 
@@ -324,19 +329,18 @@ class DynamicLossScaler:
             if p.grad is not None and id(p) not in self._unscaled_ids:
                 self._unscaled_ids.add(id(p))
                 if p.grad.is_sparse and p.grad.dtype == torch.float16:
-                    # Duplicate indices add up on coalescing, and scaled float16 values may
-                    # overflow only then: check the coalesced values (torch's GradScaler does).
+                    # Duplicates add up on coalescing and may overflow only then (GradScaler coalesces too).
                     p.grad = p.grad.coalesce()
                 grads.append(p.grad)
+                self._shard_group = self._shard_group or shard_group(p.grad)
         found = rules.unscale_and_check_(grads, 1.0 / self._state.scale)
         return total(list(found.values()))
 
     def _agree(self, found: torch.Tensor) -> bool:
-        if self.process_group is not None:
-            import torch.distributed as dist
-
+        group = self.process_group if self.process_group is not None else self._shard_group
+        if group is not None:
             found = found.detach().clone()
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.process_group)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         return bool(found.item() > 0)
 
     def _diagnose(self, last_loss: torch.Tensor | None) -> str:

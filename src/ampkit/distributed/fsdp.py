@@ -1,0 +1,331 @@
+"""ampkit's opt levels on FSDP2: ``fully_shard`` with the mixed precision policies each level means.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps each parameter as a float32 shard and casts at
+the all-gather (``MixedPrecisionPolicy.param_dtype``), so its shards are the master weights and O2
+needs no second copy. ampkit maps its levels onto it rather than re-implementing sharding:
+
+- O0: float32 shards, float32 all-gathers (the baseline);
+- O1: float32 shards and all-gathers, ampkit's autocast policy around the forward;
+- O2: float32 shards, 16-bit all-gathers and compute, normalization layers (and ``keep_float32``
+  types) sharded on their own with float32 all-gathers, inputs cast at the root, outputs float32;
+- O3: 16-bit shards (the model is cast first), with ``update="kahan"`` / ``"stochastic"`` through
+  ``prepare_optimizer``.
+
+Gradients reduce-scatter in ``reduce_dtype`` (ampkit's gradient compression on this engine) with
+ampkit's pre-divide: FSDP2 is told to sum (``set_force_sum_reduction_for_comms``, divide factor 1)
+and a reduce-scatter of ours divides by ``f`` before the sum and by ``world_size / f`` after, as the
+DDP hook does (FSDP2's own rule pre-divides float16 by a power of two near sqrt(world_size) and
+averages bfloat16 and float32 in the collective; ours names the factor, counts the bytes and warns on
+an overflowed sum).
+
+An optimizer built before sharding holds parameters FSDP2 has replaced and would train nothing: the
+replaced ones are remembered, and any optimizer step over one raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ampkit.distributed.compression import PredividedReduceScatter, predivide, require_process_group
+from ampkit.distributed.units import check_units, kept_units, shard_blocks
+from ampkit.float32_compute.decide import float32_ops
+from ampkit.hardware.advice import recommend_dtype
+from ampkit.optim import pure16
+from ampkit.optim.levels import (
+    cast_inputs,
+    cast_model_,
+    check_keep_float32,
+    check_settings,
+    wrap_forward,
+)
+from ampkit.precision.modes import resolve_dtype
+from ampkit.precision.policy import Policy
+from ampkit.precision.regions import autocast
+
+REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclasses.dataclass
+class Sharding:
+    """How ``fully_shard`` sharded a model (``sharding(model)``), and what its reduce-scatters sent.
+
+    Attributes:
+        opt_level: ``"O0"`` to ``"O3"``.
+        dtype: the 16-bit dtype (float32 at O0).
+        reduce_dtype: the gradients' dtype on the wire.
+        predivide: the pre-divide factor of the reduce-scatters.
+        world_size: ranks the parameters are sharded over.
+        blocks: names of the modules sharded as blocks (the root is sharded too, with the rest).
+        float32: at O2, names of the modules sharded with float32 all-gathers (norms, ``keep_float32``).
+        bytes_sent: bytes this rank handed to gradient reduce-scatters so far.
+        overflows: reduce-scatters whose result held inf/NaN (each warned).
+    """
+
+    opt_level: str
+    dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    predivide: float
+    world_size: int
+    blocks: tuple[str, ...]
+    float32: tuple[str, ...]
+    bytes_sent: int = 0
+    overflows: int = 0
+
+
+def fully_shard(
+    model: nn.Module,
+    *,
+    mesh: Any = None,
+    opt_level: str = "O1",
+    dtype: torch.dtype | str | None = None,
+    reduce_dtype: torch.dtype | str = torch.float32,
+    blocks: Sequence[type[nn.Module]] | None = None,
+    keep_float32: Sequence[type[nn.Module]] = (),
+    compute: str = "auto",
+    policy: Policy | None = None,
+    predivide_factor: float | None = None,
+    reshard_after_forward: bool = True,
+    optimizer: Any = None,
+) -> nn.Module:
+    """Shard a float32 model with FSDP2 at an ampkit opt level (the FSDP2 counterpart of ``initialize``).
+
+    Each block, then the root, is sharded with ``torch.distributed.fsdp.fully_shard`` and the
+    ``MixedPrecisionPolicy`` of ``opt_level`` (see the module docstring). Build the optimizer
+    afterwards, on ``model.parameters()`` (FSDP2 replaces them with DTensor shards), and pass it
+    through ``prepare_optimizer``.
+
+    Args:
+        model: a float32 model on the mesh's device type, not yet sharded nor initialized.
+        mesh: a 1-D ``DeviceMesh`` (default: every rank of the default process group).
+        opt_level: ``"O0"``, ``"O1"`` (default), ``"O2"`` or ``"O3"`` (as ``initialize``'s).
+        dtype: torch.float16 or torch.bfloat16 (None: ``recommend_dtype``).
+        reduce_dtype: the gradients' dtype in the reduce-scatter: torch.float32 (default),
+            torch.bfloat16 or torch.float16 (half the bytes on the wire).
+        blocks: module types to shard as blocks (default: the children of every nn.Sequential
+            or nn.ModuleList, outermost first, e.g. a transformer's layers).
+        keep_float32: at O2, module types kept in float32 besides the normalization layers.
+        compute: how GEMMs compute (``Policy.compute``): ``"auto"``, ``"native"`` or ``"float32"``.
+        policy: the O1 policy (default ``Policy.default(device, dtype, compute=compute)``).
+        predivide_factor: divide gradients by it before the sum (default sqrt(world_size); 1 sums
+            then divides; world_size divides first).
+        reshard_after_forward: FSDP2's (default True: free the gathered weights after each forward).
+        optimizer: leave None: an optimizer can only be built after sharding (passing one raises).
+
+    Returns:
+        The model, sharded in place; ``sharding(model)`` says how.
+
+    Raises:
+        RuntimeError: no process group; an optimizer was given (built before sharding).
+        ValueError: a bad mesh, opt level, dtype, reduce dtype, predivide factor, block type or
+            ``keep_float32``; a model already sharded or initialized, not float32, or whose weights
+            are shared across the units FSDP2 would shard them in. Nothing is changed when it raises.
+
+    Example:
+        >>> model = ampkit.distributed.fully_shard(model, opt_level="O2", dtype=torch.bfloat16)
+        >>> optimizer = ampkit.distributed.prepare_optimizer(model, torch.optim.AdamW(model.parameters()))
+    """
+    # Every check before any change: a refused call leaves the model as it was.
+    if optimizer is not None:
+        raise RuntimeError("fully_shard(optimizer=...): build the optimizer after sharding, on model.parameters(): "
+                           "FSDP2 replaces every parameter with a DTensor shard, and an optimizer built before "
+                           "would step the old tensors and train nothing.")
+    world_size = require_process_group(None)
+    if opt_level != "O0":
+        check_settings(opt_level, compute, policy)
+    check_keep_float32(opt_level, keep_float32)
+    device = _check_model(model)
+    mesh = _mesh(mesh, device.type, world_size)
+    dtype = torch.float32 if opt_level == "O0" else resolve_dtype(dtype) if dtype is not None else recommend_dtype(device)
+    reduce_dtype = _reduce_dtype(reduce_dtype)
+    factor = predivide(mesh.size(), predivide_factor)
+    chosen = shard_blocks(model, blocks)
+    kept = kept_units(model, opt_level, tuple(keep_float32))
+    check_units(model, chosen, kept)
+    before = list(model.parameters())
+
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    layout = Sharding(opt_level, dtype, reduce_dtype, factor, mesh.size(), tuple(n for n, _ in chosen),
+                      tuple(n for n, _ in kept))
+    if opt_level == "O3":
+        cast_model_(model, "O3", dtype)  # uniform 16-bit shards; inputs cast in, outputs float32 out
+    gathered = dtype if opt_level == "O2" else None
+    if opt_level == "O2" and keep_float32:
+        # float32 activations (from a float32 embedding) can reach 16-bit modules: each casts its inputs.
+        kept_ids = {id(p) for _, m in kept for p in m.parameters()}
+        for module in model.modules():
+            own = list(module.parameters(recurse=False))
+            if module is not model and own and not any(id(p) in kept_ids for p in own):
+                module.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
+    for _, module in kept:
+        torch_fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                          mp_policy=MixedPrecisionPolicy(None, reduce_dtype, cast_forward_inputs=False))
+    for _, module in chosen:
+        torch_fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                          mp_policy=MixedPrecisionPolicy(gathered, reduce_dtype))
+    torch_fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy(
+        gathered, reduce_dtype, output_dtype=torch.float32 if opt_level == "O2" else None))
+    comm = PredividedReduceScatter(factor, layout)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)
+            module.set_gradient_divide_factor(1.0)
+            module.set_custom_reduce_scatter(comm)  # type: ignore[arg-type]
+    if opt_level == "O1":
+        wrap_forward(model, autocast(policy or Policy.default(device.type, dtype, compute=compute)))
+    elif opt_level in ("O2", "O3"):
+        model16 = Policy.for_16bit_model(device.type, dtype, compute)
+        if float32_ops(model16):
+            wrap_forward(model, autocast(model16))
+    model._ampkit_opt_level = opt_level  # type: ignore[assignment]
+    model._ampkit_sharding = layout  # type: ignore[assignment]
+    _remember_replaced(model, before)
+    return model
+
+
+def sharding(model: nn.Module) -> Sharding:
+    """How ``fully_shard`` sharded ``model``.
+
+    Raises:
+        ValueError: the model was not sharded by ``ampkit.distributed.fully_shard``.
+    """
+    layout = getattr(model, "_ampkit_sharding", None)
+    if layout is None:
+        raise ValueError(f"{type(model).__name__} was not sharded by ampkit.distributed.fully_shard: call it first.")
+    return layout
+
+
+def prepare_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, update: str = "plain") -> torch.optim.Optimizer:
+    """Check an optimizer built on a sharded model, and give O3 its update rule.
+
+    Args:
+        model: the model ``fully_shard`` returned.
+        optimizer: a torch.optim optimizer built after sharding, on ``model.parameters()``.
+        update: at O3, ``"plain"`` (default), ``"kahan"`` or ``"stochastic"`` (``ampkit.optim.pure16``);
+            either applies to each rank's shards, elementwise.
+
+    Returns:
+        The optimizer (``update`` other than plain: the pure 16-bit one that replaces it).
+
+    Raises:
+        ValueError: the model is not sharded by ampkit, an unknown update or one below O3, or an
+            optimizer over tensors that are not the sharded model's parameters.
+        RuntimeError: the optimizer was built before sharding.
+    """
+    layout = sharding(model)
+    pure16.check_update(update)
+    if update != "plain" and layout.opt_level != "O3":
+        raise ValueError(f"update={update!r} applies at O3 only (this model is sharded at {layout.opt_level}, whose "
+                         "float32 shards take small updates as they are): drop update=, or shard at opt_level='O3'.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer={optimizer!r} is a {type(optimizer).__name__}, not a torch.optim.Optimizer.")
+    _refuse_replaced(optimizer)
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
+    if foreign:
+        raise ValueError(f"The optimizer steps {len(foreign)} tensor(s) that are not this sharded model's parameters "
+                         f"(shapes {[tuple(p.shape) for p in foreign[:3]]}): build it on model.parameters().")
+    return pure16.pure16_optimizer(optimizer, update) if update != "plain" else optimizer
+
+
+def precompute_fp8_scales(model: nn.Module) -> None:
+    """After each optimizer step, with ``Fp8Recipe(scaling="current", fsdp_all_gather=True)``: compute every
+    FP8 weight's scale in one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``) instead
+    of one per weight at its all-gather. Does nothing for a model without FP8 all-gathers."""
+    from ampkit.formats.torchao import precompute_fsdp_scales
+
+    precompute_fsdp_scales(model)
+
+
+# -- checks ---------------------------------------------------------------------
+
+
+def _check_model(model: object) -> torch.device:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={type(model).__name__} is not an nn.Module: pass the model itself.")
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} is sharded already (FSDP2 modules inside): pass the float32 model "
+                         "before any fully_shard call, once.")
+    if getattr(model, "_ampkit_opt_level", None) is not None:
+        raise ValueError(f"The model was initialized at {model._ampkit_opt_level} already: on FSDP2, call "
+                         "ampkit.distributed.fully_shard instead of ampkit.initialize (not both).")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"{type(model).__name__} has no parameters: FSDP2 has nothing to shard.")
+    dtypes = sorted({str(p.dtype) for p in params})
+    if dtypes != ["torch.float32"]:
+        raise ValueError(f"The model's parameters are {dtypes}: pass the float32 model (fully_shard casts what the "
+                         "opt level asks for), e.g. model.float().")
+    devices = sorted({str(p.device) for p in params})
+    if len(devices) > 1:
+        raise ValueError(f"The model's parameters are on {devices}: move it to one device first.")
+    return params[0].device
+
+
+def _mesh(mesh: Any, device_type: str, world_size: int) -> Any:
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if mesh is None:
+        return init_device_mesh(device_type, (world_size,))
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh={mesh!r} is a {type(mesh).__name__}, not a DeviceMesh: pass "
+                         f"init_device_mesh({device_type!r}, ({world_size},)), or None for every rank.")
+    if mesh.ndim != 1:
+        raise ValueError(f"mesh has {mesh.ndim} dimensions {tuple(mesh.shape)}: ampkit shards over a 1-D mesh "
+                         "(HSDP's 2-D meshes: call torch.distributed.fsdp.fully_shard with your own policies).")
+    if mesh.device_type != device_type:
+        raise ValueError(f"mesh is on {mesh.device_type!r} but the model is on {device_type!r}: build the mesh with "
+                         f"init_device_mesh({device_type!r}, ...) or move the model.")
+    return mesh
+
+
+def _reduce_dtype(value: object) -> torch.dtype:
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    dtype = names.get(value) if isinstance(value, str) else value
+    if dtype not in REDUCE_DTYPES:
+        raise ValueError(f"reduce_dtype={value!r} is invalid: choose torch.float32, torch.bfloat16 or torch.float16.")
+    return dtype  # type: ignore[return-value]
+
+
+# -- optimizers built before sharding -------------------------------------------
+
+_REPLACED: dict[int, weakref.ref] = {}  # id -> the parameter FSDP2 replaced (a Tensor's == is elementwise)
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> parameters checked
+_HOOK: list[Any] = []
+
+
+def _remember_replaced(model: nn.Module, before: list[torch.Tensor]) -> None:
+    now = {id(p) for p in model.parameters()}
+    for p in before:
+        if id(p) not in now:
+            _REPLACED[id(p)] = weakref.ref(p, lambda _, pid=id(p): _REPLACED.pop(pid, None))
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _HOOK.append(register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: _refuse_replaced(optimizer)))
+
+
+def _refuse_replaced(optimizer: torch.optim.Optimizer) -> None:
+    count = sum(len(g["params"]) for g in optimizer.param_groups)
+    if _CHECKED.get(optimizer) == count:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _REPLACED.get(id(p))
+            if ref is not None and ref() is p:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} was built before ampkit.distributed.fully_shard: it holds parameters "
+                    "FSDP2 has replaced with DTensor shards, and would train nothing. Build the optimizer after "
+                    "sharding, on model.parameters().")
+    _CHECKED[optimizer] = count

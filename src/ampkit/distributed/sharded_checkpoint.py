@@ -1,0 +1,182 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): every rank writes its shards.
+
+``ampkit.save_checkpoint`` writes one file from one process; an FSDP2 model's state is DTensor shards
+spread over the ranks, which DCP saves in parallel and can load into another world size (resharding:
+a 2-rank checkpoint loads into 1 process, or into 4). The model's and optimizer's states come from
+``torch.distributed.checkpoint.state_dict.get_state_dict`` (keys by parameter name, so they do not
+depend on how the model is sharded); loss scalers, schedulers, FP8 amax histories (module buffers
+and extra state) and counters travel with them. Written into a folder beside the target and renamed
+into place, as ``save_checkpoint`` does for files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ampkit._torch import pytree
+from ampkit.checkpoint import check_plain
+
+SHARDED_VERSION = 1
+_META = "ampkit_sharded_checkpoint"
+
+
+def _rank0_decides(value: Any) -> Any:
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _is_rank0() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                            extra: dict[str, Any] | None = None, **objects: Any) -> None:
+    """Save a (sharded) model, its optimizer and any other objects with DCP; every rank calls it.
+
+    The folder is written beside ``path`` and renamed into place once every rank has written: a
+    crash leaves the previous checkpoint (if any) as it was, never a half-written one.
+
+    Args:
+        path: the checkpoint folder.
+        model: an FSDP2 model (``ampkit.distributed.fully_shard``), or a plain one.
+        optimizer: its optimizer (optional).
+        extra: plain values (epoch, step) returned by ``load_sharded_checkpoint``.
+        **objects: anything with ``state_dict()`` holding the same values on every rank: loss scalers,
+            LR schedulers.
+
+    Raises:
+        ValueError: an ``extra`` value that would not load back; ``path`` is a file.
+        TypeError: an object has no ``state_dict()``.
+
+    Example:
+        >>> save_sharded_checkpoint("run/step-100", model, optimizer, scaler=scaler, extra={"step": 100})
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    if path.is_file():
+        raise ValueError(f"{path} is a file; a sharded checkpoint is a folder: pass a folder path (ampkit's "
+                         "save_checkpoint writes single files).")
+    for name, obj in objects.items():
+        if not callable(getattr(obj, "state_dict", None)):
+            raise TypeError(f"{name}={type(obj).__name__} has no state_dict(): pass loss scalers and schedulers by "
+                            "name, and plain values in extra={...}.")
+    for key, value in (extra or {}).items():
+        check_plain(value, f"extra[{key!r}]")
+    state = _states(model, optimizer)
+    state["objects"] = {name: obj.state_dict() for name, obj in objects.items()}
+    # One value each, not flattened by DCP: the names and the extra values are read back whole.
+    state[_META] = json.dumps({"version": SHARDED_VERSION, "objects": sorted(objects),
+                               "optimizer": optimizer is not None})
+    state["extra"] = json.dumps(dict(extra or {}))
+    temporary = path.parent / _rank0_decides(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
+    if _is_rank0():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    _barrier()
+    try:
+        dcp.save(state, checkpoint_id=temporary)
+        _barrier()
+        if _is_rank0():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
+            if path.exists():
+                path.rename(old)  # the previous checkpoint stays whole until the new one is in place
+            temporary.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        if _is_rank0():
+            shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    _barrier()
+
+
+def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                            **objects: Any) -> dict[str, Any]:
+    """Restore what ``save_sharded_checkpoint`` saved, on any world size; every rank calls it.
+
+    The model may be sharded differently from the one saved (another world size, or a plain model
+    in one process): DCP reads the parts each rank's shards need.
+
+    Args:
+        path: a folder written by ``save_sharded_checkpoint``.
+        model: the model to restore (sharded or plain).
+        optimizer: its optimizer, if the checkpoint has one.
+        **objects: objects to restore by the names they were saved under.
+
+    Returns:
+        The ``extra`` values saved with it.
+
+    Raises:
+        FileNotFoundError: no checkpoint folder at ``path``.
+        RuntimeError: the folder is incomplete or not ampkit's, a name or the optimizer is not in it, or
+            an object refuses its state; nothing is changed (states are read into copies first).
+
+    Note:
+        The copies take the model's and optimizer's memory once more for the duration of the call.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"No sharded checkpoint at {path}{' (it is a file: use load_checkpoint)' if path.is_file() else ''}: "
+                                "pass the folder save_sharded_checkpoint wrote.")
+    if not (path / ".metadata").is_file():
+        raise RuntimeError(f"{path} has no .metadata: it is not a complete DCP checkpoint. Resume from another one.")
+    meta_box = {_META: "", "extra": ""}
+    try:
+        dcp.load(meta_box, checkpoint_id=path)
+        meta = json.loads(meta_box[_META])
+    except Exception as error:
+        raise RuntimeError(f"{path} is not an ampkit sharded checkpoint ({error}): write it with "
+                           "save_sharded_checkpoint.") from error
+    if meta.get("version") != SHARDED_VERSION:
+        raise RuntimeError(f"{path} has version {meta.get('version')!r}; this ampkit reads {SHARDED_VERSION}.")
+    missing = sorted(set(objects) - set(meta["objects"]))
+    if missing:
+        raise RuntimeError(f"{path} has no state for {missing}; it holds {meta['objects']}.")
+    if optimizer is not None and not meta["optimizer"]:
+        raise RuntimeError(f"{path} was saved without an optimizer: pass optimizer=None, or resume from another.")
+    # Read into copies, so a failure leaves every object as it was.
+    state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), _states(model, optimizer))
+    state["objects"] = {name: pytree.tree_map_only(torch.Tensor, torch.clone, obj.state_dict())
+                        for name, obj in objects.items()}
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except Exception as error:
+        raise RuntimeError(f"{path} could not be read into this model, nothing was changed: {error}") from error
+    before = {name: obj.state_dict() for name, obj in objects.items()}
+    try:  # the objects first: their load_state_dict checks what it is given, and can be put back
+        for name, obj in objects.items():
+            obj.load_state_dict(state["objects"][name])
+    except Exception as error:
+        for name, obj in objects.items():
+            obj.load_state_dict(before[name])
+        raise RuntimeError(f"{path}: restoring the objects failed, nothing was changed: {error}") from error
+    set_state_dict(model, optimizer if optimizer is not None else (), model_state_dict=state["model"],
+                   optim_state_dict=state.get("optimizer", {}))  # shapes and keys already matched by dcp.load
+    return json.loads(meta_box["extra"])

@@ -1,0 +1,78 @@
+"""Which modules FSDP2 shards as units under ``ampkit.distributed.fully_shard``, and the weights they may
+not share.
+
+FSDP2 gathers each unit's parameters before its forward and frees them after, so a unit is the
+granularity of memory and of communication: one per transformer block is the usual choice
+(torchtitan's), found here as the children of the model's containers; at O2 each normalization layer
+is a unit of its own, gathered in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from ampkit.optim.levels import NORM_TYPES
+
+CONTAINERS = (nn.Sequential, nn.ModuleList)
+
+
+def shard_blocks(model: nn.Module, types: Sequence[type[nn.Module]] | None) -> list[tuple[str, nn.Module]]:
+    """The units sharded before the root: modules of ``types``, or the children of every container,
+    outermost first (nothing inside a chosen block is chosen again)."""
+    if types is not None:
+        bad = [t for t in types if not (isinstance(t, type) and issubclass(t, nn.Module))]
+        if bad or not types:
+            raise ValueError(f"blocks={list(types)!r} must list nn.Module subclasses, e.g. [Block]; or pass None "
+                             "for the children of the model's nn.Sequential / nn.ModuleList containers.")
+    chosen: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            if types is not None:
+                picked = isinstance(child, tuple(types))
+            else:
+                picked = isinstance(module, CONTAINERS) and next(child.parameters(), None) is not None
+            if picked:
+                chosen.append((prefix + name, child))
+            else:
+                visit(prefix + name + ".", child)
+
+    visit("", model)
+    if types is not None and not chosen:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ValueError(f"blocks={[t.__name__ for t in types]} matches no module of the model; its types: {present}.")
+    return chosen
+
+
+def kept_units(model: nn.Module, opt_level: str, keep_float32: tuple[type[nn.Module], ...]) -> list[tuple[str, nn.Module]]:
+    if opt_level != "O2":
+        return []
+    types = (*NORM_TYPES, *keep_float32)
+    return [(n, m) for n, m in model.named_modules()
+            if isinstance(m, types) and m is not model and next(m.parameters(), None) is not None]
+
+
+def check_units(model: nn.Module, chosen: list[tuple[str, nn.Module]], kept: list[tuple[str, nn.Module]]) -> None:
+    """Refuse a weight shared across the units FSDP2 gathers separately: a unit frees its gathered
+    weights after its forward, and another unit's module using them would see shards."""
+    units = [m for _, m in kept] + [m for _, m in chosen]  # the order they are sharded in: innermost first
+    unit_of: dict[int, nn.Module] = {}
+    for unit in [*units, model]:
+        for p in unit.parameters():
+            unit_of.setdefault(id(p), unit)  # FSDP2 gives a parameter to the first unit sharded over it
+    names = {id(m): n for n, m in model.named_modules()}
+    for name, module in model.named_modules():
+        enclosing = next((u for u in units if _within(module, u)), model)
+        for pname, p in module.named_parameters(recurse=False):
+            if unit_of[id(p)] is not enclosing:
+                raise ValueError(
+                    f"{name + '.' + pname if name else pname!r} is shared between {names[id(unit_of[id(p)])] or 'the root'!r} "
+                    f"and {names[id(enclosing)] or 'the root'!r}, which FSDP2 would gather separately (a block, or a norm "
+                    "kept in float32 at O2): tie weights within one block or at the root, pass blocks= so both "
+                    "owners are in one unit, or use opt_level='O1'.")
+
+
+def _within(inner: nn.Module, outer: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
