@@ -238,6 +238,24 @@ def distributed_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def fsdp_table(results: dict[str, Any]) -> str:
+    rows = [
+        f"`python benchmarks/bench_fsdp.py`, {results['created']}, on {machine_line(results['machine'])}; "
+        f"{results['world_size']} ranks ({results['device']}), {results['model']} ({results['parameters']:,} "
+        f"parameters), batch {results['batch_per_rank']} per rank, AdamW; medians, settings timed in alternation. "
+        "Per rank: the weights, gradients and optimizer states training keeps between steps, measured on the "
+        "local shards, and `estimate_memory(..., world_size=2, sharding=\"fsdp\")` beside it.",
+        "",
+        "| setting | step ms | vs DDP | bytes/param per rank | estimate / measured | reduce bytes per step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, row in results["settings"].items():
+        sent = f"{row['reduce_bytes_per_step']:,.0f}" if row["reduce_bytes_per_step"] is not None else "(DDP's own)"
+        rows.append(f"| {name} | {row['step_ms']:.1f} | {row['step_vs_ddp']:.2f}x | {row['bytes_per_parameter']:.2f} "
+                    f"| {row['estimate_over_measured']:.3f} | {sent} |")
+    return "\n".join(rows)
+
+
 def integrations_table(results: dict[str, Any]) -> str:
     rows = [
         f"`python benchmarks/bench_integrations.py`, {results['created']}, on {machine_line(results['machine'])}. "
@@ -481,6 +499,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     distributed = load(directory, "distributed.json")
     if distributed:
         sections += [f"{level} Distributed gradient compression", "", distributed_table(distributed), ""]
+    for name in ("fsdp.json", "fsdp-cuda.json"):
+        fsdp = load(directory, name)
+        if fsdp:
+            sections += [f"{level} FSDP2: per-rank memory and step time", "", fsdp_table(fsdp), ""]
     compiled = load(directory, "compile.json")
     if compiled:
         sections += [f"{level} torch.compile under the default policy", "", compile_table(compiled), ""]

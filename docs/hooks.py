@@ -2,7 +2,7 @@
 
 ``<!-- cli-reference -->`` becomes each subcommand's ``--help`` (from the argparse parsers that
 ``ampkit`` itself builds); ``<!-- api-reference -->`` becomes one mkdocstrings entry per name of
-``ampkit.__all__``, in its groups. ``tests/test_docs.py`` checks both against the code.
+``ampkit.__all__``, in its groups, and per name of ``ampkit.distributed.__all__``. ``tests/test_docs.py`` checks both against the code.
 """
 
 from __future__ import annotations
@@ -49,11 +49,16 @@ def api_groups() -> list[tuple[str, list[str]]]:
 
 
 def api_reference() -> str:
-    """Markdown: a ``::: ampkit.NAME`` entry (mkdocstrings) per public name, grouped."""
+    """Markdown: a ``::: ampkit.NAME`` entry (mkdocstrings) per public name, grouped; then
+    ``ampkit.distributed.__all__`` (imported on use, so not re-exported by ``ampkit``)."""
+    import ampkit.distributed
+
     parts: list[str] = []
     for title, names in api_groups():
         parts += [f"## {title}", ""]
         parts += [f"::: ampkit.{name}\n" for name in names]
+    parts += ["## Distributed (`ampkit.distributed`)", ""]
+    parts += [f"::: ampkit.distributed.{name}\n" for name in ampkit.distributed.__all__]
     return "\n".join(parts)
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import ampkit
+import ampkit.distributed
 from ampkit.cli.main import SUBCOMMANDS, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,12 +61,14 @@ def test_the_api_reference_lists_every_public_name() -> None:
     listed = [name for _, names in hooks.api_groups() for name in names]
     assert sorted(listed) == sorted(ampkit.__all__) and len(listed) == len(set(listed))
     assert all(f"::: ampkit.{name}" in hooks.api_reference() for name in ampkit.__all__)
+    assert all(f"::: ampkit.distributed.{name}" in hooks.api_reference() for name in ampkit.distributed.__all__)
 
 
 def _public_objects() -> list[tuple[str, object]]:
     found: list[tuple[str, object]] = []
-    for name in ampkit.__all__:
-        obj = getattr(ampkit, name)
+    public = [(name, getattr(ampkit, name)) for name in ampkit.__all__]
+    public += [(name, getattr(ampkit.distributed, name)) for name in ampkit.distributed.__all__]
+    for name, obj in public:
         found.append((name, obj))
         if inspect.isclass(obj):
             for attr, member in vars(obj).items():
@@ -115,5 +118,6 @@ def test_the_site_builds_strictly(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text()
     assert all(f'id="ampkit.{name}"' in api for name in ampkit.__all__)  # mkdocstrings found every object
+    assert all(f'id="ampkit.distributed.{name}"' in api for name in ampkit.distributed.__all__)
     cli = (tmp_path / "site" / "cli" / "index.html").read_text()
     assert "usage: ampkit compare" in cli and "--loss-divisor" in cli

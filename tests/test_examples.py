@@ -6,6 +6,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -52,3 +53,35 @@ def test_train_ddp_example_under_torchrun_halves_the_bytes() -> None:
         assert summary["world_size"] == 2 and summary["overflows"] == 0
         sent[compression] = summary["bytes_sent_per_rank"]
     assert sent["fp16"] * 2 == sent["none"]
+
+
+@pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
+@pytest.mark.distributed
+def test_train_fsdp_example_shards_half_the_weights_and_its_checkpoint_loads_in_one_process(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    import ampkit
+    from ampkit.distributed import load_sharded_checkpoint
+    from ampkit.experiment.models import GPT
+    from multiprocess import free_port
+
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         str(EXAMPLES / "train_fsdp.py"), "--steps", "4", "--batch-size", "4", "--context", "32", "--json",
+         "--reduce-dtype", "bf16", "--checkpoint", str(tmp_path / "ck")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    model = GPT(vocab_size=256, context=32)
+    total = sum(p.numel() for p in model.parameters())
+    assert summary["world_size"] == 2 and summary["reduce_dtype"] == "torch.bfloat16"
+    assert abs(summary["parameters_per_rank"] - total / 2) <= 0.01 * total  # each rank holds half
+    assert summary["bytes_sent_per_rank"] > 0 and summary["final_loss"] < summary["first_loss"]
+    optimizer = torch.optim.AdamW(model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    extra = load_sharded_checkpoint(tmp_path / "ck", model, optimizer, scaler=ampkit.DynamicLossScaler())
+    assert extra == {"step": 4}
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the trained weights arrived

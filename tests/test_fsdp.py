@@ -238,6 +238,17 @@ def _errors_worker(rank: int, world: int) -> dict:
     out["early_prepare"] = refused(lambda: fsdp.prepare_optimizer(model, early))
     out["update"] = refused(lambda: fsdp.prepare_optimizer(model, torch.optim.AdamW(model.parameters()), "kahan"))
     out["save_file"] = refused(lambda: ampkit.save_checkpoint("/nonexistent/x.pt", model=model))
+    # A Sequential with a norm among its children and a float32 embedding: the norm is one unit, not two.
+    torch.manual_seed(0)
+    mixed = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    seen = _record_dtypes(mixed)
+    mixed = fsdp.fully_shard(mixed, opt_level="O2", dtype=torch.bfloat16, keep_float32=[nn.Embedding],
+                             compute="float32")
+    optimizer = fsdp.prepare_optimizer(mixed, torch.optim.SGD(mixed.parameters(), lr=0.1))
+    result = mixed(torch.arange(8).view(2, 4))
+    result.float().pow(2).mean().backward()
+    optimizer.step()
+    out["keep_float32"] = (seen, result.dtype, fsdp.sharding(mixed).float32, fsdp.sharding(mixed).blocks)
     plain = _gpt()
     torch_fully_shard(plain)
     out["initialize"] = refused(lambda: ampkit.initialize(plain, None, "O2", torch.bfloat16))
@@ -395,7 +406,6 @@ def test_bad_calls_are_refused_in_one_line_and_change_nothing() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = run_ranks(_errors_worker, 2, timeout_s=240)[0]
-    print("\n".join(f"{k}: {v}" for k, v in out.items()))
     expected = {
         "mesh": "ValueError: mesh='cpu' is a str, not a DeviceMesh",
         "mesh_2d": "ValueError: mesh has 2 dimensions",
@@ -417,6 +427,10 @@ def test_bad_calls_are_refused_in_one_line_and_change_nothing() -> None:
         assert out[key].startswith(start), (key, out[key])
         assert "\n" not in out[key], key
     assert out["untouched"] is True
+    seen, output, kept, blocks = out["keep_float32"]
+    assert seen["1"] == (torch.bfloat16, torch.bfloat16) and seen["3"][0] == torch.bfloat16
+    assert seen["2"][0] == torch.float32 and output == torch.float32
+    assert kept == ("0", "2") and blocks == ("1", "3")
 
 
 def test_o3_updates_kahan_and_stochastic_on_shards() -> None:

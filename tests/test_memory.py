@@ -118,3 +118,30 @@ def test_frozen_parameters_still_take_weight_memory() -> None:
     assert estimate.parameters == 220 and estimate.float32.weights == 4 * 220  # was 4 * 110
     assert estimate.float32.gradients == 4 * 110 and estimate.mixed.master_weights == 4 * 110
     assert estimate.mixed.weights == 2 * 220
+
+
+def test_a_sharded_estimate_splits_the_first_dimension_as_fsdp2_pads_it() -> None:
+    model = nn.Sequential(nn.Linear(8, 5), nn.LayerNorm(5), nn.Linear(5, 3))  # 5 and 3 rows: uneven over 2 ranks
+    x = torch.randn(4, 8)
+    whole = ampkit.estimate_memory(model, x, "O2", "adamw", torch.bfloat16)
+    sharded = ampkit.estimate_memory(model, x, "O2", "adamw", torch.bfloat16, world_size=2, sharding="fsdp")
+    # Each rank: ceil(rows / 2) rows of each parameter, float32 (the shards are O2's masters), and 2 AdamW states.
+    rows = [(5, 8), (5, 1), (5, 1), (5, 1), (3, 5), (3, 1)]
+    elements = sum(-(-r // 2) * c for r, c in rows)
+    assert sharded.world_size == 2 and sharded.mixed.master_weights == 0
+    assert (sharded.mixed.weights, sharded.mixed.gradients, sharded.mixed.optimizer_states) == (
+        4 * elements, 4 * elements, 8 * elements)
+    assert sharded.mixed.activations == whole.mixed.activations  # one rank's batch, as unsharded
+    # Units: each child of the Sequential; the first linear is the largest, gathered in bf16 at O2 (the norm,
+    # a float32 unit of its own at O2, is not a block as well).
+    assert sharded.largest_gather_bytes == 2 * (8 * 5 + 5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"sharding": "zero3"}, "Unknown sharding 'zero3'"),
+    ({"world_size": 0, "sharding": "fsdp"}, "world_size=0 is invalid"),
+    ({"world_size": 2}, "world_size=2 is invalid"),
+])
+def test_bad_sharding_arguments_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ampkit.estimate_memory(nn.Linear(4, 4), torch.randn(2, 4), "O2", **kwargs)

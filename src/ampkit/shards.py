@@ -26,7 +26,7 @@ def is_sharded(t: object) -> bool:
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: a DTensor's local tensor (same storage: writes go through), else ``t``."""
-    return t.to_local() if is_sharded(t) else t
+    return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]
 
 
 def shard_group(t: torch.Tensor) -> object | None:

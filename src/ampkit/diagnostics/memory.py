@@ -193,7 +193,7 @@ def sharded_estimate(model: nn.Module, whole: MemoryEstimate, opt_level: str, dt
                      blocks: Sequence[type[nn.Module]] | None) -> MemoryEstimate:
     """``whole``'s per-rank counterpart under ``fully_shard``: parameters, gradients and optimizer states
     sharded (FSDP2 pads each first dimension to a multiple of the world size), activations unchanged."""
-    from ampkit.distributed.units import kept_units, shard_blocks
+    from ampkit.distributed.units import plan_units
 
     def shard(p: torch.Tensor) -> int:
         rows = p.shape[0] if p.dim() else 1
@@ -209,8 +209,9 @@ def sharded_estimate(model: nn.Module, whole: MemoryEstimate, opt_level: str, dt
     mixed = dataclasses.replace(whole.mixed, label=whole.mixed.label + " fsdp", weights=stored * n,
                                 gradients=stored * t, master_weights=0, optimizer_states=stored * states * t + extra)
     # The largest unit's gathered weights: each unit's own parameters (not an inner unit's), in the dtype gathered.
-    kept = [m for _, m in kept_units(model, opt_level, keep_float32)]
-    units = kept + [m for _, m in shard_blocks(model, blocks)] + [model]
+    kept_named, chosen = plan_units(model, opt_level, keep_float32, blocks)
+    kept = [m for _, m in kept_named]
+    units = kept + [m for _, m in chosen] + [model]
     owner: dict[int, int] = {}
     for i, unit in enumerate(units):
         for p in unit.parameters():
@@ -238,7 +239,12 @@ def measured_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     def add(t: Any) -> None:
         if isinstance(t, torch.Tensor):
-            storage = local_shard(t).untyped_storage()  # an FSDP2 tensor: this rank's shard
+            t = local_shard(t)  # an FSDP2 tensor: this rank's shard
+            if hasattr(t, "__tensor_flatten__"):  # a wrapper subclass (torchao's FP8-gathered weights): its insides
+                for name in t.__tensor_flatten__()[0]:
+                    add(getattr(t, name))
+                return
+            storage = t.untyped_storage()
             seen[storage.data_ptr()] = storage.nbytes()
 
     for tensor in [*model.parameters(), *model.buffers()]:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +32,11 @@ class ReductionOverflowWarning(RuntimeWarning):
 
 @dataclasses.dataclass(frozen=True)
 class Compressor:
-    """Cast floating tensors to ``dtype`` for the wire (None: leave them alone)."""
+    """Cast floating tensors to ``dtype`` for the wire (None: leave them alone).
+
+    Attributes:
+        dtype: the wire dtype (torch.float16, torch.bfloat16) or None (no compression).
+    """
 
     dtype: torch.dtype | None
 
@@ -42,6 +47,7 @@ class Compressor:
         return tensor.to(self.dtype), tensor.dtype
 
     def decompress(self, tensor: torch.Tensor, ctx: torch.dtype) -> torch.Tensor:
+        """The received tensor back in ``ctx``, the dtype ``compress`` returned."""
         return tensor if tensor.dtype == ctx else tensor.to(ctx)
 
 
@@ -54,7 +60,11 @@ class Compression:
 
 
 def check_compression(dtype: object) -> None:
-    """Refuse a gradient compression dtype other than None, float16 and bfloat16 (ValueError)."""
+    """Refuse a gradient compression dtype other than None, float16 and bfloat16 (ValueError).
+
+    Args:
+        dtype: the compression dtype to check.
+    """
     if dtype not in (None, torch.float16, torch.bfloat16):
         raise ValueError(f"compression={dtype!r} is invalid: choose None, torch.float16 or torch.bfloat16.")
 
@@ -70,7 +80,18 @@ def require_process_group(group: Any) -> int:
 
 
 def predivide(world_size: int, factor: float | None) -> float:
-    """The pre-divide factor in use: ``factor``, or sqrt(world_size) when None."""
+    """The pre-divide factor in use: ``factor``, or sqrt(world_size) when None.
+
+    Args:
+        world_size: ranks in the reduction.
+        factor: a factor in [1, world_size], or None.
+
+    Returns:
+        The factor, a float.
+
+    Raises:
+        ValueError: a factor outside [1, world_size].
+    """
     factor = math.sqrt(world_size) if factor is None else float(factor)
     if not 1.0 <= factor <= world_size:
         raise ValueError(
@@ -102,6 +123,12 @@ def _from_wire(wire: torch.Tensor, ctx: torch.dtype, compressor: Compressor, fac
 def reduce_(tensor: torch.Tensor, compressor: Compressor, factor: float, group: Any = None) -> tuple[torch.Tensor, int]:
     """Average ``tensor`` over the group in place, through ``compressor``.
 
+    Args:
+        tensor: this rank's values (overwritten with the average).
+        compressor: ``Compression.none``, ``.fp16`` or ``.bf16``.
+        factor: the pre-divide factor (``predivide``).
+        group: the process group (default: every rank).
+
     Returns:
         The averaged tensor and the bytes this rank handed to the collective.
     """
@@ -115,14 +142,21 @@ def reduce_(tensor: torch.Tensor, compressor: Compressor, factor: float, group: 
 
 @dataclasses.dataclass
 class HookState:
-    """State of ``compression_hook``: what it sent and whether a reduction overflowed."""
+    """State of ``compression_hook``: what it sent and whether a reduction overflowed.
+
+    Attributes:
+        process_group: the group reduced over (None: every rank).
+        bytes_sent: bytes this rank handed to all-reduces.
+        overflows: reductions whose result held inf/NaN.
+    """
 
     process_group: Any = None
     bytes_sent: int = 0
     overflows: int = 0
 
 
-def compression_hook(dtype: torch.dtype | None = torch.float16, predivide_factor: float | None = None):  # type: ignore[no-untyped-def]
+def compression_hook(dtype: torch.dtype | None = torch.float16,
+                     predivide_factor: float | None = None) -> Callable[..., Any]:
     """A DDP communication hook that all-reduces gradient buckets in ``dtype``.
 
     Args:

@@ -30,11 +30,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ampkit.distributed.compression import PredividedReduceScatter, predivide, require_process_group
-from ampkit.distributed.units import check_units, kept_units, shard_blocks
+from ampkit.distributed.units import plan_units
 from ampkit.float32_compute.decide import float32_ops
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.optim import pure16
@@ -145,9 +144,7 @@ def fully_shard(
     dtype = torch.float32 if opt_level == "O0" else resolve_dtype(dtype) if dtype is not None else recommend_dtype(device)
     reduce_dtype = _reduce_dtype(reduce_dtype)
     factor = predivide(mesh.size(), predivide_factor)
-    chosen = shard_blocks(model, blocks)
-    kept = kept_units(model, opt_level, tuple(keep_float32))
-    check_units(model, chosen, kept)
+    kept, chosen = plan_units(model, opt_level, tuple(keep_float32), blocks)
     before = list(model.parameters())
 
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -194,6 +191,12 @@ def fully_shard(
 def sharding(model: nn.Module) -> Sharding:
     """How ``fully_shard`` sharded ``model``.
 
+    Args:
+        model: the model ``fully_shard`` returned.
+
+    Returns:
+        Its ``Sharding`` (live: ``bytes_sent`` and ``overflows`` grow as it trains).
+
     Raises:
         ValueError: the model was not sharded by ``ampkit.distributed.fully_shard``.
     """
@@ -239,7 +242,11 @@ def prepare_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, update
 def precompute_fp8_scales(model: nn.Module) -> None:
     """After each optimizer step, with ``Fp8Recipe(scaling="current", fsdp_all_gather=True)``: compute every
     FP8 weight's scale in one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``) instead
-    of one per weight at its all-gather. Does nothing for a model without FP8 all-gathers."""
+    of one per weight at its all-gather. Does nothing for a model without FP8 all-gathers.
+
+    Args:
+        model: the sharded model.
+    """
     from ampkit.formats.torchao import precompute_fsdp_scales
 
     precompute_fsdp_scales(model)
@@ -305,15 +312,20 @@ _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -
 _HOOK: list[Any] = []
 
 
-def _remember_replaced(model: nn.Module, before: list[torch.Tensor]) -> None:
+def _remember_replaced(model: nn.Module, before: Sequence[torch.Tensor]) -> None:
     now = {id(p) for p in model.parameters()}
     for p in before:
         if id(p) not in now:
-            _REPLACED[id(p)] = weakref.ref(p, lambda _, pid=id(p): _REPLACED.pop(pid, None))
+            _REPLACED[id(p)] = weakref.ref(p, _forget(id(p)))
     if not _HOOK:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
         _HOOK.append(register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: _refuse_replaced(optimizer)))
+
+
+def _forget(pid: int) -> Any:
+    """The weakref callback that drops a replaced parameter's entry when it is freed."""
+    return lambda _: _REPLACED.pop(pid, None)
 
 
 def _refuse_replaced(optimizer: torch.optim.Optimizer) -> None:

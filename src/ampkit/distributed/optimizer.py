@@ -75,6 +75,7 @@ class DistributedOptimizer:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's parameter groups."""
         return self.optimizer.param_groups
 
     def _check_same_parameters(self) -> None:
@@ -141,6 +142,7 @@ class DistributedOptimizer:
         return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``; the next step reduces afresh."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
         self._reduced = False
 

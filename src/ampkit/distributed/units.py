@@ -76,3 +76,14 @@ def check_units(model: nn.Module, chosen: list[tuple[str, nn.Module]], kept: lis
 
 def _within(inner: nn.Module, outer: nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
+
+
+def plan_units(model: nn.Module, opt_level: str, keep_float32: tuple[type[nn.Module], ...],
+               blocks: Sequence[type[nn.Module]] | None) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
+    """(the float32 units O2 keeps, the blocks), in the order they are sharded; a kept module is not a
+    block as well (a LayerNorm in an nn.Sequential). Raises ValueError as ``shard_blocks`` and ``check_units``."""
+    kept = kept_units(model, opt_level, keep_float32)
+    kept_ids = {id(m) for _, m in kept}
+    chosen = [(name, m) for name, m in shard_blocks(model, blocks) if id(m) not in kept_ids]
+    check_units(model, chosen, kept)
+    return kept, chosen

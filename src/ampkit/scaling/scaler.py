@@ -261,7 +261,7 @@ class DynamicLossScaler:
             if self.enabled:  # counted in the next step's decision
                 self._loose_found.append(self._unscale_grads(params))
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=norm_type)  # over FSDP2 shards too
-        return norm.full_tensor() if is_sharded(norm) else norm  # a replicated DTensor for sharded gradients
+        return norm.full_tensor() if is_sharded(norm) else norm  # type: ignore[attr-defined]  # a replicated DTensor for sharded gradients
 
     # -- checkpoints --------------------------------------------------------------
 

@@ -1,0 +1,46 @@
+"""Which modules fully_shard makes FSDP2 units, and the shared weights it refuses (no process group needed)."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from ampkit.distributed.units import check_units, kept_units, shard_blocks
+from ampkit.experiment.models import GPT, MLP, ResNet18
+
+
+def test_the_default_blocks_are_the_children_of_containers_outermost_first() -> None:
+    assert [n for n, _ in shard_blocks(GPT(n_layers=3), None)] == ["blocks.0", "blocks.1", "blocks.2"]
+    resnet = shard_blocks(ResNet18(), None)  # the shortcut Sequentials inside the blocks are not chosen again
+    assert [(n, type(m).__name__) for n, m in resnet] == [(f"layers.{i}", "BasicBlock") for i in range(8)]
+    sequential = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert [n for n, _ in shard_blocks(sequential, None)] == ["0", "2"]  # the ReLU holds nothing to shard
+    assert [n for n, _ in shard_blocks(MLP(), [nn.Linear])] == [n for n, m in MLP().named_modules()
+                                                               if isinstance(m, nn.Linear)]
+
+
+def test_o2_keeps_every_norm_and_the_kept_types_as_units_of_their_own() -> None:
+    model = GPT(n_layers=2)
+    assert [n for n, _ in kept_units(model, "O2", ())] == ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1",
+                                                           "blocks.1.ln2", "ln_f"]
+    assert kept_units(model, "O1", ()) == []
+    assert [n for n, _ in kept_units(model, "O2", (nn.Embedding,))][:2] == ["tok", "pos"]
+
+
+def test_a_weight_shared_across_units_is_refused_by_name() -> None:
+    model = GPT(n_layers=2)  # its head is tied to the token embedding: both at the root, fine
+    check_units(model, shard_blocks(model, None), kept_units(model, "O2", ()))
+    with pytest.raises(ValueError, match="'lm_head.weight' is shared between 'tok' and 'the root'"):
+        check_units(model, shard_blocks(model, None), kept_units(model, "O2", (nn.Embedding,)))
+    model.blocks[1].mlp[0].weight = model.blocks[0].mlp[0].weight  # tied across two blocks
+    with pytest.raises(ValueError, match="'blocks.1.mlp.0.weight' is shared between 'blocks.0' and 'blocks.1'"):
+        check_units(model, shard_blocks(model, None), [])
+
+
+def test_blocks_that_match_nothing_or_are_not_module_types_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"blocks=\['Conv2d'\] matches no module"):
+        shard_blocks(GPT(), [nn.Conv2d])
+    with pytest.raises(ValueError, match="must list nn.Module subclasses"):
+        shard_blocks(GPT(), ["Block"])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="must list nn.Module subclasses"):
+        shard_blocks(GPT(), [])
