@@ -19,9 +19,11 @@ from ampkit.scaling.adaptive import AdaptiveLossScaler, LayerScaleStats
 from ampkit.scaling.scaler import DynamicLossScaler, NonFiniteError, StaticLossScaler
 from ampkit.scaling.state_dicts import ScalerStats
 
-# FP8
+# FP8 and block-scaled formats
+from ampkit.formats.block_linear import BlockScaledLinear, convert_to_block_scaled
+from ampkit.formats.block_scaled import fake_quantize
 from ampkit.formats.fp8 import convert_to_fp8
-from ampkit.formats.recipes import Fp8Recipe
+from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe
 
 # Measurement
 from ampkit.diagnostics.alignment import check_alignment, pad_vocab
@@ -62,9 +64,13 @@ __all__ = [
     "initialize",
     "save_checkpoint",
     "load_checkpoint",
-    # FP8
+    # FP8 and block-scaled formats
     "Fp8Recipe",
     "convert_to_fp8",
+    "BlockScaledRecipe",
+    "BlockScaledLinear",
+    "convert_to_block_scaled",
+    "fake_quantize",
     # Measurement
     "inspect_numerics",
     "find_nonfinite",

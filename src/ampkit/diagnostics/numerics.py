@@ -18,7 +18,10 @@ import torch
 from torch import nn
 
 from ampkit.files import atomic_write
-from ampkit.formats.fp8 import GRAD, INPUT, WEIGHT, CastNumerics, Fp8Linear, Fp8Recipe, cast_numerics
+from ampkit.diagnostics.block_numerics import BlockLayerNumerics, block_trouble, measure_block_linear
+from ampkit.diagnostics.fp8_numerics import Fp8LayerNumerics, fp8_trouble, measure_fp8_linear
+from ampkit.formats.fp8 import Fp8Linear, Fp8Recipe
+from ampkit.formats.recipes import BlockScaledRecipe
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 
@@ -28,7 +31,6 @@ FP16_MIN_SUBNORMAL = 2.0**-24  # below half of it: flushed to zero
 BF16_MAX = torch.finfo(torch.bfloat16).max
 BF16_MIN_NORMAL = torch.finfo(torch.bfloat16).tiny
 BF16_MIN_SUBNORMAL = 2.0**-133
-FP8_TROUBLE = 0.01  # a linear whose inputs, weight or output gradient FP8 clamps or flushes more of than this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,16 +107,7 @@ class ModuleNumerics:
     activation: RangeStats
     gradient: RangeStats | None  # None where no gradient flowed
     fp8: Fp8LayerNumerics | None = None  # linears, with fp8=: how FP8 casts their input, weight and gradient
-
-
-@dataclasses.dataclass(frozen=True)
-class Fp8LayerNumerics:
-    """How FP8 casts one linear's tensors (``fp8.cast_numerics`` of each)."""
-
-    delayed: bool  # an ampkit Fp8Linear: cast with its delayed scales; else with current scaling
-    input: CastNumerics
-    weight: CastNumerics
-    gradient: CastNumerics | None  # of the linear's output
+    block: BlockLayerNumerics | None = None  # linears, with block_scaled=: how the recipe casts them
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +124,7 @@ class NumericsReport:
         log2_grad_hist: counts of log2|activation gradient| per integer bin, for the figure.
         fp8_keep: with ``fp8=``, linears of which FP8 clamps or flushes to zero more than 1% of
             the inputs, weight or output gradient: keep them out (``convert_to_fp8(keep=...)``).
+        block_keep: with ``block_scaled=``, linears of which the recipe flushes more than 15% of the weight.
     """
 
     modules: list[ModuleNumerics]
@@ -142,6 +136,7 @@ class NumericsReport:
     reasons: list[str]
     log2_grad_hist: dict[int, int]
     fp8_keep: list[str] = dataclasses.field(default_factory=list)
+    block_keep: list[str] = dataclasses.field(default_factory=list)
 
 
 def first_tensor(value: Any) -> torch.Tensor | None:
@@ -202,6 +197,7 @@ def inspect_numerics(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     policy: Policy | None = None,
     fp8: Fp8Recipe | None = None,
+    block_scaled: BlockScaledRecipe | None = None,
 ) -> NumericsReport:
     """One forward and backward in float32 (or under ``policy``) with per-module hooks.
 
@@ -217,6 +213,10 @@ def inspect_numerics(
             scales as they stand, or current scaling's ``fp8_max / amax``), the fractions clamped and
             flushed to zero; ``fp8_keep`` names the linears that lose more than 1%. The model's amax
             histories and scales are left as they were.
+        block_scaled: also measure, for each linear, how this ``BlockScaledRecipe`` casts its input,
+            weight (along the input features) and output gradient (along the output features): the
+            fraction of blocks with a saturated element, of nonzero elements flushed to zero, the blocks'
+            dynamic range; ``block_keep`` names the linears whose weight it flushes more than 15% of.
 
     Returns:
         A NumericsReport. Syncs with the device once per module.
@@ -232,6 +232,7 @@ def inspect_numerics(
     grad_hist = [0.0] * (2 * _EXP_OFFSET + 1)
     order: list[nn.Module] = []
     fp8_found: dict[str, dict[str, Any]] = {}  # fp8=: per linear, its casts' numerics
+    block_found: dict[str, dict[str, Any]] = {}  # block_scaled=: the same
     fp8_saved = {m: (m.amax_history.clone(), m.scale.clone()) for m in model.modules() if isinstance(m, Fp8Linear)}
     # A container returns its last child's output: the same tensor is measured once
     # and its gradient hook registered once, for every module that returned it.
@@ -243,7 +244,9 @@ def inspect_numerics(
             return
         name = names[module]
         if fp8 is not None and isinstance(module, nn.Linear) and isinstance(first_tensor(module_inputs), torch.Tensor):
-            _measure_fp8_linear(module, module_inputs[0], tensor, fp8, fp8_saved, fp8_found.setdefault(name, {}))
+            measure_fp8_linear(module, module_inputs[0], tensor, fp8, fp8_saved, fp8_found.setdefault(name, {}))
+        if block_scaled is not None and isinstance(module, nn.Linear) and torch.is_tensor(first_tensor(module_inputs)):
+            measure_block_linear(module, module_inputs[0], tensor, block_scaled, block_found.setdefault(name, {}))
         order.append(module)
         if id(tensor) in measured and measured[id(tensor)][0] is tensor:
             activations[name] = measured[id(tensor)][1]
@@ -273,54 +276,17 @@ def inspect_numerics(
         module.amax_history.copy_(history)
         module.scale.copy_(scale)
     modules = [ModuleNumerics(name, kind, activations[name], gradients.get(name),
-                              Fp8LayerNumerics(**fp8_found[name]) if name in fp8_found else None)
+                              Fp8LayerNumerics(**fp8_found[name]) if name in fp8_found else None,
+                              BlockLayerNumerics(**block_found[name]) if name in block_found else None)
                for name, kind in once.items()]
     report = _recommend(modules, grad_hist)
     if fp8 is not None:
-        report.fp8_keep[:], fp8_reasons = _fp8_trouble(modules)
+        report.fp8_keep[:], fp8_reasons = fp8_trouble({m.name: m.fp8 for m in modules if m.fp8})
         report.reasons.extend(fp8_reasons)
+    if block_scaled is not None:
+        report.block_keep[:], block_reasons = block_trouble({m.name: m.block for m in modules if m.block})
+        report.reasons.extend(block_reasons)
     return report
-
-
-def _measure_fp8_linear(module: nn.Linear, x: torch.Tensor, output: torch.Tensor, recipe: Fp8Recipe,
-                        saved: dict[Fp8Linear, tuple[torch.Tensor, torch.Tensor]], found: dict[str, Any]) -> None:
-    """How FP8 casts ``module``'s input and weight now, and its output gradient when backward reaches it."""
-    # An Fp8Linear casts with its own recipe and the scales it had before this pass (its forward has
-    # updated them since); any other linear as current scaling would (scale None: from the tensor).
-    delayed = isinstance(module, Fp8Linear)
-    scales, used = (saved[module][1], module.recipe) if isinstance(module, Fp8Linear) else (None, recipe)
-    formats = {role: used.dtype(role) for role in (INPUT, WEIGHT, GRAD)}
-
-    def scale(role: int) -> torch.Tensor | None:
-        return scales[role] if scales is not None else None
-
-    found.update(delayed=delayed, input=cast_numerics(x, scale(INPUT), formats[INPUT]),
-                 weight=cast_numerics(module.weight, scale(WEIGHT), formats[WEIGHT]), gradient=None)
-    if output.requires_grad:
-        def grad_hook(grad: torch.Tensor) -> None:
-            found["gradient"] = cast_numerics(grad, scale(GRAD), formats[GRAD])
-        output.register_hook(grad_hook)
-
-
-def _fp8_trouble(modules: list[ModuleNumerics]) -> tuple[list[str], list[str]]:
-    """The linears FP8 loses values of (more than FP8_TROUBLE clamped or flushed), with a reason each."""
-    keep, reasons = [], []
-    for m in modules:
-        if m.fp8 is None:
-            continue
-        casts = {"inputs": m.fp8.input, "weight": m.fp8.weight, "output gradients": m.fp8.gradient}
-        losses = {what: c for what, c in casts.items() if c is not None and c.overflow + c.underflow > FP8_TROUBLE}
-        if not losses:
-            continue
-        keep.append(m.name)
-        what, cast = max(losses.items(), key=lambda item: item[1].overflow + item[1].underflow)
-        how = (f"{100 * cast.underflow:.1f}% of its {what} flush to zero" if cast.underflow >= cast.overflow
-               else f"{100 * cast.overflow:.1f}% of its {what} are clamped at the largest value")
-        why = ("the scale lags a growing amax: raise margin" if cast.overflow > cast.underflow
-               else "their range is wider than one per-tensor scale holds")
-        reasons.append(f"{m.name}: {how} in {cast.format} (amax {cast.amax:.3g}, scale {cast.scale:.3g}; {why}); "
-                       f"keep it out of FP8: convert_to_fp8(model, keep=[{m.name!r}])")
-    return keep, reasons
 
 
 def _recommend(modules: list[ModuleNumerics], grad_hist: list[float]) -> NumericsReport:

@@ -10,21 +10,23 @@ import dataclasses
 import torch
 
 from ampkit.float32_compute.decide import GEMM_OPS, float32_classes
-from ampkit.formats.recipes import Fp8Recipe
+from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.precision.modes import resolve_dtype
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current", "mxfp8", "mxfp4", "nvfp4")
 LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
 STATIC_SCALE = 2.0**10  # the static setting's loss scale (Micikevicius et al. used 8 to 32768 per task)
 # FP8 recipes of the fp8 settings: delayed scaling (ampkit's own) and current scaling (torchao), both
 # E4M3 forward and E5M2 gradients; everything else runs at the 16-bit dtype the hardware recommends.
 FP8_RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current")}
+# Block-scaled recipes (emulated): MXFP8 and MXFP4 as the OCP spec scales them, NVFP4 with its full recipe.
+BLOCK_RECIPES = {name: BlockScaledRecipe(name) for name in ("mxfp8", "mxfp4", "nvfp4")}
 
 
 def low_dtype(precision: str, device: torch.device | str) -> torch.dtype:
     """The 16-bit dtype of a mixed setting; for the fp8 settings, the one the rest of the model runs in."""
-    if precision in FP8_RECIPES:
+    if precision in FP8_RECIPES or precision in BLOCK_RECIPES:
         return recommend_dtype(device)
     return resolve_dtype(precision)
 CONTEXT = 64  # bytes per text window (the GPT's context)
@@ -79,6 +81,8 @@ class RunConfig:
             return "fp32"
         recipe = FP8_RECIPES.get(self.precision)
         name = f"fp8-{recipe.scaling}-{recipe.format}" if recipe is not None else self.precision
+        if self.precision in BLOCK_RECIPES:
+            name = BLOCK_RECIPES[self.precision].label
         label = f"{name} {self.opt_level}"
         classes = self.float32_compute
         if classes:

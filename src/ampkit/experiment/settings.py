@@ -14,6 +14,7 @@ import torch
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import (
     CONTEXT,
+    BLOCK_RECIPES,
     FP8_RECIPES,
     LOSS_SCALES,
     PRECISIONS,
@@ -21,6 +22,7 @@ from ampkit.experiment.config import (
     low_dtype,
 )
 from ampkit.experiment.models import build, load_factory
+from ampkit.formats.block_linear import eligible_block_scaled
 from ampkit.formats.fp8 import eligible
 from ampkit.hardware.advice import recommend_dtype, slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
@@ -167,6 +169,9 @@ def plan(
         raise ValueError(f"seed={seed} is out of range: use an integer in [0, 2**63).")
     if any(p in FP8_RECIPES for p in precisions or ()):
         _check_fp8(model, data, [p for p in precisions or () if p in FP8_RECIPES])
+    for precision in precisions or ():
+        if precision in BLOCK_RECIPES:
+            _check_block_scaled(model, data, precision)
     if precisions is None and opt_levels is None:
         settings = default_settings(parsed_device)
     else:
@@ -236,6 +241,16 @@ def _check_fp8(model: str, data: str, precisions: list[str]) -> None:
         raise ValueError(f"precisions={[precisions[0]]!r}: {model} has no linear FP8 can take ({found}). FP8 keeps the "
                          "first and last linears and those whose dimensions are not multiples of 16 in 16 bits; "
                          "try model='gpt' or 'mlp'.")
+
+
+def _check_block_scaled(model: str, data: str, precision: str) -> None:
+    """Refuse a block-scaled setting before training when the model has no linear its recipe can take."""
+    recipe = BLOCK_RECIPES[precision]
+    decisions = eligible_block_scaled(build(model, **data_mod.load(data).model_kwargs(CONTEXT)), recipe)
+    if "block-scaled" not in decisions.values():
+        found = "; ".join(f"{name}: {why}" for name, why in decisions.items()) or "it has no nn.Linear"
+        raise ValueError(f"precisions={[precision]!r}: {model} has no linear {recipe.label} can take ({found}); "
+                         "try model='gpt'.")
 
 
 def _check_positive_int(value: int | None, name: str) -> None:

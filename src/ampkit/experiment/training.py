@@ -18,6 +18,7 @@ from ampkit.diagnostics.memory import measured_state_bytes, saved_bytes_of_step
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import (
     CONTEXT,
+    BLOCK_RECIPES,
     FP8_RECIPES,
     PRECISE_BN_BATCHES,
     PROBE_WARMUP_STEPS,
@@ -29,6 +30,7 @@ from ampkit.experiment.config import (
     low_dtype,
 )
 from ampkit.experiment.models import build
+from ampkit.formats.block_linear import convert_to_block_scaled
 from ampkit.formats.fp8 import convert_to_fp8
 from ampkit.optim.levels import initialize
 from ampkit.scaling.adaptive import AdaptiveLossScaler
@@ -64,6 +66,8 @@ def execute(
     dtype = low_dtype(config.precision, device) if config.precision != "fp32" else torch.float32
     if config.precision in FP8_RECIPES:
         convert_to_fp8(model, FP8_RECIPES[config.precision])  # before initialize: O2 casts the rest
+    if config.precision in BLOCK_RECIPES:
+        convert_to_block_scaled(model, BLOCK_RECIPES[config.precision], seed=config.seed)
     if config.precision != "fp32":
         model, optimizer = initialize(  # type: ignore[assignment]
             model, optimizer, config.opt_level, dtype, compute=config.compute, update=config.update

@@ -70,3 +70,88 @@ class Fp8Recipe:
     def dtype(self, role: int) -> torch.dtype:
         """The FP8 dtype of ``INPUT``, ``WEIGHT`` or ``GRAD`` tensors."""
         return E5M2 if role == GRAD and self.format == "hybrid" else E4M3
+
+
+BLOCK_FORMATS = ("mxfp8", "mxfp4", "nvfp4")
+BLOCK_SIZES = {"mxfp8": 32, "mxfp4": 32, "nvfp4": 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaledRecipe:
+    """How block-scaled linears quantize each GEMM's operands (``ampkit.convert_to_block_scaled``).
+
+    Every GEMM of forward and backward quantizes both operands along its own reduction dimension (the
+    input features for the output, the output features for the input gradient, the tokens for the
+    weight gradient), as block-scaled hardware requires: a tensor and its transpose are quantized apart.
+
+    Attributes:
+        format: ``"mxfp8"`` (default: E4M3 elements, 32-element blocks, E8M0 scales), ``"mxfp4"`` (E2M1,
+            32, E8M0) or ``"nvfp4"`` (E2M1, 16, E4M3 scales under a float32 tensor scale).
+        element: MXFP8's element type, ``"e4m3"`` (default) or ``"e5m2"``.
+        scale_mode: MX formats: ``"floor"`` (default, the OCP spec's) or ``"rceil"`` (no element saturates).
+        weight_tiles: NVFP4: 16x16 weight blocks (default: True for NVFP4; the MX formats have none), so
+            that the forward and the input gradient see the same quantized weight.
+        stochastic_gradients: NVFP4: stochastic rounding of the output gradients (default: True for NVFP4).
+        hadamard: NVFP4: a random Hadamard transform (16x16, random signs) of the weight-gradient GEMM's
+            operands along the tokens (default: True for NVFP4); ``hadamard_seed`` fixes the signs (default 0).
+        keep: name patterns (``fnmatch``) of linears kept in 16 bits.
+        keep_first_last: keep the model's first and last linears in 16 bits (default: True for NVFP4, as
+            the NVFP4 pretraining recipe, False for MX).
+        gemm: None (default: emulated, float32 GEMMs on the decoded values) or a native kernel
+            ``gemm(a, b) -> a @ b.T`` taking two ``Quantized`` operands quantized along their last axis
+            (Blackwell-class GPUs, compute capability 10.0; none is tested here).
+    """
+
+    format: str = "mxfp8"
+    element: str = "e4m3"
+    scale_mode: str = "floor"
+    weight_tiles: bool | None = None
+    stochastic_gradients: bool | None = None
+    hadamard: bool | None = None
+    hadamard_seed: int = 0
+    keep: tuple[str, ...] = ()
+    keep_first_last: bool | None = None
+    gemm: object = dataclasses.field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.format not in BLOCK_FORMATS:
+            raise ValueError(f"BlockScaledRecipe(format={self.format!r}) is invalid: choose one of {list(BLOCK_FORMATS)}.")
+        if self.element not in ("e4m3", "e5m2") or (self.format != "mxfp8" and self.element != "e4m3"):
+            raise ValueError(f"BlockScaledRecipe(element={self.element!r}) is invalid: 'e4m3' or 'e5m2', for mxfp8 "
+                             "(mxfp4 and nvfp4 have E2M1 elements).")
+        if self.scale_mode not in ("floor", "rceil") or (self.format == "nvfp4" and self.scale_mode != "floor"):
+            raise ValueError(f"BlockScaledRecipe(scale_mode={self.scale_mode!r}) is invalid: 'floor' or 'rceil', for "
+                             "the MX formats (NVFP4's scales are E4M3 values, not powers of two).")
+        nvfp4_parts = ("weight_tiles", "stochastic_gradients", "hadamard")
+        for name in (*nvfp4_parts, "keep_first_last"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or value is None):
+                raise ValueError(f"BlockScaledRecipe({name}={value!r}) is not a bool: pass True or False.")
+            if name in nvfp4_parts and self.format != "nvfp4" and value:
+                raise ValueError(f"BlockScaledRecipe({name}=True) is part of the NVFP4 recipe: drop it for "
+                                 f"format={self.format!r}.")
+            if value is None:
+                object.__setattr__(self, name, self.format == "nvfp4")
+        if isinstance(self.hadamard_seed, bool) or not isinstance(self.hadamard_seed, int):
+            raise ValueError(f"BlockScaledRecipe(hadamard_seed={self.hadamard_seed!r}) is not an integer.")
+        if isinstance(self.keep, str) or not all(isinstance(k, str) for k in self.keep):
+            raise ValueError(f"BlockScaledRecipe(keep={self.keep!r}) must be a tuple of name patterns, e.g. "
+                             "('lm_head', 'blocks.0.*').")
+        if self.gemm is not None and not callable(self.gemm):
+            raise ValueError(f"BlockScaledRecipe(gemm={self.gemm!r}) is not callable: pass a native kernel or None.")
+        object.__setattr__(self, "keep", tuple(self.keep))
+
+    @property
+    def block(self) -> int:
+        """Elements per block: 32 (MX) or 16 (NVFP4)."""
+        return BLOCK_SIZES[self.format]
+
+    @property
+    def label(self) -> str:
+        """The recipe in a run's label: ``mxfp8-floor``, ``nvfp4``, ``nvfp4-no-hadamard`` ..."""
+        if self.format != "nvfp4":
+            element = "" if self.element == "e4m3" else f"-{self.element}"
+            return f"{self.format}{element}-{self.scale_mode}"
+        off = [name for name, on in (("tiles", self.weight_tiles), ("sr", self.stochastic_gradients),
+                                     ("hadamard", self.hadamard), ("kept", self.keep_first_last)) if not on]
+        return "nvfp4" + "".join(f"-no-{name}" for name in off)

@@ -1,0 +1,188 @@
+"""Block-scaled training: linears whose every GEMM computes on block-quantized operands (emulated).
+
+``BlockScaledLinear`` quantizes, per GEMM, both operands along that GEMM's reduction dimension, as
+block-scaled tensor cores require:
+
+- output ``y = x W^T``: x and W in blocks along the input features;
+- input gradient ``dx = g W``: g and W^T in blocks along the output features (NVFP4 with weight tiles:
+  the 16x16-tiled weight, the same in both GEMMs);
+- weight gradient ``dW = g^T x``: g^T and x^T in blocks along the tokens (NVFP4: after a random
+  Hadamard transform of both along the tokens, which leaves ``g^T x`` unchanged in exact arithmetic and
+  spreads outliers over 16 values; NVFP4's gradients round stochastically).
+
+Each GEMM runs in float32 on the decoded values (``recipe.gemm`` plugs in a native kernel instead), so the
+numerics are the format's on any machine, at emulation's cost. Bias, activations and everything outside
+the linears stay in the dtype the rest of the model runs in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit.formats.block_scaled import MX_ELEMENTS, Quantized, quantize_mx, quantize_nvfp4
+from ampkit.formats.recipes import BlockScaledRecipe
+
+
+def hadamard_16(seed: int) -> torch.Tensor:
+    """A 16x16 orthogonal random Hadamard transform: Sylvester's Hadamard matrix / 4, columns signed at random
+    (fixed by ``seed``)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < 16:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    return h * signs / 4.0
+
+
+def _hadamard_rows(t: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
+    """``transform`` applied to each block of 16 rows of 2-D ``t`` (zero rows pad the last block)."""
+    pad = (-t.shape[0]) % 16
+    padded = torch.nn.functional.pad(t, (0, 0, 0, pad))
+    blocks = padded.reshape(-1, 16, t.shape[1])
+    return torch.matmul(transform.to(t.device), blocks).reshape(-1, t.shape[1])
+
+
+def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, generator: torch.Generator | None = None,
+                     stochastic: bool = False, tiles: bool = False) -> Quantized:
+    """A GEMM operand in ``recipe``'s format, in blocks along its last axis (16x16 tiles with ``tiles``)."""
+    if recipe.format == "nvfp4":
+        return quantize_nvfp4(t, -1, 16 if tiles else None, generator, stochastic)
+    element = recipe.element if recipe.format == "mxfp8" else MX_ELEMENTS[recipe.format]
+    return quantize_mx(t, element, -1, recipe.block, recipe.scale_mode)
+
+
+def _gemm(a: Quantized, b: Quantized, recipe: BlockScaledRecipe) -> torch.Tensor:
+    """``a @ b.T`` of two operands quantized along their last axis."""
+    if recipe.gemm is not None:
+        return recipe.gemm(a, b)  # type: ignore[operator]
+    return a.values @ b.values.T
+
+
+class _BlockScaledMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: BlockScaledLinear) -> torch.Tensor:
+        recipe = module.recipe
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        tiles = recipe.format == "nvfp4" and recipe.weight_tiles
+        w = quantize_operand(weight.float(), recipe, tiles=bool(tiles))
+        out = _gemm(quantize_operand(x2, recipe), w, recipe)
+        ctx.save_for_backward(x, weight)
+        ctx.module, ctx.tiled = module, (w if tiles else None)
+        return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight = ctx.saved_tensors
+        module = ctx.module
+        recipe, generator = module.recipe, module.generator
+        x2 = x.reshape(-1, x.shape[-1]).float()
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()
+        stochastic = recipe.format == "nvfp4" and recipe.stochastic_gradients
+        # Input gradient: reduction over the output features. The tiled weight's transpose is its tiles'.
+        wt = _transposed(ctx.tiled) if ctx.tiled is not None else quantize_operand(weight.float().T, recipe)
+        grad_x = _gemm(quantize_operand(g2, recipe, generator, stochastic), wt, recipe)
+        # Weight gradient: reduction over the tokens.
+        if recipe.format == "nvfp4" and recipe.hadamard:
+            g2, x2 = _hadamard_rows(g2, module.transform), _hadamard_rows(x2, module.transform)
+        grad_w = _gemm(quantize_operand(g2.T.contiguous(), recipe, generator, stochastic),
+                       quantize_operand(x2.T.contiguous(), recipe), recipe)
+        return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(weight.dtype), None
+
+
+def _transposed(q: Quantized) -> Quantized:
+    """A 16x16-tiled operand's transpose: the same tiles, so the same quantized values, transposed."""
+    return dataclasses.replace(q, values=q.values.T, elements=q.elements.T, flushed=q.flushed.T)
+
+
+class BlockScaledLinear(nn.Linear):
+    """An ``nn.Linear`` whose GEMMs compute on block-scaled operands (see the module docstring).
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``'s.
+        recipe: the ``BlockScaledRecipe`` (default: MXFP8).
+        seed: stochastic rounding's seed (default 0).
+
+    State: ``recipe`` in the extra state (its label, checked on load); the rounding generator's seed.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 recipe: BlockScaledRecipe = BlockScaledRecipe(), seed: int = 0, device: Any = None,
+                 dtype: Any = None) -> None:
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self._init_recipe(recipe, seed)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: BlockScaledRecipe, seed: int = 0) -> BlockScaledLinear:
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias  # the same Parameters: optimizers keep them
+        new._init_recipe(recipe, seed)
+        return new
+
+    def _init_recipe(self, recipe: BlockScaledRecipe, seed: int) -> None:
+        self.recipe = recipe
+        self.generator = torch.Generator(device=self.weight.device).manual_seed(seed)
+        self.transform = hadamard_16(recipe.hadamard_seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = _BlockScaledMatmul.apply(x, self.weight, self)
+        return out + self.bias.to(out.dtype) if self.bias is not None else out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe.label}"
+
+
+def eligible_block_scaled(model: nn.Module, recipe: BlockScaledRecipe) -> dict[str, str]:
+    """Each ``nn.Linear``'s name and what conversion does with it: ``"block-scaled"``, or why it is kept."""
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    first_last = {linears[0][0], linears[-1][0]} if recipe.keep_first_last and linears else set()
+    decisions = {}
+    for name, linear in linears:
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in recipe.keep):
+            decisions[name] = "kept: matches keep="
+        elif name in first_last:
+            decisions[name] = "kept: the first or last linear (keep_first_last)"
+        elif linear.in_features % recipe.block or linear.out_features % recipe.block:
+            decisions[name] = (f"kept: {linear.in_features}x{linear.out_features} is not a multiple of the "
+                               f"{recipe.block}-element blocks")
+        else:
+            decisions[name] = "block-scaled"
+    return decisions
+
+
+def convert_to_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None = None, seed: int = 0) -> dict[str, str]:
+    """Swap the model's ``nn.Linear`` layers for ``BlockScaledLinear`` (in place; the parameters stay).
+
+    Args:
+        model: the model (float32, before ``ampkit.initialize``: the rest then runs at the opt level).
+        recipe: a ``BlockScaledRecipe`` (default MXFP8).
+        seed: the stochastic rounding's seed (each layer gets ``seed + its index``).
+
+    Returns:
+        Each linear's name and what was done: ``"block-scaled"`` or ``"kept: <why>"``.
+
+    Raises:
+        ValueError: no linear can be block-scaled (the reasons are named).
+    """
+    recipe = recipe or BlockScaledRecipe()
+    decisions = eligible_block_scaled(model, recipe)
+    if "block-scaled" not in decisions.values():
+        raise ValueError(f"No linear of {type(model).__name__} can take {recipe.label}: "
+                         f"{ {k: v for k, v in list(decisions.items())[:4]} }.")
+    for index, (name, decision) in enumerate(decisions.items()):
+        if decision == "block-scaled":
+            owner_name, _, child = name.rpartition(".")
+            owner = model.get_submodule(owner_name) if owner_name else model
+            setattr(owner, child, BlockScaledLinear.from_linear(getattr(owner, child), recipe, seed + index))
+    return decisions
+
+
+def block_scaled_layers(model: nn.Module) -> list[str]:
+    """Names of the model's ``BlockScaledLinear`` layers."""
+    return [name for name, m in model.named_modules() if isinstance(m, BlockScaledLinear)]
+

@@ -1,0 +1,268 @@
+"""Block-scaled formats, exact to their specifications: MXFP8, MXFP4 (OCP Microscaling Formats v1.0)
+and NVFP4 (as Transformer Engine documents it). Pure functions of tensors: quantize, dequantize, and the
+statistics of a cast.
+
+- **MX** (OCP MX v1.0, section 6.3): blocks of 32 consecutive elements along one axis share an E8M0 scale
+  ``X = 2**e`` (E8M0: exponents -127..127, 0xFF = NaN). FLOOR, the spec's rule: ``e = floor(log2(amax)) -
+  emax_elem`` (emax_elem: the exponent of the element type's largest normal, E4M3 8, E5M2 15, E2M1 2), so
+  values between the largest power of two and amax may pass the element type's maximum and saturate to it.
+  RCEIL (Transformer Engine's, torchao's): ``e = ceil(log2(amax / max_elem))``: no element saturates, at
+  up to one binade less precision. The elements ``V / X`` are rounded to nearest, ties to even, and
+  saturated to +-max_elem (E4M3 448, E5M2 57344, E2M1 6). A block holding NaN or +-Inf gets the NaN scale and
+  decodes to NaN (E4M3 and E2M1 have no Inf); an all-zero block gets the smallest scale, 2**-127.
+- **NVFP4**: blocks of 16 share an E4M3 scale, under a float32 per-tensor scale ``s = 448 * 6 / amax``
+  (amax over the tensor's finite values; 1 when it is 0): a block's scale is ``e4m3((amax_block / 6) * s)``
+  (nearest even, saturated at 448), its elements ``e2m1(v * (s / scale))``, decoded as ``q * scale / s``
+  (float32 operations in that order, as Transformer Engine's kernels). A block whose
+  scale rounds to 0 decodes to 0; a block holding NaN or +-Inf decodes to NaN. ``tile=16`` makes 16x16
+  blocks of a 2-D tensor (the NVFP4 training recipe's weights: a weight and its transpose quantize alike).
+
+Elements are E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) or torch's float8 dtypes (torch's casts
+round to nearest even; ampkit clamps first, so they saturate as the specs say). Everything runs in
+float32 on any device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ampkit.formats.recipes import E4M3, E5M2
+
+E2M1_MAX, E4M3_MAX, E5M2_MAX = 6.0, 448.0, 57344.0
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# The element types: (largest normal, the exponent of the largest normal's power of two, torch dtype or None).
+ELEMENTS = {"e4m3": (E4M3_MAX, 8, E4M3), "e5m2": (E5M2_MAX, 15, E5M2), "e2m1": (E2M1_MAX, 2, None)}
+SCALE_MODES = ("floor", "rceil")
+E8M0_MIN, E8M0_MAX = -127, 127
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """A block-scaled tensor: its decoded values, its elements and block scales, and how the cast went.
+
+    Attributes:
+        values: the decoded float32 values (elements times scales), shaped as the input.
+        elements: the elements, shaped as the input, as float32 values of the element type's grid.
+        scales: one float32 per block (MX: a power of two, or NaN; NVFP4: an E4M3 value), blocks in the
+            input's order with the blocks' axis last.
+        tensor_scale: NVFP4's per-tensor float32 scale ``s`` (1.0 for MX).
+        block_saturated: a bool per block: one of its scaled values passed the element type's maximum.
+        block_range: a float per block: its largest over its smallest nonzero magnitude (1.0 for a block
+            of zeros), as Transformer Engine's debug tools report it.
+        flushed: a bool per element: nonzero, decoded as zero.
+    """
+
+    values: torch.Tensor
+    elements: torch.Tensor
+    scales: torch.Tensor
+    tensor_scale: torch.Tensor
+    block_saturated: torch.Tensor
+    block_range: torch.Tensor
+    flushed: torch.Tensor
+
+
+def _block_range(blocks: torch.Tensor) -> torch.Tensor:
+    magnitude = blocks.abs()
+    largest = magnitude.amax(-1)
+    smallest = torch.where(magnitude > 0, magnitude, torch.full_like(magnitude, math.inf)).amin(-1)
+    return torch.where(largest > 0, largest / smallest, torch.ones_like(largest))
+
+
+def round_e2m1(x: torch.Tensor, generator: torch.Generator | None = None, stochastic: bool = False) -> torch.Tensor:
+    """Round float32 ``x`` to E2M1: to nearest, ties to even (or stochastically, unbiased), saturated at +-6.
+
+    Args:
+        x: float32 values.
+        generator: the random draws' generator (stochastic rounding).
+        stochastic: round up with probability (x - lower) / (upper - lower) instead of to nearest.
+
+    Returns:
+        float32 values of the E2M1 grid; NaN stays NaN.
+    """
+    magnitude = x.abs().clamp(max=E2M1_MAX).contiguous()
+    grid = torch.tensor(E2M1_GRID, device=x.device)
+    upper_index = torch.bucketize(magnitude, grid).clamp(max=len(E2M1_GRID) - 1)  # first grid value >= |x|
+    lower_index = (upper_index - 1).clamp(min=0)
+    upper, lower = grid[upper_index], grid[lower_index]
+    if stochastic:
+        gap = (upper - lower).clamp(min=torch.finfo(torch.float32).tiny)
+        draw = torch.rand(x.shape, generator=generator, device=x.device)
+        rounded = torch.where(draw < (magnitude - lower) / gap, upper, lower)
+    else:
+        # Nearest; a tie goes to the even code (codes 0..7 in grid order: 0, 1, 2, 4 have an even mantissa).
+        below, above = magnitude - lower, upper - magnitude
+        tie_up = (upper_index % 2 == 0)
+        rounded = torch.where((above < below) | ((above == below) & tie_up), upper, lower)
+    rounded = torch.where(magnitude == upper, upper, rounded)  # exactly on the grid
+    return torch.where(torch.isnan(x), x, torch.copysign(rounded, x))
+
+
+def round_element(x: torch.Tensor, element: str, generator: torch.Generator | None = None,
+                  stochastic: bool = False) -> torch.Tensor:
+    """``x`` (float32, already scaled) on ``element``'s grid, saturated at its maximum: nearest even, or
+    stochastic rounding for E2M1. Returns float32 values."""
+    largest, _, dtype = ELEMENTS[element]
+    if dtype is None:
+        return round_e2m1(x, generator, stochastic)
+    if stochastic:
+        raise ValueError(f"stochastic rounding is implemented for E2M1 elements, not {element}.")
+    return x.clamp(-largest, largest).to(dtype).float()  # clamp keeps NaN; torch's cast is nearest even
+
+
+def _blocks(x: torch.Tensor, axis: int, block: int) -> tuple[torch.Tensor, int]:
+    """``x`` as (..., blocks, block) along ``axis`` (zero-padded to a whole block), and the pad."""
+    moved = x.float().movedim(axis, -1)
+    pad = (-moved.shape[-1]) % block
+    if pad:
+        moved = torch.nn.functional.pad(moved, (0, pad))
+    return moved.reshape(*moved.shape[:-1], -1, block), pad
+
+
+def _unblocks(blocks: torch.Tensor, pad: int, axis: int) -> torch.Tensor:
+    flat = blocks.reshape(*blocks.shape[:-2], -1)
+    if pad:
+        flat = flat[..., :-pad]
+    return flat.movedim(-1, axis)
+
+
+def mx_scale_exponent(amax: torch.Tensor, element: str, mode: str) -> torch.Tensor:
+    """The E8M0 exponent of blocks whose largest magnitude is ``amax`` (float32), clamped to -127..127;
+    NaN where amax is NaN or Inf (the 0xFF scale)."""
+    largest, emax, _ = ELEMENTS[element]
+    if mode == "floor":
+        _, exponent = torch.frexp(amax)  # amax = m * 2**k, m in [0.5, 1): floor(log2(amax)) = k - 1, exactly
+        e = (exponent - 1 - emax).float()
+    else:  # the least e with amax <= largest * 2**e: log2's estimate, corrected exactly in float32
+        e = torch.ceil(torch.log2(amax / largest))
+        e = torch.where(torch.ldexp(torch.full_like(amax, largest), e - 1) >= amax, e - 1, e)
+        e = torch.where(torch.ldexp(torch.full_like(amax, largest), e) < amax, e + 1, e)
+    e = torch.where(amax == 0, torch.full_like(e, E8M0_MIN), e).clamp(E8M0_MIN, E8M0_MAX)
+    return torch.where(torch.isfinite(amax), e, torch.full_like(e, math.nan))
+
+
+def quantize_mx(x: torch.Tensor, element: str = "e4m3", axis: int = -1, block: int = 32, mode: str = "floor",
+                generator: torch.Generator | None = None, stochastic: bool = False) -> Quantized:
+    """MX-quantize ``x`` in blocks of ``block`` along ``axis`` (see the module docstring).
+
+    Args:
+        x: any floating tensor.
+        element: ``"e4m3"``, ``"e5m2"`` (MXFP8) or ``"e2m1"`` (MXFP4).
+        axis: the blocks' axis (a GEMM's reduction dimension).
+        block: elements per block (the spec's 32).
+        mode: ``"floor"`` (the spec's) or ``"rceil"``.
+        generator: stochastic rounding's random draws.
+        stochastic: stochastic rounding of E2M1 elements.
+
+    Returns:
+        ``Quantized``; ``dequantize`` gives the float32 values.
+    """
+    blocks, pad = _blocks(x, axis, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    amax = torch.where(torch.isnan(blocks).any(-1, keepdim=True), torch.full_like(amax, math.nan), amax)
+    e = mx_scale_exponent(amax, element, mode)
+    scaled = torch.ldexp(blocks, -torch.nan_to_num(e, nan=0.0))  # exact: a power of two
+    scaled = torch.where(torch.isnan(e), torch.full_like(scaled, math.nan), scaled)
+    elements = round_element(scaled, element, generator, stochastic)
+    decoded = elements * torch.exp2(e)
+    return Quantized(_unblocks(decoded, pad, axis), _unblocks(elements, pad, axis), torch.exp2(e).squeeze(-1),
+                     torch.ones((), device=x.device), (scaled.abs() > ELEMENTS[element][0]).any(-1),
+                     _block_range(blocks), _unblocks((blocks != 0) & (decoded == 0), pad, axis))
+
+
+def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
+                   generator: torch.Generator | None = None, stochastic: bool = False) -> Quantized:
+    """NVFP4-quantize ``x``: E2M1 elements in blocks of 16 along ``axis`` (or, with ``tile=16``, in 16x16
+    tiles of a 2-D tensor), E4M3 block scales, a float32 per-tensor scale (see the module docstring).
+
+    Args:
+        x: any floating tensor (2-D with ``tile``).
+        axis: the blocks' axis (ignored with ``tile``).
+        tile: None (1-D blocks of 16) or 16 (16x16 tiles).
+        generator: stochastic rounding's random draws.
+        stochastic: stochastic rounding of the elements (the recipe's gradients).
+
+    Returns:
+        ``Quantized``.
+    """
+    x = x.float()
+    finite = torch.isfinite(x)
+    amax = torch.where(finite, x.abs(), torch.zeros_like(x)).amax()
+    tensor_scale = torch.where(amax > 0, (E4M3_MAX * E2M1_MAX) / amax, torch.ones_like(amax))
+    if tile is not None:
+        if x.dim() != 2:
+            raise ValueError(f"NVFP4 tiles need a 2-D tensor, got shape {tuple(x.shape)}.")
+        rows, cols = x.shape
+        padded = torch.nn.functional.pad(x, (0, (-cols) % tile, 0, (-rows) % tile))
+        r, c = padded.shape
+        blocks = padded.reshape(r // tile, tile, c // tile, tile).permute(0, 2, 1, 3).reshape(r // tile, c // tile,
+                                                                                             tile * tile)
+    else:
+        blocks, pad = _blocks(x, axis, 16)
+    bad = (~torch.isfinite(blocks)).any(-1, keepdim=True)
+    block_amax = torch.where(torch.isfinite(blocks), blocks.abs(), torch.zeros_like(blocks)).amax(-1, keepdim=True)
+    scale = (block_amax / E2M1_MAX * tensor_scale).clamp(max=E4M3_MAX).to(E4M3).float()
+    # Transformer Engine's order of float32 operations: the elements' factor is s / scale, one division.
+    factor = torch.where(scale > 0, tensor_scale / scale.clamp(min=torch.finfo(torch.float32).tiny),
+                         torch.zeros_like(scale))
+    scaled = blocks * factor
+    elements = round_e2m1(scaled, generator, stochastic)
+    elements = torch.where(bad, torch.full_like(elements, math.nan), elements)
+    scale = torch.where(bad, torch.full_like(scale, math.nan), scale)
+    decoded = elements * scale / tensor_scale
+    saturated, spread = (scaled.abs() > E2M1_MAX).any(-1), _block_range(blocks)
+    flushed = (blocks != 0) & (decoded == 0)
+    if tile is not None:
+        def untile(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(r // tile, c // tile, tile, tile).permute(0, 2, 1, 3).reshape(r, c)[:rows, :cols]
+
+        return Quantized(untile(decoded), untile(elements), scale.squeeze(-1), tensor_scale, saturated, spread,
+                         untile(flushed))
+    return Quantized(_unblocks(decoded, pad, axis), _unblocks(elements, pad, axis), scale.squeeze(-1), tensor_scale,
+                     saturated, spread, _unblocks(flushed, pad, axis))
+
+
+def fake_quantize(x: torch.Tensor, format: str = "mxfp8", axis: int = -1, scale_mode: str = "floor",
+                  tile: int | None = None) -> torch.Tensor:
+    """``x`` through a block-scaled format and back: the float32 values a GEMM on that format sees.
+
+    Args:
+        x: any floating tensor.
+        format: ``"mxfp8"`` (E4M3 elements), ``"mxfp8-e5m2"``, ``"mxfp4"`` (E2M1) or ``"nvfp4"``.
+        axis: the blocks' axis (a GEMM's reduction dimension; default the last).
+        scale_mode: MX only: ``"floor"`` (default, the OCP spec's) or ``"rceil"`` (no element saturates).
+        tile: NVFP4 only: 16 for 16x16 tiles of a 2-D tensor.
+
+    Returns:
+        float32 values, shaped as ``x``.
+
+    Raises:
+        ValueError: an unknown format or scale mode, a tile with MX, or a tile other than 16.
+
+    Example:
+        >>> error = (ampkit.fake_quantize(w, "nvfp4") - w).abs().max()
+    """
+    check_block_format(format, scale_mode, tile)
+    if format == "nvfp4":
+        return quantize_nvfp4(x, axis, tile).values
+    return quantize_mx(x, MX_ELEMENTS[format], axis, mode=scale_mode).values
+
+
+MX_ELEMENTS = {"mxfp8": "e4m3", "mxfp8-e5m2": "e5m2", "mxfp4": "e2m1"}
+
+
+def check_block_format(format: str, scale_mode: str = "floor", tile: int | None = None) -> None:
+    """Refuse an unknown format, scale mode or tile (ValueError naming the choices)."""
+    formats = [*MX_ELEMENTS, "nvfp4"]
+    if format not in formats:
+        raise ValueError(f"format={format!r} is not a block-scaled format: choose one of {formats}.")
+    if scale_mode not in SCALE_MODES:
+        raise ValueError(f"scale_mode={scale_mode!r} is invalid: choose one of {list(SCALE_MODES)}.")
+    if format == "nvfp4" and scale_mode != "floor":
+        raise ValueError(f"scale_mode={scale_mode!r} applies to the MX formats: NVFP4's block scales are E4M3 "
+                         "values, not powers of two. Drop scale_mode= for nvfp4.")
+    if tile is not None and (format != "nvfp4" or tile != 16):
+        raise ValueError(f"tile={tile!r}: only NVFP4 takes tiles, of 16 (16x16 blocks of a 2-D weight); pass "
+                         "tile=None for 1-D blocks.")

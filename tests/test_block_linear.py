@@ -1,0 +1,152 @@
+"""Block-scaled linears: each GEMM quantizes its operands along its own reduction dimension (checked against
+fake_quantize, itself checked against the specs), NVFP4's recipe parts, the conversion's decisions, the
+instruments of inspect_numerics, and the compare settings."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+from ampkit import BlockScaledRecipe, fake_quantize
+from ampkit.formats.block_linear import BlockScaledLinear, convert_to_block_scaled, hadamard_16
+from ampkit.formats.block_scaled import round_e2m1
+
+
+def _layer(recipe: BlockScaledRecipe, seed: int = 0) -> tuple[BlockScaledLinear, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(64, 32, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(32, 64, generator=g))
+    x = torch.randn(48, 64, generator=g, requires_grad=True)
+    return BlockScaledLinear.from_linear(linear, recipe), x, torch.randn(48, 32, generator=g)
+
+
+@pytest.mark.parametrize("format", ["mxfp8", "mxfp4"])
+def test_each_gemm_quantizes_along_its_own_reduction_dimension(format: str) -> None:
+    layer, x, g = _layer(BlockScaledRecipe(format))
+    fmt = {"mxfp8": "mxfp8", "mxfp4": "mxfp4"}[format]
+    out = layer(x)
+    out.backward(g)
+    w = layer.weight.detach()
+    assert torch.equal(out, fake_quantize(x.detach(), fmt) @ fake_quantize(w, fmt).T)  # along the input features
+    assert torch.equal(x.grad, fake_quantize(g, fmt) @ fake_quantize(w, fmt, axis=0))  # along the output features
+    expected_w = fake_quantize(g, fmt, axis=0).T @ fake_quantize(x.detach(), fmt, axis=0)  # along the tokens
+    assert torch.equal(layer.weight.grad, expected_w)
+    assert not torch.equal(fake_quantize(w, fmt), fake_quantize(w, fmt, axis=0))  # a tensor and its transpose differ
+
+
+def test_nvfp4_uses_one_tiled_weight_for_both_gemms_and_a_hadamard_transform_for_the_weight_gradient() -> None:
+    recipe = BlockScaledRecipe("nvfp4", stochastic_gradients=False)
+    layer, x, g = _layer(recipe)
+    out = layer(x)
+    out.backward(g)
+    w = layer.weight.detach()
+    tiled = fake_quantize(w, "nvfp4", tile=16)
+    assert torch.equal(out, fake_quantize(x.detach(), "nvfp4") @ tiled.T)
+    assert torch.equal(x.grad, fake_quantize(g, "nvfp4") @ tiled)
+    t = hadamard_16(recipe.hadamard_seed)
+    assert torch.allclose(t @ t.T, torch.eye(16), atol=1e-6)  # orthogonal: g^T x is unchanged before quantizing
+
+    def along_tokens(a: torch.Tensor) -> torch.Tensor:
+        rotated = torch.matmul(t, a.reshape(-1, 16, a.shape[1])).reshape(-1, a.shape[1])
+        return fake_quantize(rotated.T.contiguous(), "nvfp4")
+
+    assert torch.equal(layer.weight.grad, along_tokens(g) @ along_tokens(x.detach()).T)
+    exact = g.T @ x.detach()
+    plain = BlockScaledRecipe("nvfp4", stochastic_gradients=False, hadamard=False)
+    layer2, x2, g2 = _layer(plain)
+    layer2(x2).backward(g2)
+    assert not torch.equal(layer2.weight.grad, layer.weight.grad)
+    assert (layer.weight.grad - exact).norm() / exact.norm() < 0.3
+
+
+def test_stochastic_rounding_is_unbiased_and_reproducible() -> None:
+    value = torch.full((200_000,), 2.3)  # between 2 and 3 on E2M1's grid
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    rounded = round_e2m1(value, g1, stochastic=True)
+    assert set(rounded.unique().tolist()) == {2.0, 3.0}
+    assert rounded.mean().item() == pytest.approx(2.3, abs=0.01)
+    assert torch.equal(rounded, round_e2m1(value, g2, stochastic=True))
+    assert round_e2m1(value).unique().tolist() == [2.0]  # nearest: biased
+
+
+def test_conversion_keeps_first_last_named_and_ragged_linears_with_the_reason() -> None:
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.Linear(64, 40), nn.Linear(40, 32),
+                          nn.Linear(32, 16))
+    decisions = convert_to_block_scaled(model, BlockScaledRecipe("nvfp4", keep=("3",)))
+    assert decisions == {"0": "kept: the first or last linear (keep_first_last)", "2": "block-scaled",
+                         "3": "kept: matches keep=", "4": "kept: 40x32 is not a multiple of the 16-element blocks",
+                         "5": "kept: the first or last linear (keep_first_last)"}
+    assert isinstance(model[2], BlockScaledLinear) and type(model[0]) is nn.Linear
+    mx = convert_to_block_scaled(nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32)), BlockScaledRecipe("mxfp8"))
+    assert set(mx.values()) == {"block-scaled"}  # MX keeps no first and last by default
+    with pytest.raises(ValueError, match="No linear of Sequential can take mxfp8-floor"):
+        convert_to_block_scaled(nn.Sequential(nn.Linear(10, 3)), BlockScaledRecipe())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"format": "mxfp6"}, r"format='mxfp6'\) is invalid: choose one of \['mxfp8', 'mxfp4', 'nvfp4'\]"),
+    ({"format": "mxfp4", "element": "e5m2"}, "'e4m3' or 'e5m2', for mxfp8"),
+    ({"format": "nvfp4", "scale_mode": "rceil"}, "NVFP4's scales are E4M3 values"),
+    ({"format": "mxfp8", "hadamard": True}, r"hadamard=True\) is part of the NVFP4 recipe"),
+    ({"format": "nvfp4", "weight_tiles": "yes"}, "is not a bool"),
+    ({"keep": "lm_head"}, "must be a tuple of name patterns"),
+    ({"gemm": 3}, "is not callable"),
+])
+def test_bad_recipes_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BlockScaledRecipe(**kwargs)
+
+
+def test_a_native_gemm_plugs_in_and_sees_both_operands_quantized() -> None:
+    seen = []
+
+    def gemm(a, b):  # noqa: ANN001, ANN202
+        seen.append((a.scales.shape, b.scales.shape))
+        return a.values @ b.values.T
+
+    layer, x, g = _layer(BlockScaledRecipe("mxfp8", gemm=gemm))
+    layer(x).backward(g)
+    assert seen == [((48, 2), (32, 2)), ((48, 1), (64, 1)), ((32, 2), (64, 2))]  # fprop, dgrad, wgrad
+
+
+def test_inspect_numerics_names_the_outlier_layer_under_nvfp4_with_its_saturated_blocks() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.GELU())])
+    with torch.no_grad():
+        model[2].weight[5] *= 1000.0  # one weight row 1000x the rest
+    report = ampkit.inspect_numerics(model, torch.randn(64, 64), block_scaled=BlockScaledRecipe("nvfp4"))
+    assert report.block_keep == ["2"]
+    reason = next(r for r in report.reasons if r.startswith("2:"))
+    outlier = next(m for m in report.modules if m.name == "2").block
+    assert f"{100 * outlier.weight.saturated_blocks:.1f}% of its blocks saturate an element" in reason
+    assert "flush to zero in nvfp4" in reason and "BlockScaledRecipe(keep=('2',))" in reason
+    ordinary = next(m for m in report.modules if m.name == "4").block
+    assert outlier.weight.flushed > 3 * ordinary.weight.flushed
+    assert outlier.weight.range_max > 100 * ordinary.weight.range_median
+    assert ordinary.gradient is not None and 0 <= ordinary.gradient.flushed < 1
+    assert math.isfinite(ordinary.input.range_median)
+
+
+def test_compare_labels_each_block_scaled_run_with_its_recipe_and_refuses_a_model_without_linears() -> None:
+    from ampkit.experiment.config import RunConfig
+    from ampkit.experiment.settings import plan
+
+    assert RunConfig(model="gpt", data="text", precision="nvfp4", opt_level="O1").label.startswith("nvfp4 O1")
+    assert RunConfig(model="gpt", data="text", precision="mxfp8", opt_level="O2").label.startswith("mxfp8-floor O2")
+    with pytest.raises(ValueError, match=r"precisions=\['mxfp4'\]: resnet18 has no linear mxfp4-floor can take"):
+        plan(model="resnet18", data="digits", precisions=["mxfp4"])
+
+
+def test_a_gpt_trains_a_few_steps_in_each_format_with_finite_losses() -> None:
+    from ampkit.experiment.config import RunConfig
+    from ampkit.experiment.training import execute
+
+    for precision in ("mxfp8", "mxfp4", "nvfp4"):
+        result = execute(RunConfig(model="gpt", data="text", precision=precision, opt_level="O1", steps=4,
+                                   batch_size=4))
+        assert all(math.isfinite(loss) for loss in result.losses), precision

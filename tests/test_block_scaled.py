@@ -1,0 +1,226 @@
+"""Block-scaled formats against references written here from the specs (OCP MX v1.0 section 5-6; NVFP4 as
+Transformer Engine documents it): every E2M1 and E4M3 code point, E8M0 scales, and bit-for-bit blocks of
+random, subnormal, overflowing, all-zero and NaN values; torchao's casts checked against the same reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ampkit import fake_quantize
+from ampkit.formats.block_scaled import quantize_mx, quantize_nvfp4, round_e2m1
+
+# -- the reference: code tables decoded from the bit layouts, rounding by search --------------------------
+
+
+def decode_e4m3(code: int) -> float:
+    sign, exponent, mantissa = code >> 7, (code >> 3) & 0xF, code & 0x7
+    if exponent == 0xF and mantissa == 0x7:
+        return math.nan  # E4M3 (fn): no infinities, one NaN pattern per sign
+    value = mantissa / 8 * 2.0**-6 if exponent == 0 else (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+    return -value if sign else value
+
+
+def decode_e5m2(code: int) -> float:
+    sign, exponent, mantissa = code >> 7, (code >> 2) & 0x1F, code & 0x3
+    if exponent == 0x1F:
+        value = math.inf if mantissa == 0 else math.nan
+    else:
+        value = mantissa / 4 * 2.0**-14 if exponent == 0 else (1 + mantissa / 4) * 2.0 ** (exponent - 15)
+    return -value if sign else value
+
+
+def decode_e2m1(code: int) -> float:
+    sign, exponent, mantissa = code >> 3, (code >> 1) & 0x3, code & 0x1
+    value = mantissa * 0.5 if exponent == 0 else (1 + mantissa / 2) * 2.0 ** (exponent - 1)
+    return -value if sign else value
+
+
+def decode_e8m0(code: int) -> float:
+    return math.nan if code == 0xFF else 2.0 ** (code - 127)
+
+
+def positive_codes(decode, bits: int) -> list[tuple[float, int]]:  # noqa: ANN001
+    """(value, code) of every finite non-negative code point, ascending."""
+    half = 1 << (bits - 1)
+    return sorted((decode(c), c) for c in range(half) if math.isfinite(decode(c)))
+
+
+E4M3_CODES, E5M2_CODES, E2M1_CODES = positive_codes(decode_e4m3, 8), positive_codes(decode_e5m2, 8), \
+    positive_codes(decode_e2m1, 4)
+CODES = {"e4m3": E4M3_CODES, "e5m2": E5M2_CODES, "e2m1": E2M1_CODES}
+
+
+def round_nearest_even(v: float, codes: list[tuple[float, int]]) -> float:
+    """roundTiesToEven onto the code points, saturating at the largest finite one (what the specs ask of a
+    conversion into an MX element type)."""
+    if math.isnan(v):
+        return math.nan
+    magnitude = min(abs(v), codes[-1][0])
+    best = min(codes, key=lambda vc: (abs(vc[0] - magnitude), vc[1] & 1))  # a tie: the even code
+    return math.copysign(best[0], v)
+
+
+def reference_mx(block: list[float], element: str, mode: str = "floor") -> list[float]:
+    """OCP MX v1.0 6.3: X = 2**(floor(log2(amax)) - emax_elem), P = quantize(V / X); decoded P * X."""
+    codes = CODES[element]
+    largest = codes[-1][0]
+    if any(math.isnan(v) or math.isinf(v) for v in block):
+        return [math.nan] * len(block)  # the NaN scale
+    amax = max(abs(v) for v in block)
+    if amax == 0:
+        exponent = -127
+    elif mode == "floor":
+        emax = math.frexp(largest)[1] - 1
+        exponent = math.frexp(amax)[1] - 1 - emax
+    else:  # the least e with amax <= largest * 2**e
+        exponent = math.ceil(math.log2(amax / largest))
+        while largest * 2.0 ** (exponent - 1) >= amax:
+            exponent -= 1
+        while largest * 2.0**exponent < amax:
+            exponent += 1
+    exponent = max(-127, min(127, exponent))
+    return [round_nearest_even(v / 2.0**exponent, codes) * 2.0**exponent for v in block]
+
+
+def f32(v: float) -> float:
+    return torch.tensor(v, dtype=torch.float32).item()
+
+
+def reference_nvfp4(values: list[float]) -> list[float]:
+    """NVFP4 (Transformer Engine): s = 448 * 6 / amax; block scale e4m3((amax_b / 6) * s); elements
+    e2m1(v * (s / scale)); decoded q * scale / s. Every step rounded to float32, in that order."""
+    finite = [abs(v) for v in values if math.isfinite(v)]
+    amax = max(finite, default=0.0)
+    s = f32(f32(448.0 * 6.0) / amax) if amax > 0 else 1.0
+    out = []
+    for start in range(0, len(values), 16):
+        block = values[start:start + 16]
+        if not all(math.isfinite(v) for v in block):
+            out += [math.nan] * len(block)
+            continue
+        scale = round_nearest_even(f32(f32(max(abs(v) for v in block) / 6.0) * s), E4M3_CODES)
+        factor = f32(s / scale) if scale > 0 else 0.0
+        out += [f32(f32(round_nearest_even(f32(v * factor), E2M1_CODES) * scale) / s) for v in block]
+    return out
+
+
+def same(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b))
+
+
+def blocks_of_every_kind(n: int, seed: int = 0) -> list[list[float]]:
+    g = torch.Generator().manual_seed(seed)
+    kinds = [
+        torch.randn(n, generator=g),  # ordinary
+        torch.randn(n, generator=g) * 1e-39,  # float32 subnormals
+        torch.randn(n, generator=g) * 3e38,  # near float32's largest
+        torch.randn(n, generator=g) * torch.logspace(-20, 20, n),  # a wide range inside one block
+        torch.zeros(n),
+        torch.cat([torch.randn(n - 1, generator=g), torch.tensor([math.nan])]),
+        torch.cat([torch.tensor([math.inf]), torch.randn(n - 1, generator=g)]),
+        torch.full((n,), 447.9) * torch.tensor([1.0, -1.0]).repeat(n // 2),
+    ]
+    return [k.tolist() for k in kinds]
+
+
+# -- the code points ------------------------------------------------------------------------------------
+
+
+def test_every_e2m1_code_point_round_trips_and_the_grid_is_the_specs() -> None:
+    assert [v for v, _ in E2M1_CODES] == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    values = torch.tensor([decode_e2m1(c) for c in range(16)])
+    assert torch.equal(round_e2m1(values), values)
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 1e9, -0.25, -5.0])
+    expected = [round_nearest_even(v, E2M1_CODES) for v in midpoints.tolist()]
+    assert round_e2m1(midpoints).tolist() == expected == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, -0.0, -4.0]
+
+
+def test_every_e4m3_and_e5m2_code_point_round_trips_through_mxfp8() -> None:
+    for element, decode in (("e4m3", decode_e4m3), ("e5m2", decode_e5m2)):
+        values = [decode(c) for c in range(256) if math.isfinite(decode(c))]
+        for start in range(0, len(values), 32):
+            block = values[start:start + 32]
+            block += [0.0] * (32 - len(block))
+            block[0] = max(CODES[element])[0]  # the largest: the scale is 2**0, every code is exact
+            got = quantize_mx(torch.tensor([block]), element).values[0].tolist()
+            assert same(got, block), element
+
+
+def test_a_sweep_of_e8m0_scales_round_trips() -> None:
+    for code in range(0, 255):
+        scale = decode_e8m0(code)
+        block = torch.tensor([[1.0] + [0.5] * 31], dtype=torch.float64) * scale * 448
+        q = quantize_mx(block.float(), "e4m3")
+        if math.isfinite(float(block.float()[0, 0])) and float(block.float()[0, 0]) != 0:
+            expected = reference_mx(block.float()[0].tolist(), "e4m3")
+            assert same(q.values[0].tolist(), expected), code
+    assert math.isnan(decode_e8m0(0xFF))
+
+
+# -- whole blocks, bit for bit ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e5m2", "e2m1"])
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+def test_mx_blocks_match_the_spec_reference_bit_for_bit(element: str, mode: str) -> None:
+    for block in blocks_of_every_kind(32):
+        got = quantize_mx(torch.tensor([block]), element, mode=mode).values[0].tolist()
+        assert same(got, reference_mx(block, element, mode)), block[:3]
+
+
+def test_floor_saturates_and_rceil_does_not() -> None:
+    block = torch.tensor([[500.0] + [1.0] * 31])  # floor(log2 500) = 8: scale 1, 500 saturates to 448
+    floor, rceil = quantize_mx(block, "e4m3", mode="floor"), quantize_mx(block, "e4m3", mode="rceil")
+    assert floor.values[0, 0] == 448.0 and floor.block_saturated.all()
+    assert rceil.values[0, 0] == 512.0 and not rceil.block_saturated.any()  # scale 2: 250 -> 256
+
+
+def test_nvfp4_matches_the_reference_bit_for_bit() -> None:
+    for values in blocks_of_every_kind(64, seed=3):
+        got = quantize_nvfp4(torch.tensor(values)).values.tolist()
+        assert same(got, reference_nvfp4(values)), values[:3]
+
+
+def test_nvfp4_tiles_are_16_by_16_and_a_tensor_and_its_transpose_quantize_alike() -> None:
+    w = torch.randn(32, 48, generator=torch.Generator().manual_seed(1))
+    w[3, 5] = 200.0  # one large value: only its tile's scale grows
+    tiled = quantize_nvfp4(w, tile=16)
+    assert torch.equal(quantize_nvfp4(w.T.contiguous(), tile=16).values, tiled.values.T)
+    assert tiled.scales.shape == (2, 3)
+    tile = w[:16, :16].flatten().tolist()  # the tile alone, as a 256-element block under the tensor scale
+    amax = w.abs().max().item()
+    s = f32(2688.0 / amax)
+    scale = round_nearest_even(f32(f32(max(abs(v) for v in tile) / 6.0) * s), E4M3_CODES)
+    assert tiled.scales[0, 0].item() == scale
+    assert tiled.values[16:, 16:].abs().max() < tiled.values[:16, :16].abs().max()
+
+
+def test_fake_quantize_takes_any_axis_and_a_ragged_last_block() -> None:
+    x = torch.randn(40, 8, generator=torch.Generator().manual_seed(2))
+    along_rows = fake_quantize(x, "mxfp8", axis=0)  # blocks of 32 down each column; the last holds 8
+    expected = [reference_mx(x[:32, 0].tolist(), "e4m3"), reference_mx(x[32:, 0].tolist() + [0.0] * 24, "e4m3")[:8]]
+    assert same(along_rows[:, 0].tolist(), expected[0] + expected[1])
+    with pytest.raises(ValueError, match=r"format='mxfp6' is not a block-scaled format: choose one of"):
+        fake_quantize(x, "mxfp6")
+    with pytest.raises(ValueError, match="only NVFP4 takes tiles"):
+        fake_quantize(x, "mxfp8", tile=16)
+    with pytest.raises(ValueError, match="applies to the MX formats"):
+        fake_quantize(x, "nvfp4", scale_mode="rceil")
+
+
+# -- torchao's casts, against the same reference ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e5m2", "e2m1"])
+def test_torchao_to_mx_agrees_with_the_reference_on_ordinary_blocks(element: str) -> None:
+    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    dtype = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2, "e2m1": torch.float4_e2m1fn_x2}[element]
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(8, 64, generator=g) * torch.logspace(-3, 3, 8)[:, None]
+    tensor = mx.MXTensor.to_mx(x, dtype, block_size=32)
+    got = tensor.dequantize(torch.float32)
+    expected = [v for row in x.tolist() for start in (0, 32) for v in reference_mx(row[start:start + 32], element)]
+    assert same(got.flatten().tolist(), expected)
