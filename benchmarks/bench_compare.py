@@ -28,6 +28,9 @@ WORKLOADS = {
     # FP8 (issue 12): both recipes against bf16 over the default 400 steps
     "gpt-fp8": ["--model", "gpt", "--precision", "bf16", "fp8", "fp8-current", "--opt-level", "O1",
                 "--no-probe"],
+    # Block-scaled formats (issue 26), emulated: MXFP8, MXFP4 and NVFP4 (full, and each recipe part removed)
+    "gpt-block-scaled": ["--model", "gpt", "--precision", "bf16", "mxfp8", "mxfp4", "nvfp4", "nvfp4-no-tiles",
+                         "nvfp4-no-sr", "nvfp4-no-hadamard", "nvfp4-no-kept", "--opt-level", "O1", "--no-probe"],
     # Numerics (issue 13). The paper's experiment: float16 with no, static, dynamic and per-layer loss scaling.
     "gpt-loss-scaling": ["--model", "gpt", "--precision", "fp16", "--opt-level", "O1",
                          "--loss-scale", "none", "static", "dynamic", "adaptive", "--no-probe"],

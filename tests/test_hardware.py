@@ -89,6 +89,8 @@ def test_recommend_on_a_cpu_without_fast_16_bit_kernels(monkeypatch: pytest.Monk
     assert "half the bytes" in rec.reasons[1]
     assert not rec.fp8_native and any(r.startswith("FP8: no FP8 matmuls here; ampkit.convert_to_fp8 emulates")
                                          for r in rec.reasons)
+    assert any(r.startswith("MXFP8 / MXFP4 / NVFP4: native block-scaled GEMMs need compute capability 10.0")
+               for r in rec.reasons)
 
 
 def test_recommend_on_a_cpu_with_fast_bf16(monkeypatch: pytest.MonkeyPatch) -> None:

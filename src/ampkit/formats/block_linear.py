@@ -102,11 +102,13 @@ class BlockScaledLinear(nn.Linear):
     """An ``nn.Linear`` whose GEMMs compute on block-scaled operands (see the module docstring).
 
     Args:
-        in_features, out_features, bias: as ``nn.Linear``'s.
+        in_features: as ``nn.Linear``'s.
+        out_features: as ``nn.Linear``'s.
+        bias: as ``nn.Linear``'s.
         recipe: the ``BlockScaledRecipe`` (default: MXFP8).
         seed: stochastic rounding's seed (default 0).
-
-    State: ``recipe`` in the extra state (its label, checked on load); the rounding generator's seed.
+        device: as ``nn.Linear``'s.
+        dtype: as ``nn.Linear``'s.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
@@ -117,6 +119,7 @@ class BlockScaledLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: BlockScaledRecipe, seed: int = 0) -> BlockScaledLinear:
+        """A block-scaled linear on ``linear``'s own Parameters (optimizers built on them keep working)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features

@@ -205,6 +205,11 @@ def recommend(device: torch.device | str | None = None, batch_size: int | None =
     reasons.append("FP8: native matmuls (compute capability >= 8.9), ampkit.convert_to_fp8 uses torch._scaled_mm"
                    if fp8_native else "FP8: no FP8 matmuls here; ampkit.convert_to_fp8 emulates them (FP8's "
                    "numerics at float32 GEMM speed plus the casts, to try a recipe, not to train faster)")
+    # Block-scaled tensor cores (MXFP8, MXFP4, NVFP4) arrive with compute capability 10.0 (Blackwell). ampkit
+    # has no such device to test a native kernel on, so it claims none: the recipes emulate everywhere.
+    reasons.append("MXFP8 / MXFP4 / NVFP4: native block-scaled GEMMs need compute capability 10.0 (Blackwell); "
+                   "ampkit.convert_to_block_scaled emulates them here and everywhere (no native kernel is tested; "
+                   "BlockScaledRecipe(gemm=...) plugs one in)")
     return Recommendation(device.type, dtype, opt_level, dtype == torch.float16, "native" if native else "float32",
                           fastest, speedups, reasons, cautions, fp8_native)
 
