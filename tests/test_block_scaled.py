@@ -224,3 +224,16 @@ def test_torchao_to_mx_agrees_with_the_reference_on_ordinary_blocks(element: str
     got = tensor.dequantize(torch.float32)
     expected = [v for row in x.tolist() for start in (0, 32) for v in reference_mx(row[start:start + 32], element)]
     assert same(got.flatten().tolist(), expected)
+
+
+def test_torchao_to_nvfp4_agrees_with_the_reference_within_its_decoding_rounding() -> None:
+    nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 64, generator=g) * torch.logspace(-2, 2, 4)[:, None]
+    scale = nvfp4.per_tensor_amax_to_scale(x.abs().max())
+    got = nvfp4.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=scale).dequantize(torch.float32).flatten()
+    expected = torch.tensor(reference_nvfp4(x.flatten().tolist()))
+    # The same elements and block scales: torchao decodes with a multiply by amax / 2688 where the reference
+    # divides by 2688 / amax, a float32 rounding apart (at most one unit in the last place).
+    ulp = torch.finfo(torch.float32).eps * expected.abs()
+    assert ((got - expected).abs() <= ulp).all()  # a different element or scale would be a grid step apart
