@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import ampkit
+import ampkit.distributed
 from ampkit.distributed import fsdp
 from ampkit.distributed.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from ampkit.experiment.models import GPT
@@ -115,6 +116,18 @@ def _scaler_worker(rank: int, world: int) -> dict:
         out[kind] = {"stepped_inf": stepped_inf, "unchanged": unchanged, "scale": scaler.get_scale(),
                      "stepped": stepped, "norm": float(norm), "full_norm": float(full), "clipped": float(clipped),
                      "skipped": scaler.stats.skipped}
+    # A float16 reduce-scatter whose sum overflows: it warns, counts, and the scaler skips the step on both ranks.
+    model = fsdp.fully_shard(_gpt(), opt_level="O2", dtype=torch.float16, reduce_dtype=torch.float16,
+                             predivide_factor=1.0, compute="float32")
+    optimizer = fsdp.prepare_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scaler = ampkit.DynamicLossScaler(init_scale=2.0**24)  # scaled gradients far past float16's 65504
+    loss, _ = _rank_step(model, 0, rank, world)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scaler.scale(loss).backward()
+    out["fp16_reduce"] = {"overflows": fsdp.sharding(model).overflows, "stepped": scaler.step(optimizer),
+                          "warned": any(issubclass(w.category, ampkit.distributed.ReductionOverflowWarning)
+                                        and "predivide factor 1" in str(w.message) for w in caught)}
     return out
 
 
@@ -357,6 +370,9 @@ def test_an_inf_on_one_rank_makes_both_skip_and_halve_the_scale() -> None:
             assert result["skipped"] == 1 and result["stepped"] is True
         assert ranks[0][kind]["scale"] == ranks[1][kind]["scale"]
     assert ranks[0]["dynamic"]["scale"] == 2.0**9
+    for rank in ranks:
+        assert rank["fp16_reduce"]["overflows"] > 0 and rank["fp16_reduce"]["warned"]
+        assert rank["fp16_reduce"]["stepped"] is False
     for rank in ranks:  # the global norm of the sharded gradients, as the gathered gradients give it
         result = rank["dynamic"]
         assert result["norm"] == pytest.approx(result["full_norm"], rel=1e-5)
