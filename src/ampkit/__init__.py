@@ -33,6 +33,9 @@ from ampkit.diagnostics.numerics import inspect_numerics
 from ampkit.hardware.advice import recommend
 from ampkit.hardware.throughput import measure
 
+# Planning
+from ampkit.planning.recompute import RecomputePlan, plan_recompute
+
 # Distributed: ampkit.distributed (imported on use: it needs torch.distributed)
 
 # Before the subpackages the README documented ``ampkit.memory.measured_state_bytes``: it keeps working.
@@ -80,4 +83,7 @@ __all__ = [
     "pad_vocab",
     "recommend",
     "measure",
+    # Planning
+    "plan_recompute",
+    "RecomputePlan",
 ]

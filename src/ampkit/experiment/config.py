@@ -24,8 +24,11 @@ FP8_RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current")}
 # Block-scaled recipes (emulated): MXFP8 and MXFP4 as the OCP spec scales them, NVFP4 with its full recipe
 # and with each of its four parts removed (the ablation of the NVFP4 pretraining report).
 BLOCK_RECIPES = {name: BlockScaledRecipe(name) for name in ("mxfp8", "mxfp4", "nvfp4")} | {
-    f"nvfp4-no-{part}": BlockScaledRecipe("nvfp4", **{knob: False}) for part, knob in (
-        ("tiles", "weight_tiles"), ("sr", "stochastic_gradients"), ("hadamard", "hadamard"), ("kept", "keep_first_last"))}
+    "nvfp4-no-tiles": BlockScaledRecipe("nvfp4", weight_tiles=False),
+    "nvfp4-no-sr": BlockScaledRecipe("nvfp4", stochastic_gradients=False),
+    "nvfp4-no-hadamard": BlockScaledRecipe("nvfp4", hadamard=False),
+    "nvfp4-no-kept": BlockScaledRecipe("nvfp4", keep_first_last=False),
+}
 
 
 def low_dtype(precision: str, device: torch.device | str) -> torch.dtype:

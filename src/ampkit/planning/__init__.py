@@ -1,0 +1,1 @@
+"""Planning: what to recompute under a memory budget (recompute.py)."""

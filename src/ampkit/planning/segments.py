@@ -1,0 +1,84 @@
+"""Installing a recompute plan: torch.utils.checkpoint (non-reentrant) around each segment.
+
+A segment of one block wraps its forward; a segment of consecutive nn.Sequential children runs them all
+from the first one's forward (the others pass their input on). A recompute sees the buffers its forward saw
+and leaves them as the forward left them (FP8 delayed scales, batch-norm running statistics), and runs under
+the forward's ampkit policy (``precision/checkpointing.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@contextlib.contextmanager
+def _buffers_as(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """The buffers hold ``snapshot``'s values inside, their own again after."""
+    now = [b.clone() for b, _ in snapshot]
+    with torch.no_grad():
+        for b, value in snapshot:
+            b.copy_(value)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for (b, _), value in zip(snapshot, now):
+                b.copy_(value)
+
+
+def _recomputing(fn: Callable[..., Any], modules: list[nn.Module]) -> Callable[..., Any]:
+    """``fn`` as torch's checkpoint calls it: the first call is the forward, later ones are recomputes, which
+    see the buffers the forward saw and leave them as the forward left them: an FP8 layer's delayed scales
+    (its forward records an amax and moves them on), a batch norm's running statistics (updated once)."""
+    calls = [0]
+    snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:
+            snapshot[:] = [(b, b.clone()) for module in modules for b in module.buffers()]
+            return fn(*args, **kwargs)
+        with _buffers_as(snapshot):
+            return fn(*args, **kwargs)
+
+    return run
+
+
+def checkpoint_module(module: nn.Module) -> None:
+    original = module.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(_recomputing(original, [module]), *args, use_reentrant=False,
+                                                 **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+
+
+def checkpoint_run(modules: dict[str, nn.Module], segment: tuple[str, ...]) -> None:
+    """Recompute consecutive children of an nn.Sequential as one: the first runs them all, the rest pass."""
+    parts = [modules[name] for name in segment]
+    originals = [m.forward for m in parts]
+
+    def run_all(x: Any) -> Any:
+        for forward in originals:
+            x = forward(x)
+        return x
+
+    def first(x: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(_recomputing(run_all, parts), x, use_reentrant=False)
+
+    parts[0].forward = first  # type: ignore[method-assign]
+    for m in parts[1:]:
+        m.forward = _passing  # type: ignore[method-assign]
+
+
+def _passing(x: Any) -> Any:
+    """A block whose work its segment's first block did."""
+    return x
