@@ -158,3 +158,18 @@ def test_a_plan_recomputes_in_the_forwards_dtypes_and_gives_the_unplanned_gradie
         assert seen["plain"][0] == torch.float32  # gelu denied: float32, in the recompute too
     for a, b in zip(planned.parameters(), plain.parameters()):
         assert torch.equal(a.grad, b.grad)
+
+
+def test_estimate_memory_takes_a_plan_for_its_activations() -> None:
+    model, x = _gpt()
+    plan = plan_recompute(model, x, 0.5, _loss)
+    torch.manual_seed(0)
+    plain = GPT(d_model=32, n_layers=4, n_heads=2, context=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        without = ampkit.estimate_memory(plain, x, "O1", loss_fn=_loss)
+        with_plan = ampkit.estimate_memory(plain, x, "O1", loss_fn=_loss, plan=plan)
+    assert with_plan.mixed.activations == plan.planned_bytes < without.mixed.activations
+    assert with_plan.mixed.weights == without.mixed.weights and with_plan.mixed.label.endswith("recompute")
+    with pytest.raises(ValueError, match="plan=dict is not a RecomputePlan"):
+        ampkit.estimate_memory(plain, x, "O1", plan={})

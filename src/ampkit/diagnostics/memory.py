@@ -91,6 +91,7 @@ def estimate_memory(
     world_size: int = 1,
     sharding: str = "none",
     blocks: Sequence[type[nn.Module]] | None = None,
+    plan: Any = None,
 ) -> MemoryEstimate:
     """Estimate training memory in float32 and at ``opt_level``.
 
@@ -117,6 +118,8 @@ def estimate_memory(
             rounded up as FSDP2 pads it; its float32 shards are O2's masters, so ``master_weights`` is 0
             and the shards count as weights); ``inputs`` are one rank's batch.
         blocks: with ``sharding="fsdp"``, ``fully_shard``'s ``blocks`` (for ``largest_gather_bytes``).
+        plan: a ``RecomputePlan`` (``ampkit.plan_recompute``) made for this setting: the mixed activations
+            are its planned saved-for-backward bytes (measured on the model as it trains, with its inputs).
 
     Returns:
         A ``MemoryEstimate``: the parameter count and a ``MemoryBreakdown`` (weights, gradients, masters,
@@ -135,6 +138,8 @@ def estimate_memory(
         raise ValueError(f"Unknown opt_level {opt_level!r} for a mixed estimate. Choose one of {list(OPT_LEVELS[1:])}.")
     check_settings(opt_level, "auto", None, update)
     check_keep_float32(opt_level, keep_float32)
+    if plan is not None and not (hasattr(plan, "planned_bytes") and hasattr(plan, "segments")):
+        raise ValueError(f"plan={type(plan).__name__} is not a RecomputePlan: pass what ampkit.plan_recompute returns.")
     if sharding not in SHARDINGS:
         raise ValueError(f"Unknown sharding {sharding!r}. Choose one of {list(SHARDINGS)}.")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1 \
@@ -182,6 +187,8 @@ def estimate_memory(
         label = f"O3 {dtype}" + (f" {update}" if update != "plain" else "")
         mixed = MemoryBreakdown(label, model_bytes(list(params.values())), model_bytes(trained), 0,
                                 states * model_bytes(trained) + compensation, activations("O3"))
+    if plan is not None:
+        mixed = dataclasses.replace(mixed, label=f"{mixed.label} recompute", activations=plan.planned_bytes)
     if sharding == "fsdp":
         return sharded_estimate(model, MemoryEstimate(n, fp32, mixed), opt_level, dtype, states, update,
                                 tuple(keep_float32), world_size, blocks)
