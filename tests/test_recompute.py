@@ -173,3 +173,24 @@ def test_estimate_memory_takes_a_plan_for_its_activations() -> None:
     assert with_plan.mixed.weights == without.mixed.weights and with_plan.mixed.label.endswith("recompute")
     with pytest.raises(ValueError, match="plan=dict is not a RecomputePlan"):
         ampkit.estimate_memory(plain, x, "O1", plan={})
+
+
+def test_compare_runs_each_mixed_setting_with_and_without_a_plan_and_the_losses_agree() -> None:
+    from ampkit.experiment.config import RunConfig
+    from ampkit.experiment.settings import plan
+    from ampkit.experiment.training import execute
+
+    configs = plan(model="gpt", precisions=["bf16"], opt_levels=["O1"], steps=3, activation_budgets=["0.5"],
+                   probe=False)
+    assert [c.label.endswith("recompute-0.5") for c in configs] == [False, False, True]
+    with pytest.raises(ValueError, match=r"activation_budgets=\['1.5'\]: budget=1.5 is a fraction above 1"):
+        plan(model="gpt", precisions=["bf16"], activation_budgets=["1.5"])
+    with pytest.raises(ValueError, match="plan the mixed runs: add a 16-bit precision"):
+        plan(model="gpt", precisions=["fp32"], activation_budgets=["0.5"])
+    common = dict(model="gpt", data="text", precision="bf16", opt_level="O1", steps=3, batch_size=4, compute="native")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = execute(RunConfig(**common))
+        planned = execute(RunConfig(**common, activation_budget="0.5"))
+    assert planned.losses == plain.losses  # bit-identical training
+    assert planned.saved_for_backward_bytes <= 0.5 * plain.saved_for_backward_bytes

@@ -49,6 +49,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--loss-divisor", type=float, default=1.0,
                         help="divide every run's training loss (and AdamW's eps) by this: gradients as a this-times "
                              "larger batch's, where float16 needs loss scaling (default 1)")
+    parser.add_argument("--activation-budget", nargs="+",
+                        help="saved-for-backward budgets (0.5 of a run's own, or bytes: 64MiB): each mixed setting "
+                             "also trains with a recompute plan for each (ampkit.plan_recompute)")
     parser.add_argument("--no-probe", action="store_true",
                         help="skip the short native 16-bit probe run added where auto computes in float32")
     parser.add_argument("--batch-size", type=int)
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, epochs=args.epochs, steps=args.steps, lr=args.lr, device=args.device,
             seed=args.seed, computes=args.compute, probe=False if args.no_probe else None,
             loss_scales=args.loss_scale, updates=args.update, loss_divisor=args.loss_divisor,
+            activation_budgets=args.activation_budget,
         )
         cost = estimate(configs)  # builds and steps the model: a bad model fails here
         out = reserve_out_dir(args.out)  # before training: a bad location fails now

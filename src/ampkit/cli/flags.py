@@ -12,7 +12,7 @@ FLAGS = {
     "model": "--model", "data": "--data", "precisions": "--precision", "opt_levels": "--opt-level",
     "batch_size": "--batch-size", "epochs": "--epochs", "steps": "--steps", "lr": "--lr", "device": "--device",
     "seed": "--seed", "computes": "--compute", "loss_scales": "--loss-scale", "updates": "--update",
-    "loss_divisor": "--loss-divisor", "out": "--out",
+    "loss_divisor": "--loss-divisor", "out": "--out", "activation_budgets": "--activation-budget",
 }
 _PARAMETER = re.compile(rf"\b({'|'.join(FLAGS)})=(\[[^\]]*\]|'[^']*'|[^\s,:;)]+)")
 

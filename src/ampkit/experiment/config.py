@@ -63,6 +63,9 @@ class RunConfig:
     # The training loss is divided by this (and AdamW's eps with it, so float32 trains as with 1): each gradient
     # value then sits where a loss_divisor-times larger batch's mean puts it (see ``plan``).
     loss_divisor: float = 1.0
+    # A saved-for-backward budget ("0.5" of the run's own, or bytes: "64MiB"): the run trains with a recompute
+    # plan for it (ampkit.plan_recompute, made on its first batch); None: no plan.
+    activation_budget: str | None = None
 
     @property
     def scaling(self) -> str:
@@ -100,6 +103,8 @@ class RunConfig:
             label += f" {self.loss_scale}-scaling" if self.loss_scale != "none" else " no-scaling"
         if self.update != "plain":
             label += f" {self.update}"
+        if self.activation_budget is not None:
+            label += f" recompute-{self.activation_budget}"
         return label + (" probe" if self.probe else "")
 
 

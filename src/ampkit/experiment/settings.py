@@ -23,6 +23,7 @@ from ampkit.experiment.config import (
 )
 from ampkit.experiment.models import build, load_factory
 from ampkit.formats.block_linear import eligible_block_scaled
+from ampkit.planning.recompute import parse_budget
 from ampkit.formats.fp8 import eligible
 from ampkit.hardware.advice import recommend_dtype, slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
@@ -86,6 +87,7 @@ def plan(
     loss_scales: Sequence[str] | None = None,
     updates: Sequence[str] | None = None,
     loss_divisor: float = 1.0,
+    activation_budgets: Sequence[str] | None = None,
 ) -> list[RunConfig]:
     """The runs of a comparison: float32 first, then the mixed settings, then a probe.
 
@@ -108,6 +110,10 @@ def plan(
     over that many micro-batches divides each one's loss: the regime of large-batch
     training (GPT-2's ~2**19 tokens a step against the GPT workload's 2**11), where float16
     without loss scaling flushes gradients to zero. Reported losses are undivided.
+
+    ``activation_budgets`` (fractions of a run's own saved-for-backward, ``"0.5"``, or bytes,
+    ``"64MiB"``) add, for every mixed setting, a run per budget that trains with a recompute plan for
+    it (``ampkit.plan_recompute`` on its first batch), beside the same setting without one.
 
     ``probe`` (default: where an ``auto`` setting computes in float32) adds a short
     run of the first mixed precision at O1 with native 16-bit kernels,
@@ -157,6 +163,14 @@ def plan(
         if repeated:
             raise ValueError(f"{name}={list(values or ())!r}: {', '.join(repeated)} named more than once; name each "
                              "setting once.")
+    for budget in activation_budgets or ():
+        try:
+            parse_budget(str(budget), 1)  # a bad budget fails before anything runs
+        except ValueError as error:
+            raise ValueError(f"activation_budgets={list(activation_budgets or ())!r}: {error}") from None
+    if activation_budgets and precisions is not None and set(precisions) == {"fp32"}:
+        raise ValueError(f"activation_budgets={list(activation_budgets)!r} plan the mixed runs: add a 16-bit "
+                         "precision, e.g. precisions=['bf16'].")
     _check_positive_int(batch_size, "batch_size")
     _check_positive_int(epochs, "epochs")
     _check_positive_int(steps, "steps")
@@ -211,6 +225,8 @@ def plan(
         for scaling in ((loss_scales or ("auto",)) if p == "fp16" else ("auto",))
         for update in ((updates or ("plain",)) if level == "O3" else ("plain",))
     ]
+    configs += [dataclasses.replace(c, activation_budget=str(budget)) for c in configs[1:]
+                for budget in activation_budgets or ()]
     for precision in sorted({c.precision for c in configs if c.compute == "native"}):
         slow = slow_native_message(parsed_device, low_dtype(precision, parsed_device))
         if slow:

@@ -31,6 +31,7 @@ from ampkit.experiment.config import (
 )
 from ampkit.experiment.models import build
 from ampkit.formats.block_linear import convert_to_block_scaled
+from ampkit.planning.recompute import plan_recompute
 from ampkit.formats.fp8 import convert_to_fp8
 from ampkit.optim.levels import initialize
 from ampkit.scaling.adaptive import AdaptiveLossScaler
@@ -89,6 +90,10 @@ def execute(
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
     plan = data_mod.batches(dataset, config.batch_size, config.steps, config.seed, CONTEXT)
+    if config.activation_budget is not None:  # planned on the first batch, in the run's precision
+        x0, y0 = batch(plan[0])
+        plan_recompute(model, x0, config.activation_budget, loss_fn=lambda logits: F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), y0.reshape(-1))).apply(model)
     losses: list[float] = []
     times: list[float] = []
     saved = 0

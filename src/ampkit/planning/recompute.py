@@ -112,8 +112,8 @@ class RecomputePlan:
 
 
 def parse_budget(budget: object, unplanned_bytes: int) -> int:
-    """A budget in bytes: ``int`` bytes, a ``float`` fraction in (0, 1] of ``unplanned_bytes``, or a string
-    such as ``"64MiB"`` or ``"0.5"``.
+    """A budget in bytes: ``int`` bytes, a ``float`` fraction in (0, 1] of ``unplanned_bytes``, or a string:
+    ``"64MiB"``, ``"1.5GB"``, ``"65536"`` (bytes) or ``"0.5"`` (a fraction).
 
     Raises:
         ValueError: 0, negative, NaN or infinite, a fraction above 1, a bool, or an unreadable string.
@@ -123,9 +123,15 @@ def parse_budget(budget: object, unplanned_bytes: int) -> int:
         if not match:
             raise ValueError(f"budget={budget!r} is unreadable: pass bytes (65536, '64MiB', '1.5GB') or a fraction "
                              "of the unplanned saved-for-backward bytes (0.5).")
-        number = float(match.group(1))
-        budget = int(number * _UNITS[match.group(2)]) if match.group(2) else (
-            int(number) if number > 1 else number)
+        text, unit = match.group(1), match.group(2)
+        try:  # without a unit: an integer is bytes, anything else a fraction ("0.5", "1.0")
+            budget = int(float(text) * _UNITS[unit]) if unit else int(text)
+        except ValueError:
+            try:
+                budget = float(text)
+            except ValueError:
+                raise ValueError(f"budget={budget!r} is unreadable: pass bytes (65536, '64MiB') or a fraction (0.5)."
+                                 ) from None
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
         raise ValueError(f"budget={budget!r} is invalid: pass bytes > 0 (65536, '64MiB') or a fraction in (0, 1] of "
                          "the unplanned saved-for-backward bytes (0.5).")
