@@ -256,6 +256,27 @@ def fsdp_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def recompute_table(results: dict[str, Any]) -> str:
+    rows = [
+        f"`python benchmarks/bench_recompute.py`, {results['created']}, on {machine_line(results['machine'])}; "
+        f"one training step (forward, backward, AdamW), medians, settings timed in alternation; batches: "
+        + "; ".join(f"{model} {what}" for model, what in results["batches"].items()) + ". Saved-for-backward is "
+        "measured on the planned model; `(floor)`: the budget was below what a block plan reaches, so the plan "
+        "is at the smallest feasible budget the planner named.",
+        "",
+        "| model | setting | step ms | vs bf16 O1 | saved for backward MiB | vs bf16 O1 | budget MiB | segments |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model, settings in results["models"].items():
+        for label, row in settings.items():
+            budget = f"{row['budget_bytes'] / 2**20:.2f}" if "budget_bytes" in row else ""
+            segments = len(row.get("segments", []))
+            rows.append(f"| {model} | {label} | {row['step_ms']:.1f} | {row['step_vs_bf16']:.2f}x | "
+                        f"{row['saved_bytes'] / 2**20:.2f} | {row['saved_vs_bf16']:.2f}x | {budget} | "
+                        f"{segments if 'segments' in row else ''} |")
+    return "\n".join(rows)
+
+
 def integrations_table(results: dict[str, Any]) -> str:
     rows = [
         f"`python benchmarks/bench_integrations.py`, {results['created']}, on {machine_line(results['machine'])}. "
@@ -503,6 +524,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
         fsdp = load(directory, name)
         if fsdp:
             sections += [f"{level} FSDP2: per-rank memory and step time", "", fsdp_table(fsdp), ""]
+    recompute = load(directory, "recompute.json")
+    if recompute:
+        sections += [f"{level} Recompute on a budget: the planner, sqrt(n) and every block", "",
+                     recompute_table(recompute), ""]
     compiled = load(directory, "compile.json")
     if compiled:
         sections += [f"{level} torch.compile under the default policy", "", compile_table(compiled), ""]

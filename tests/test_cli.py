@@ -77,6 +77,15 @@ def test_inspect_fp8_shows_each_linears_casts(tmp_path: Path, capsys: pytest.Cap
     assert len(rows) == 3 and all("gradient" in row for row in rows)  # one output gradient per linear, hybrid
 
 
+def test_inspect_block_scaled_shows_each_linears_casts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--model", "mlp", "--block-scaled", "mxfp4", "--batch-size", "32", "--out",
+                 str(tmp_path / "i")]) == 0
+    out = capsys.readouterr().out
+    assert "Block-scaled casts per linear" in out
+    rows = [line for line in out.splitlines() if "mxfp4-floor" in line]
+    assert len(rows) == 9 and sum("weight" in row for row in rows) == 3  # input, weight, gradient per linear
+
+
 def test_library_errors_name_parameters_and_the_cli_shows_its_flags(capsys: pytest.CaptureFixture[str]) -> None:
     from ampkit.cli.flags import as_flags
     from ampkit.experiment.settings import plan

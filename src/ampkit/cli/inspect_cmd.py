@@ -22,7 +22,7 @@ from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import CONTEXT
 from ampkit.experiment.models import MODELS, build, check_output
 from ampkit.float32_compute.decide import compute_label
-from ampkit.formats.recipes import Fp8Recipe
+from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe
 from ampkit.precision.policy import Policy
 
 MIB = 2**20
@@ -38,6 +38,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "first op that makes inf/NaN (slow: checks every op)")
     parser.add_argument("--fp8", action="store_true", help="also name the linears FP8 (E4M3/E5M2, per-tensor scales) "
                         "would lose values of")
+    parser.add_argument("--block-scaled", choices=["mxfp8", "mxfp4", "nvfp4"],
+                        help="also report, per linear, how this block-scaled format casts its input, weight and "
+                             "output gradient (saturated blocks, flushed values, block range)")
     parser.add_argument("--out", type=directory, help="directory for the histogram (default: ./ampkit-runs/inspect-<time>/)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.set_defaults(run=run)
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
 
     with torch.no_grad():  # the model's output, checked as compare checks it (a tuple, a wrong shape: one line)
         check_output(args.model, model(x), dataset.num_classes, tuple(y.shape))
-    report = inspect_numerics(model, x, y, fp8=Fp8Recipe() if args.fp8 else None)
+    report = inspect_numerics(model, x, y, fp8=Fp8Recipe() if args.fp8 else None,
+                              block_scaled=BlockScaledRecipe(args.block_scaled) if args.block_scaled else None)
     memory = estimate_memory(model, x, args.opt_level)
     alignment = check_alignment(model)
     nonfinite = None
@@ -104,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(table)
     if args.fp8:
         console.print(_fp8_table(report))
+    if args.block_scaled:
+        console.print(_block_table(report))
     for reason in report.reasons:
         console.print(f"- {reason}")
     mem = Table(title=f"Memory estimate ({memory.parameters:,} parameters, AdamW)")
@@ -139,4 +145,20 @@ def _fp8_table(report: NumericsReport) -> Table:
             if cast is not None:
                 table.add_row(m.name if what == "input" else "", what, cast.format, f"{cast.amax:.3g}",
                               f"{cast.scale:.3g}", f"{100 * cast.overflow:.2f}%", f"{100 * cast.underflow:.2f}%")
+    return table
+
+
+def _block_table(report: NumericsReport) -> Table:
+    """Per linear, how a block-scaled format casts its input, weight and output gradient (``--block-scaled``)."""
+    table = Table(title="Block-scaled casts per linear (blocks along each GEMM's reduction dimension)")
+    for header in ("module", "tensor", "format", "saturated blocks", "-> 0", "block range median", "widest"):
+        table.add_column(header, justify="left" if header in ("module", "tensor", "format") else "right")
+    for m in report.modules:
+        if m.block is None:
+            continue
+        for what, cast in (("input", m.block.input), ("weight", m.block.weight), ("gradient", m.block.gradient)):
+            if cast is not None:
+                table.add_row(m.name if what == "input" else "", what, cast.format,
+                              f"{100 * cast.saturated_blocks:.1f}%", f"{100 * cast.flushed:.2f}%",
+                              f"{cast.range_median:.3g}", f"{cast.range_max:.3g}")
     return table

@@ -136,8 +136,7 @@ def fully_shard(
                            "FSDP2 replaces every parameter with a DTensor shard, and an optimizer built before "
                            "would step the old tensors and train nothing.")
     world_size = require_process_group(None)
-    if opt_level != "O0":
-        check_settings(opt_level, compute, policy)
+    check_settings(opt_level, compute, policy)
     check_keep_float32(opt_level, keep_float32)
     device = _check_model(model)
     mesh = _mesh(mesh, device.type, world_size)
