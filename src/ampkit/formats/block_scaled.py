@@ -157,7 +157,7 @@ def quantize_mx(x: torch.Tensor, element: str = "e4m3", axis: int = -1, block: i
         stochastic: stochastic rounding of E2M1 elements.
 
     Returns:
-        ``Quantized``; ``dequantize`` gives the float32 values.
+        ``Quantized``: ``.values`` are the decoded float32 values.
     """
     blocks, pad = _blocks(x, axis, block)
     amax = blocks.abs().amax(-1, keepdim=True)
