@@ -169,6 +169,8 @@ def plan_recompute(model: nn.Module, sample_inputs: Any, budget: int | float | s
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is invalid: choose one of {list(STRATEGIES)}.")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} is invalid: the number of timed forward passes, an integer >= 1.")
     chosen = shard_blocks(model, blocks)
     if not chosen:
         raise ValueError(f"{type(model).__name__} has no blocks to recompute (no nn.Sequential or nn.ModuleList "
@@ -263,7 +265,7 @@ def _measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torc
                                                                              torch.Generator)]
     rng = torch.get_rng_state()
     try:
-        for _ in range(max(1, repeats)):
+        for _ in range(repeats):
             sizes.clear()
             savers.clear()
             with region, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
