@@ -47,6 +47,18 @@ def _rank_step(model: nn.Module, step: int, rank: int, world: int) -> tuple[torc
     return loss, mean.item() / world
 
 
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, world: int) -> list[float]:
+    """STEPS plain steps on this rank's slices; the global losses."""
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        loss, mean = _rank_step(model, step, rank, world)
+        loss.backward()
+        optimizer.step()
+        losses.append(mean)
+    return losses
+
+
 def _record_dtypes(model: nn.Module) -> dict[str, tuple[torch.dtype, torch.dtype]]:
     seen: dict[str, tuple[torch.dtype, torch.dtype]] = {}
     for name, module in model.named_modules():
@@ -68,13 +80,7 @@ def _levels_worker(rank: int, world: int) -> dict:
         model = fsdp.fully_shard(model, opt_level=level, dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
                                  compute="float32")
         optimizer = fsdp.prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
-        losses = []
-        for step in range(STEPS):
-            optimizer.zero_grad(set_to_none=True)
-            loss, mean = _rank_step(model, step, rank, world)
-            loss.backward()
-            optimizer.step()
-            losses.append(mean)
+        losses = _train(model, optimizer, rank, world)
         x, _ = _global_batch(0)
         output = model(x[:1])
         layout = fsdp.sharding(model)
@@ -273,13 +279,7 @@ def _pure16_worker(rank: int, world: int) -> dict:
     for update in ("kahan", "stochastic"):
         model = fsdp.fully_shard(_gpt(), opt_level="O3", dtype=torch.bfloat16, compute="float32")
         optimizer = fsdp.prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), update)
-        losses = []
-        for step in range(STEPS):
-            optimizer.zero_grad(set_to_none=True)
-            loss, mean = _rank_step(model, step, rank, world)
-            loss.backward()
-            optimizer.step()
-            losses.append(mean)
+        losses = _train(model, optimizer, rank, world)
         state = next(iter(optimizer.state.values()))
         out[update] = {"losses": losses, "optimizer": type(optimizer).__name__,
                        "state_types": sorted({type(v).__name__ for v in state.values() if torch.is_tensor(v)})}

@@ -30,32 +30,35 @@ class _Stateful(Protocol):
 _PLAIN = (bool, int, float, str, type(None), torch.Tensor)
 
 
-def check_plain(value: Any, where: str) -> None:
-    """Refuse what torch.load(weights_only=True) would refuse to read back (numpy scalars, paths, objects)."""
+def _walk(value: Any, where: str, check: Any) -> None:
+    """``check(leaf, where)`` on every leaf of nested lists, tuples and dicts, ``where`` naming its place."""
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            check_plain(item, f"{where}[{i}]")
+            _walk(item, f"{where}[{i}]", check)
     elif isinstance(value, dict):
         for key, item in value.items():
-            check_plain(item, f"{where}[{key!r}]")
-    elif not isinstance(value, _PLAIN) or type(value).__module__ == "numpy":
+            _walk(item, f"{where}[{key!r}]", check)
+    else:
+        check(value, where)
+
+
+def _plain_leaf(value: Any, where: str) -> None:
+    if not isinstance(value, _PLAIN) or type(value).__module__ == "numpy":
         raise ValueError(f"{where} is a {type(value).__module__}.{type(value).__name__} ({value!r}): a checkpoint "
                          "keeps plain values (bool, int, float, str, None, tensors, and lists or dicts of them), "
                          "which load safely. Convert it first, e.g. float(value) or str(path).")
 
 
-def _refuse_shards(value: Any, where: str) -> None:
-    """Refuse FSDP2 shards: one process's file would keep only this rank's part of them."""
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _refuse_shards(item, f"{where}[{i}]")
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _refuse_shards(item, f"{where}[{key!r}]")
-    elif is_sharded(value):
+def _unsharded_leaf(value: Any, where: str) -> None:
+    if is_sharded(value):
         raise ValueError(f"{where} is a DTensor (an FSDP2 shard): a file from one process would keep only this "
                          "rank's part. Save sharded models with ampkit.distributed.save_sharded_checkpoint "
                          "(every rank writes its shards; it loads on any world size).")
+
+
+def check_plain(value: Any, where: str) -> None:
+    """Refuse what torch.load(weights_only=True) would refuse to read back (numpy scalars, paths, objects)."""
+    _walk(value, where, _plain_leaf)
 
 
 def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **objects: _Stateful) -> None:
@@ -90,7 +93,7 @@ def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **obj
     for key, value in (extra or {}).items():
         check_plain(value, f"extra[{key!r}]")
     states = {name: obj.state_dict() for name, obj in objects.items()}
-    _refuse_shards(states, "states")
+    _walk(states, "states", _unsharded_leaf)  # FSDP2 shards: one process's file would keep one rank's part
     state = {
         "ampkit_checkpoint": CHECKPOINT_VERSION,
         "states": states,

@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -133,32 +134,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fp8_table(report: NumericsReport) -> Table:
-    """Per linear, how FP8 casts its input, weight and output gradient (``--fp8``)."""
-    table = Table(title="FP8 casts per linear (scale: the layer's delayed scale, or current scaling's)")
-    for header in ("module", "tensor", "format", "amax", "scale", "clamped", "-> 0"):
+def _casts_table(report: NumericsReport, title: str, headers: tuple[str, ...], layer: Any, cells: Any) -> Table:
+    """Per linear, one row per cast tensor (input, weight, output gradient): ``layer(module)`` gives the
+    module's casts (or None), ``cells(cast)`` the figures after the module, tensor and format columns."""
+    table = Table(title=title)
+    for header in ("module", "tensor", "format", *headers):
         table.add_column(header, justify="left" if header in ("module", "tensor", "format") else "right")
     for m in report.modules:
-        if m.fp8 is None:
+        casts = layer(m)
+        if casts is None:
             continue
-        for what, cast in (("input", m.fp8.input), ("weight", m.fp8.weight), ("gradient", m.fp8.gradient)):
+        for what, cast in (("input", casts.input), ("weight", casts.weight), ("gradient", casts.gradient)):
             if cast is not None:
-                table.add_row(m.name if what == "input" else "", what, cast.format, f"{cast.amax:.3g}",
-                              f"{cast.scale:.3g}", f"{100 * cast.overflow:.2f}%", f"{100 * cast.underflow:.2f}%")
+                table.add_row(m.name if what == "input" else "", what, cast.format, *cells(cast))
     return table
+
+
+def _fp8_table(report: NumericsReport) -> Table:
+    """Per linear, how FP8 casts its input, weight and output gradient (``--fp8``)."""
+    return _casts_table(report, "FP8 casts per linear (scale: the layer's delayed scale, or current scaling's)",
+                        ("amax", "scale", "clamped", "-> 0"), lambda m: m.fp8,
+                        lambda c: (f"{c.amax:.3g}", f"{c.scale:.3g}", f"{100 * c.overflow:.2f}%",
+                                   f"{100 * c.underflow:.2f}%"))
 
 
 def _block_table(report: NumericsReport) -> Table:
     """Per linear, how a block-scaled format casts its input, weight and output gradient (``--block-scaled``)."""
-    table = Table(title="Block-scaled casts per linear (blocks along each GEMM's reduction dimension)")
-    for header in ("module", "tensor", "format", "saturated blocks", "-> 0", "block range median", "widest"):
-        table.add_column(header, justify="left" if header in ("module", "tensor", "format") else "right")
-    for m in report.modules:
-        if m.block is None:
-            continue
-        for what, cast in (("input", m.block.input), ("weight", m.block.weight), ("gradient", m.block.gradient)):
-            if cast is not None:
-                table.add_row(m.name if what == "input" else "", what, cast.format,
-                              f"{100 * cast.saturated_blocks:.1f}%", f"{100 * cast.flushed:.2f}%",
-                              f"{cast.range_median:.3g}", f"{cast.range_max:.3g}")
-    return table
+    return _casts_table(report, "Block-scaled casts per linear (blocks along each GEMM's reduction dimension)",
+                        ("saturated blocks", "-> 0", "block range median", "widest"), lambda m: m.block,
+                        lambda c: (f"{100 * c.saturated_blocks:.1f}%", f"{100 * c.flushed:.2f}%",
+                                   f"{c.range_median:.3g}", f"{c.range_max:.3g}"))

@@ -289,10 +289,12 @@ def _measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torc
 
 
 def _sync(value: Any) -> None:
-    tensor = value if isinstance(value, torch.Tensor) else next((v for v in value if isinstance(v, torch.Tensor)), None) \
-        if isinstance(value, (tuple, list)) else None
-    if tensor is not None and tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
+    """Wait for the device before reading the clock (a CUDA tensor among a module's inputs or outputs)."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    for tensor in values:
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+            return
 
 
 def _knapsack(measured: _Measured, budget: int, model: nn.Module) -> list[tuple[str, ...]]:
