@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import threading
 import warnings
 
@@ -405,104 +404,6 @@ def test_threads_open_edited_default_and_torch_regions_concurrently_without_a_cr
     done = subprocess.run([sys.executable, "-c", _RACE, "5"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "wrong 0"
-
-
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compiling_a_module_with_a_decorated_forward_gives_the_eager_result(backend: str) -> None:
-    """Was AttributeError: 'autocast' object has no attribute 'prev'. torch.compile now leaves
-    the region to eager execution (a graph break), so dtypes and values are the eager ones."""
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-
-        @autocast(CPU.with_ops(deny=["gelu"]))
-        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            h = self.fc(x)
-            return h, F.gelu(h)
-
-    torch._dynamo.reset()
-    net, x = Net(), torch.randn(2, 8)
-    eager = net(x)
-    compiled = torch.compile(net, backend=backend)(x)
-    assert [t.dtype for t in compiled] == [t.dtype for t in eager] == [torch.bfloat16, torch.float32]
-    assert all(torch.equal(a, b) for a, b in zip(compiled, eager))
-
-
-@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
-def test_compiled_code_under_an_edited_policy_runs_eagerly_with_its_dtypes(backend: str) -> None:
-    """Was a RuntimeError while tracing only; a graph already in dynamo's cache ran silently under the
-    wrong policy (next test). Inside a region torch.compile cannot see, compiled code runs eagerly."""
-    from ampkit.precision import compiling
-
-    torch._dynamo.reset()
-    layer = nn.Linear(8, 8)
-    compiled = torch.compile(lambda x: layer(x), backend=backend)
-    x = torch.randn(2, 8)
-    with autocast(CPU.with_ops(deny=["linear"])):
-        assert compiling.eager_held()
-        out = compiled(x)
-    assert out.dtype == torch.float32 and torch.equal(out, layer(x))
-    assert not compiling.eager_held()  # the stance is torch's default again
-
-
-@pytest.mark.parametrize("backend", ["aot_eager"])
-def test_a_cached_graph_never_runs_under_another_policy(backend: str) -> None:
-    """The issue's repro: compiled under the default policy, then called under an edited one, the cached
-    graph returned [bfloat16, float32] where eager gives [float32, bfloat16]."""
-    torch._dynamo.reset()
-
-    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.mm(x, w), torch.layer_norm(x, (8,))
-
-    compiled = torch.compile(f, backend=backend)
-    x, w = torch.randn(4, 8), torch.randn(8, 8)
-    native = Policy.default("cpu", torch.bfloat16, compute="native")
-    with autocast(native):
-        assert [t.dtype for t in compiled(x, w)] == [torch.bfloat16, torch.float32]  # traced here
-    with autocast(native.with_ops(allow=["layer_norm"], deny=["mm"])):
-        got, eager = compiled(x, w), f(x, w)
-    assert [t.dtype for t in got] == [t.dtype for t in eager] == [torch.float32, torch.bfloat16]
-    assert all(torch.equal(a, b) for a, b in zip(got, eager))
-
-
-@pytest.mark.parametrize("backend", ["aot_eager"])
-def test_a_model_compiled_under_torch_autocast_then_trained_under_an_edited_policy_gets_its_dtypes(
-        backend: str) -> None:
-    """The issue's second repro, small: one copy compiled and stepped under torch.autocast, a fresh copy
-    compiled and stepped under ``with_ops(deny=["gelu"])`` ran with torch.autocast's cached graph."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
-    gelu_dtypes: list[torch.dtype] = []
-    block[1].register_forward_hook(lambda m, args, out: gelu_dtypes.append(out.dtype))
-    x = torch.randn(4, 8)
-    first = torch.compile(copy.deepcopy(block), backend=backend)
-    with torch.autocast("cpu", torch.bfloat16):
-        first(x).float().sum().backward()
-    second, reference = torch.compile(copy.deepcopy(block), backend=backend), copy.deepcopy(block)
-    gelu_dtypes.clear()
-    with autocast(CPU.with_ops(deny=["gelu"])):
-        out, eager = second(x), reference(x)
-    assert gelu_dtypes == [torch.float32, torch.float32]  # the edited policy's GELU, compiled copy and eager
-    assert out.dtype == eager.dtype and torch.equal(out, eager)
-
-
-@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_compiled_code_under_the_default_policy_keeps_eager_dtypes_and_recompiles_per_region(backend: str) -> None:
-    """The default native policy is torch.autocast, whose state torch.compile guards on: a compiled
-    function follows each region it is called in (inductor: benchmarks/bench_compile.py)."""
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
-    compiled = torch.compile(lambda x: block(x).softmax(-1), backend=backend)
-    x = torch.randn(2, 8)
-    for region in (autocast(CPU), autocast(Policy.default("cpu", torch.float16, compute="native")),
-                   autocast(CPU, enabled=False), autocast(CPU)):
-        with region:
-            out, eager = compiled(x), block(x).softmax(-1)
-        assert out.dtype == eager.dtype == (region.policy.dtype if region.policy.enabled else torch.float32)
-        assert torch.equal(out, eager)
 
 
 def test_torch_jit_script_of_a_region_is_refused_by_name() -> None:

@@ -1,16 +1,296 @@
-"""precision/compiling.py across processes: inductor's on-disk caches never hand one policy's graph to
-another (issue 23's cache test). Process 1 compiles under the default policy with a fixed
-TORCHINDUCTOR_CACHE_DIR; process 2, with the same directory, runs under an edited policy: eager dtypes."""
+"""ampkit under torch.compile (precision/compiling.py): every policy compiles, with guards.
+
+Each feature is compiled with aot_eager (dynamo and AOTAutograd, the tracing inductor also does) and
+compared bit for bit with the same model run eagerly, and its graph count with the same model's under
+torch.autocast; inductor runs in the slow tests and in benchmarks/bench_compile.py. The cross-process
+test runs two processes on one TORCHINDUCTOR_CACHE_DIR: the default policy's graph, cached on disk, must
+not serve an edited policy.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+import torch._dynamo.testing
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ampkit
+from ampkit import Policy, autocast
+from ampkit.experiment.models import GPT
+
+CPU = Policy.default("cpu", torch.bfloat16, compute="native")
+EDITED = CPU.with_ops(allow=["layer_norm"], deny=["gelu"])
+
+
+def _mm_and_norm(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.mm(x, w), torch.layer_norm(x, (8,))
+
+
+def _counter(backend: str = "aot_eager") -> Any:
+    """A backend that counts the graphs dynamo hands it (``frame_count``) and compiles them with ``backend``."""
+    return torch._dynamo.testing.CompileCounterWithBackend(backend)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_cached_graph_never_runs_under_another_policy_and_switching_back_reuses_each_graph(backend: str) -> None:
+    """The issue's repro: compiled under the default policy, then called under an edited one, the cached
+    graph returned [bfloat16, float32] where eager gives [float32, bfloat16]. Each policy now has its own
+    graph, traced once: switching back and forth recompiles nothing."""
+    torch._dynamo.reset()
+    counter = _counter(backend)
+    compiled = torch.compile(_mm_and_norm, backend=counter)
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    edited = CPU.with_ops(allow=["layer_norm"], deny=["mm"])
+    expected = {CPU: [torch.bfloat16, torch.float32], edited: [torch.float32, torch.bfloat16],
+                CPU.with_compute("float32"): [torch.bfloat16, torch.float32]}
+    for round_ in range(2):
+        for policy, dtypes in expected.items():
+            with autocast(policy):
+                got, eager = compiled(x, w), _mm_and_norm(x, w)
+            assert [t.dtype for t in got] == [t.dtype for t in eager] == dtypes
+            assert all(torch.equal(a, b) for a, b in zip(got, eager))
+        assert counter.frame_count == 3  # one graph per policy, in the first round only
+
+
+def test_a_model_compiled_under_torch_autocast_then_trained_under_an_edited_policy_gets_its_dtypes() -> None:
+    """The issue's second repro, small: one copy compiled and stepped under torch.autocast, a fresh copy
+    compiled and stepped under ``with_ops(deny=["gelu"])`` ran with torch.autocast's cached graph."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    gelu_dtypes: list[torch.dtype] = []
+    block[1].register_forward_hook(lambda m, args, out: gelu_dtypes.append(out.dtype))
+    x = torch.randn(4, 8)
+    first = torch.compile(copy.deepcopy(block), backend="aot_eager")
+    with torch.autocast("cpu", torch.bfloat16):
+        first(x).float().sum().backward()
+    second, reference = torch.compile(copy.deepcopy(block), backend="aot_eager"), copy.deepcopy(block)
+    gelu_dtypes.clear()
+    with autocast(CPU.with_ops(deny=["gelu"])):
+        out, eager = second(x), reference(x)
+    assert gelu_dtypes == [torch.float32, torch.float32]  # the edited policy's GELU, compiled copy and eager
+    assert out.dtype == eager.dtype and torch.equal(out, eager)
+
+
+def test_graphs_traced_in_threads_under_different_policies_stay_apart() -> None:
+    """The guard is the calling thread's torch function mode stack: a thread under the default policy and
+    one under an edited policy, sharing one compiled function, each get their own dtypes."""
+    import threading
+
+    torch._dynamo.reset()
+    compiled = torch.compile(_mm_and_norm, backend="aot_eager")
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    found: dict[str, list[torch.dtype]] = {}
+
+    def run(name: str, policy: Policy) -> None:
+        for _ in range(3):
+            with autocast(policy):
+                found[name] = [t.dtype for t in compiled(x, w)]
+
+    threads = [threading.Thread(target=run, args=("default", CPU)),
+               threading.Thread(target=run, args=("edited", CPU.with_ops(allow=["layer_norm"], deny=["mm"])))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert found == {"default": [torch.bfloat16, torch.float32], "edited": [torch.float32, torch.bfloat16]}
+
+
+# ---------------------------------------------------------------------------
+# Every feature, compiled against eager: one small GPT step (loss and every gradient)
+
+
+def _gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(context=16, d_model=32, n_layers=1, n_heads=2)
+
+
+def _region(policy: Policy | None) -> Callable[[], Any]:
+    return (lambda: autocast(policy)) if policy is not None else contextlib.nullcontext
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _gpt()
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, idx, use_reentrant=False)
+
+
+def _initialized(level: str, compute: str) -> Callable[[], nn.Module]:
+    return lambda: ampkit.initialize(_gpt(), None, level, dtype=torch.bfloat16, compute=compute)[0]
+
+
+def _converted(convert: Callable[[nn.Module], Any]) -> Callable[[], nn.Module]:
+    def make() -> nn.Module:
+        model = _gpt()
+        convert(model)
+        return model
+
+    return make
+
+
+def _decorated() -> nn.Module:
+    model = _gpt()
+    model.forward = autocast(EDITED)(model.forward)  # type: ignore[method-assign]
+    return model
+
+
+# name: (model factory, region around the forward, graphs dynamo makes of it)
+FEATURES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], int]] = {
+    "torch.autocast": (_gpt, lambda: torch.autocast("cpu", torch.bfloat16), 1),  # the reference count
+    "default policy": (_gpt, _region(CPU), 1),
+    "edited lists": (_gpt, _region(EDITED), 1),
+    "float32 compute": (_gpt, _region(CPU.with_compute("float32")), 1),
+    "edited and float32 compute": (_gpt, _region(EDITED.with_compute("float32")), 1),
+    "decorated forward": (_decorated, contextlib.nullcontext, 1),
+    "checkpoint inside a region": (_Checkpointed, _region(EDITED), 1),
+    "O1 float32 compute": (_initialized("O1", "float32"), contextlib.nullcontext, 1),
+    # O2/O3: the output cast is a forward hook of the model, which torch.compile(model) compiles apart
+    "O2 native": (_initialized("O2", "native"), contextlib.nullcontext, 2),
+    "O2 float32 compute": (_initialized("O2", "float32"), contextlib.nullcontext, 2),
+    "O3 float32 compute": (_initialized("O3", "float32"), contextlib.nullcontext, 2),
+    "fp8 current scaling": (_converted(lambda m: ampkit.convert_to_fp8(m, ampkit.Fp8Recipe(scaling="current"))),
+                            _region(CPU), 1),
+    "mxfp8": (_converted(lambda m: ampkit.convert_to_block_scaled(m, ampkit.BlockScaledRecipe("mxfp8"))),
+              _region(CPU), 1),
+}
+
+
+def _step(model: nn.Module, region: Callable[[], Any], idx: torch.Tensor, targets: torch.Tensor,
+          call: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward (through ``call``: the model or its compiled wrapper) and backward: the loss and grads."""
+    with region():
+        logits = (call if call is not None else model)(idx)
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_every_feature_compiles_to_the_eager_loss_and_gradients_bit_for_bit(feature: str) -> None:
+    make, region, graphs = FEATURES[feature]
+    torch._dynamo.reset()
+    idx, targets = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    eager_model, compiled_model = make(), make()
+    counter = _counter()
+    eager = _step(eager_model, region, idx, targets)
+    compiled = _step(compiled_model, region, idx, targets, torch.compile(compiled_model, backend=counter))
+    assert torch.equal(eager[0], compiled[0])
+    assert eager[1].keys() == compiled[1].keys() and len(eager[1]) > 0
+    assert all(torch.equal(eager[1][n], compiled[1][n]) for n in eager[1])
+    assert counter.frame_count == graphs  # no more graphs than under torch.autocast (O2/O3: the output cast)
+
+
+def test_an_edited_policy_breaks_the_graph_no_more_often_than_torch_autocast() -> None:
+    """``torch._dynamo.explain`` on the GPT: the same graph and break counts under both."""
+    model, idx = _gpt(), torch.randint(0, 256, (2, 16))
+    counts = {}
+    for name, region in (("torch.autocast", lambda: torch.autocast("cpu", torch.bfloat16)),
+                         ("edited", _region(EDITED)), ("float32 compute", _region(CPU.with_compute("float32")))):
+        torch._dynamo.reset()
+        with region():
+            explained = torch._dynamo.explain(model)(idx)
+        counts[name] = (explained.graph_count, explained.graph_break_count)
+    assert counts == {"torch.autocast": (1, 0), "edited": (1, 0), "float32 compute": (1, 0)}
+
+
+def test_module_overrides_compile_to_the_eager_result_with_a_break_at_each_module() -> None:
+    """Overrides are module hooks that open a region: under torch.compile each hook runs eagerly (a graph
+    break at each module call while the override policy is open). Names are the model's own also when the
+    compiled wrapper is called (``_orig_mod.lm_head`` would match no pattern)."""
+    make = _gpt
+    policy = CPU.with_modules("lm_head", dtype=torch.float32)
+    torch._dynamo.reset()
+    idx, targets = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    eager_model, compiled_model = make(), make()
+    head_dtypes: list[torch.dtype] = []
+    for model in (eager_model, compiled_model):
+        model.lm_head.register_forward_hook(lambda m, a, out: head_dtypes.append(out.dtype))
+    eager = _step(eager_model, _region(policy), idx, targets)
+    compiled = _step(compiled_model, _region(policy), idx, targets, torch.compile(compiled_model, backend="aot_eager"))
+    assert head_dtypes == [torch.float32, torch.float32]
+    assert torch.equal(eager[0], compiled[0])
+    assert all(torch.equal(eager[1][n], compiled[1][n]) for n in eager[1])
+
+
+def test_a_region_opened_inside_compiled_code_gives_its_dtypes() -> None:
+    """``with ampkit.autocast(...)`` inside a compiled function: the region opens eagerly (a graph break
+    on either side) and the code inside compiles under it."""
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = x * 2
+        with autocast(CPU.with_ops(allow=["layer_norm"], deny=["mm"])):
+            inside = _mm_and_norm(h, w)
+        return (*inside, torch.mm(h, w))
+
+    torch._dynamo.reset()
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    got, eager = torch.compile(f, backend="aot_eager")(x, w), f(x, w)
+    assert [t.dtype for t in got] == [t.dtype for t in eager] == [torch.float32, torch.bfloat16, torch.float32]
+    assert all(torch.equal(a, b) for a, b in zip(got, eager))
+
+
+def test_compiled_delayed_fp8_gives_the_eager_gradients_on_a_step_whose_scales_change() -> None:
+    """Was wrong input gradients, silently (0.057 apart here): compiled, the forward's in-place scale
+    updates reached the backward, which read the updated scales. Delayed-scaling linears now run eagerly
+    inside compiled code (a graph break on either side)."""
+    torch.manual_seed(0)
+    layer, x0 = nn.Linear(32, 16), torch.randn(8, 32)
+    found = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = nn.Sequential(copy.deepcopy(layer))
+        ampkit.convert_to_fp8(model, ampkit.Fp8Recipe(scaling="delayed"), include=("0",))
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        x = x0.clone().requires_grad_()
+        run(x).square().sum().backward()  # the first step: scales go from 1 to the measured ones
+        found.append((x.grad, model[0].weight.grad, model[0].scale.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*found))
+
+
+def test_float32_compute_attention_takes_the_flash_kernel_when_traced() -> None:
+    """Traced inputs are fake tensors, for which torch's backend choice answered MATH: compiled float32
+    compute took the generic path, 0.016 from eager's flash kernel on the attention output."""
+    torch._dynamo.reset()
+    q = torch.randn(2, 2, 16, 16)
+
+    def attend(q: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    with autocast(CPU.with_compute("float32")):
+        got, eager = torch.compile(attend, backend="aot_eager")(q), attend(q)
+    assert got.dtype == eager.dtype == torch.bfloat16 and torch.equal(got, eager)
+
+
+# ---------------------------------------------------------------------------
+# inductor
+
+
+@pytest.mark.slow  # inductor compiles: about 30 s here
+@pytest.mark.parametrize("policy", [EDITED, CPU.with_compute("float32")], ids=["edited", "float32 compute"])
+def test_inductor_compiles_each_policy_to_its_dtypes_within_tolerance(policy: Policy) -> None:
+    torch._dynamo.reset()
+    model, idx = _gpt(), torch.randint(0, 256, (2, 16))
+    compiled = torch.compile(model, backend="inductor")
+    for region in (policy, CPU, policy):
+        with autocast(region):
+            got, eager = compiled(idx), model(idx)
+        assert got.dtype == eager.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), eager.float(), atol=0.05, rtol=0.05)
+
 
 _RUN = """
 import json, sys, warnings, torch
@@ -32,6 +312,8 @@ print(json.dumps({"compiled": [str(t.dtype) for t in got], "eager": [str(t.dtype
 
 @pytest.mark.slow  # a first inductor compile: about 20 s here
 def test_a_graph_cached_on_disk_under_one_policy_never_runs_under_another(tmp_path: Path) -> None:
+    """AOTAutograd's cache keys a graph by dynamo's graph and torch.autocast's dtype, the same under both
+    policies: without ampkit's key pass, process 2 got process 1's graph from disk."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     outcomes = {}
     for policy in ("default", "edited"):

@@ -112,6 +112,10 @@ __all__ = [
     "flatten_dense_tensors",
     "unflatten_dense_tensors",
     "NORM_BASE",
+    "CustomGraphPass",
+    "add_inductor_key_pass",
+    "compiled_original",
+    "skip_as_frame",
     "missing",
     "TorchVersionWarning",
 ]
@@ -235,7 +239,16 @@ def fused_sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     """The attention backend torch picks for these inputs (``torch._fused_sdp_choice``,
     2.4-2.13); None where missing, and attention takes float32 compute's generic path."""
     choice = getattr(torch, "_fused_sdp_choice", None)
-    return None if choice is None else int(choice(q, k, v, None, 0.0, is_causal, scale=scale))
+    if choice is None:
+        return None
+    if torch.compiler.is_compiling():
+        # Traced inputs are fake tensors, for which the choice answers MATH where the real kernel, and torch's
+        # own trace of attention, take FLASH: ask with real, empty tensors of the same layout.
+        with disable_current_modes():
+            q, k, v = (torch.empty_strided([int(n) for n in t.shape], [int(n) for n in t.stride()], dtype=t.dtype,
+                                           device=t.device) for t in (q, k, v))
+            return int(choice(q, k, v, None, 0.0, is_causal, scale=scale))
+    return int(choice(q, k, v, None, 0.0, is_causal, scale=scale))
 
 
 def flash_attention_cpu(*args: Any, **kwargs: Any) -> Any:
@@ -315,6 +328,52 @@ NORM_BASE: Any = getattr(nn.modules.batchnorm, "_NormBase", None) or (
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
+# inductor's custom graph pass base (``torch._inductor.custom_graph_pass.CustomGraphPass``, 2.6-2.13): its
+# ``uuid()`` enters inductor's and AOTAutograd's cache keys, which is how compiled graphs are keyed by policy.
+_graph_pass = _module("torch._inductor.custom_graph_pass")
+CustomGraphPass: Any = getattr(_graph_pass, "CustomGraphPass", object)
+
+
+def add_inductor_key_pass(key_pass: Any) -> None:
+    """Put ``key_pass`` among ``torch._inductor.config.post_grad_custom_pre_pass`` (a list there since 2.6),
+    beside any pass the user set, once. Where this torch lacks the custom pass machinery, turn off
+    AOTAutograd's and inductor's FX graph caches instead (said once): slower compiles, never a graph of
+    another policy."""
+    config: Any = _module("torch._inductor.config")
+    if CustomGraphPass is object or config is None or not hasattr(config, "post_grad_custom_pre_pass"):
+        _fallback("torch._inductor.custom_graph_pass.CustomGraphPass", "the on-disk caches of compiled graphs "
+                  "are turned off while ampkit policies compile (they could not tell two policies apart)")
+        functorch: Any = _module("torch._functorch.config")
+        if functorch is not None:
+            functorch.enable_autograd_cache = False
+        if config is not None:
+            config.fx_graph_cache = False
+        return
+    current = config.post_grad_custom_pre_pass
+    passes = list(current) if isinstance(current, (list, tuple)) else [] if current is None else [current]
+    if key_pass not in passes:
+        config.post_grad_custom_pre_pass = [*passes, key_pass]
+
+
+def compiled_original(module: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(module)`` wrapper holds (``OptimizedModule._orig_mod``, 2.0-2.13), else
+    ``module`` itself: module names are taken relative to the model, not to its compiled wrapper."""
+    eval_frame = _module("torch._dynamo.eval_frame")
+    wrapper = getattr(eval_frame, "OptimizedModule", None)
+    return getattr(module, "_orig_mod", module) if wrapper is not None and isinstance(module, wrapper) else module
+
+
+def skip_as_frame(fn: Callable[..., Any]) -> None:
+    """Never compile ``fn`` as a frame of its own, yet inline it where dynamo traces a caller
+    (``torch._dynamo.eval_frame.skip_code``, 2.4-2.13; ``torch._dynamo.skip`` would make callers graph-break).
+    Missing: dynamo may compile it on its own (recompiles up to its limit, then eager: slower, never wrong)."""
+    skip_code = getattr(_module("torch._dynamo.eval_frame"), "skip_code", None)
+    if skip_code is None:
+        _fallback("torch._dynamo.eval_frame.skip_code", "dynamo may compile ampkit's policy guard on its own")
+        return
+    skip_code(fn.__code__)
+
+
 _NEEDED: dict[str, Callable[[], object]] = {
     "torch.utils._pytree": lambda: None if isinstance(pytree, _Absent) else pytree,
     "torch.utils._python_dispatch": lambda: None if isinstance(_dispatch, _Absent) else _dispatch,
@@ -337,6 +396,11 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "torch._foreach_norm": lambda: torch._foreach_norm,
     "torch._utils._flatten_dense_tensors": lambda: __import__("torch._utils")._utils._flatten_dense_tensors,
     "nn.modules.batchnorm._NormBase": lambda: nn.modules.batchnorm._NormBase,
+    "torch._inductor.custom_graph_pass.CustomGraphPass": lambda: None if CustomGraphPass is object else CustomGraphPass,
+    "torch._inductor.config.post_grad_custom_pre_pass":
+        lambda: hasattr(_module("torch._inductor.config"), "post_grad_custom_pre_pass") or None,
+    "torch._dynamo.eval_frame.OptimizedModule": lambda: getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", None),
+    "torch._dynamo.eval_frame.skip_code": lambda: getattr(_module("torch._dynamo.eval_frame"), "skip_code", None),
 }
 
 

@@ -113,6 +113,8 @@ class Upcasts:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if t.dtype not in LOW_DTYPES:
             return t
+        if torch.compiler.is_compiling():
+            return t.float()  # traced tensors have no storage to share; the compiler fuses the conversions
         storage = t.untyped_storage()
         if storage.nbytes() > 4 * max(t.numel() * t.element_size(), 1) or storage.nbytes() % t.element_size():
             return t.float()  # a small view of a big storage: convert just the view

@@ -76,6 +76,13 @@ class _BlockScaledMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        # float32 GEMMs, never autocast's: torch.compile traces the backward under the forward's autocast
+        # state (it cast these GEMMs to bfloat16 where eager, outside the region, ran them in float32)
+        with torch.autocast(grad_out.device.type, enabled=False):
+            return _BlockScaledMatmul._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, weight = ctx.saved_tensors
         module = ctx.module
         recipe, generator = module.recipe, module.generator

@@ -184,6 +184,11 @@ class Fp8Linear(nn.Linear):
         self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
         self.register_buffer("scale", torch.ones(3, device=device))
 
+    # Under torch.compile each delayed-scaling linear runs eagerly (a graph break on either side): compiled,
+    # its forward's in-place scale updates reached the backward, which read the updated scales where it
+    # needs this step's (AOTAutograd saved the mutated buffer, not its copy: wrong input gradients on
+    # every step whose scales changed; aot_eager and inductor, torch 2.13). Current scaling compiles.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _DelayedFp8Matmul.apply(x, self.weight, self)
         return out + self.bias.to(out.dtype) if self.bias is not None else out

@@ -35,7 +35,7 @@ def cast_inputs(dtype: torch.dtype) -> Any:
                 return v.to(dtype)
             return v
 
-        return tuple(cast(a) for a in args), {k: cast(v) for k, v in kwargs.items()}
+        return tuple([cast(a) for a in args]), {k: cast(v) for k, v in kwargs.items()}  # no generator: dynamo
 
     return hook
 

@@ -95,16 +95,6 @@ def caster(device_type: str, dtype: torch.dtype) -> Callable[[torch.Tensor], tor
     return cast
 
 
-# torch.compile guards on torch.autocast's state, not on ampkit's policy: a graph traced under
-# one edited policy would run under any other with the first one's dtypes. Refuse clearly.
-COMPILE_UNSUPPORTED = (
-    "torch.compile cannot trace code under an edited or float32-compute ampkit policy, nor an ampkit.autocast "
-    "region: the compiled graph would keep one policy's dtypes under any other. Run that code eagerly, or "
-    "compile it and use torch.autocast around it (ampkit's default policy with compute='native' is "
-    "torch.autocast)."
-)
-
-
 def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Callable[..., Any]:
     banned_message = op_lists.BANNED[device_type].get(op)
     casters = {dtype: caster(device_type, dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)}
@@ -118,8 +108,6 @@ def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Call
         if region is not None:
             category = region.policy.category(op)  # type: ignore[union-attr]
             in_float32 = op in region.float32_ops
-            if (in_float32 or category != torch_category) and torch.compiler.is_compiling():
-                raise RuntimeError(COMPILE_UNSUPPORTED)
         else:  # a thread using plain torch.autocast, or a region that treats this op as torch does
             category, in_float32 = torch_category, False
         if category == ALLOW:

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit import _torch
+from ampkit.precision import compiling
 from ampkit.precision.kernels import cast_tree, caster
 from ampkit.precision.policy import Policy
 from ampkit.precision.state import Region, state, torch_nesting
@@ -37,12 +39,15 @@ def _override_for(module: nn.Module, policy: Policy) -> torch.dtype | None:
 
 
 def name_modules(root: nn.Module) -> None:
-    """Record qualified names relative to ``root``, the first module seen of its tree."""
+    """Record qualified names relative to ``root``, the first module seen of its tree (the model itself
+    where ``root`` is its ``torch.compile`` wrapper)."""
+    root = _torch.compiled_original(root)
     if root not in _module_names:
         for name, sub in root.named_modules():
             _module_names[sub] = name
 
 
+@torch.compiler.disable  # a graph break per module call while an override region is open (docs/policies.md)
 def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
     top = state.stack[-1] if state.stack else None
     if top is None or top.policy is None or not top.policy.overrides:
@@ -61,15 +66,22 @@ def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
         ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
         pushed = policy.all_low
     ctx.__enter__()
-    state.stack.append(Region(policy.device_type, pushed, ctx, top.float32_ops, torch_nesting()))
+    guard = None
+    if pushed is not None:  # torch.autocast's state does not change: the policy's guard does (compiling.py)
+        guard = compiling.guard_for(pushed, top.float32_ops)()
+        guard.__enter__()
+    state.stack.append(Region(policy.device_type, pushed, ctx, top.float32_ops, torch_nesting(), guard))
     state.module_stack.append((module, ctx))
     return args
 
 
+@torch.compiler.disable
 def _post_hook(module: nn.Module, args: tuple, output: Any) -> None:
     if state.module_stack and state.module_stack[-1][0] is module:
         _, ctx = state.module_stack.pop()
-        state.stack.pop()
+        region = state.stack.pop()
+        if region.guard is not None:
+            region.guard.__exit__(None, None, None)
         ctx.__exit__(None, None, None)
 
 

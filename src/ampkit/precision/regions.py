@@ -21,7 +21,7 @@ from ampkit.float32_compute.decide import describe, float32_ops
 from ampkit.hardware.advice import slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
 from ampkit.precision import checkpointing, compiling, overrides
-from ampkit.precision.kernels import COMPILE_UNSUPPORTED, kernel_ops, registry
+from ampkit.precision.kernels import kernel_ops, registry
 from ampkit.precision.modes import ComputeModeWarning
 from ampkit.precision.policy import Policy
 from ampkit.precision.state import Region, state, torch_nesting, warn_once
@@ -82,8 +82,9 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         self.float32_ops = float32_ops(self.policy) if self.policy.enabled else frozenset()
         self._kernel_ops = kernel_ops(self.policy, self.float32_ops) if self.policy.enabled else frozenset()
         self._hooks = bool(self.policy.enabled and self.policy.overrides)  # module overrides need the global hooks
-        # torch.compile cannot see such a policy: compiled code inside runs eagerly (see precision/compiling.py)
-        self._eager = bool(self._kernel_ops or self._hooks)
+        # torch.compile guards on torch.autocast's state: a policy that differs carries a guard of its own
+        self._guard = (compiling.guard_for(self.policy, self.float32_ops) if self._kernel_ops or self._hooks
+                       else None)
         if self._kernel_ops:
             _torch.require("This policy (edited op lists, float32 compute or 16-bit module overrides)",
                            _torch.DISPATCHER_KERNELS, "Policy.default(device_type, dtype, compute='native') needs none: "
@@ -96,9 +97,8 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             if slow:
                 warn_once(f"slow:{self.policy.device_type}:{self.policy.dtype}", slow, SlowPrecisionWarning)
 
+    @torch.compiler.disable  # the region opens and closes eagerly; what runs inside it compiles
     def __enter__(self) -> autocast:
-        if torch.compiler.is_compiling():
-            raise RuntimeError(COMPILE_UNSUPPORTED)
         policy = self.policy
         if policy.enabled:
             ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
@@ -109,32 +109,36 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         if self._kernel_ops:
             registry.acquire(policy.device_type, self._kernel_ops)
             checkpointing.install(autocast)  # torch restores its own autocast state on recompute, not ampkit's
-        if self._eager:
-            compiling.hold_eager()
         ctx.__enter__()
+        guard = None
+        if self._guard is not None:
+            guard = self._guard()
+            guard.__enter__()
         state.stack.append(Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops,
-                                    torch_nesting()))
+                                    torch_nesting(), guard))
         return self
 
+    @torch.compiler.disable
     def __exit__(self, *exc: object) -> None:
         if not state.stack:
             raise RuntimeError("ampkit.autocast.__exit__() without __enter__(): use `with ampkit.autocast(policy):`.")
-        ctx = state.stack.pop().ctx
-        ctx.__exit__(*exc)
+        region = state.stack.pop()
+        if region.guard is not None:
+            region.guard.__exit__(*exc)
+        region.ctx.__exit__(*exc)
         if self._hooks:
             overrides.release_hooks()
         if self._kernel_ops:
             registry.release(self.policy.device_type, self._kernel_ops)
-        if self._eager:
-            compiling.release_eager()
         if not state.stack:
             state.weight_cache.clear()
 
     def __call__(self, fn: F) -> F:
-        # torch.compile runs a decorated function eagerly (a graph break) rather than trace
-        # it: a traced graph would keep this policy's dtypes under any other.
+        # torch.compile opens the region eagerly (this frame only, not recursive) and compiles `fn` inside
+        # it, guarded by the region's policy (precision/compiling.py): in a compiled module whose forward
+        # is decorated, the graph starts at the forward, as it would under torch.autocast.
         # torch.jit.script meeting `with ampkit.autocast(...)` fails here, showing these lines:
-        @torch.compiler.disable
+        @functools.partial(torch.compiler.disable, recursive=False)
         @functools.wraps(fn)  # torch.jit.script cannot compile an ampkit region: use torch.autocast in scripted code
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self.policy.overrides and args and isinstance(args[0], nn.Module):

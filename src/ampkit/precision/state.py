@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ class Region(NamedTuple):
     ctx: torch.autocast
     float32_ops: frozenset[str]  # ops computed in float32 on 16-bit values
     nesting: int  # torch.autocast's nesting level once this region's own torch.autocast is entered
+    guard: Any = None  # the torch function mode torch.compile guards this region's policy by (compiling.py)
 
 
 def torch_nesting() -> int:
