@@ -1,86 +1,137 @@
-"""torch.compile (inductor) against eager for the GPT under ampkit's default policy.
+"""torch.compile (inductor) against eager under every kind of ampkit policy, one interleaved run per model.
 
-ampkit's default policy with native kernels is torch.autocast, which torch.compile traces and
-guards on; under edited and float32-compute policies compiled code runs eagerly (docs/policies.md).
-This script times a training step of the small GPT of `ampkit compare` (batch 2, context 128,
-so that native 16-bit kernels stay affordable on a CPU without 16-bit arithmetic) eagerly and
-compiled, each inside an ampkit default region and in float32, in alternation, and checks that
-the compiled logits match the eager ones (dtype, greatest difference).
+Per model (ResNet-18 and the GPT of `ampkit compare`, and the wider GPT of bench_autocast.py), one training
+step (forward, backward, AdamW) in ten variants: float32, torch.autocast, ampkit's default policy, an edited
+policy (GELU and softmax denied, layer norm allowed) and float32 compute (GEMMs in float32 on bfloat16
+values), each eager and compiled. Reported: ms/step (medians, variants timed in alternation), the ratios to
+eager float32 and to compiled torch.autocast, each compiled variant's first-call seconds (the compile) and
+graph count, saved-for-backward bytes, and the compiled logits' dtype and greatest difference from eager.
 
-    python benchmarks/bench_compile.py   # writes benchmarks/results/compile.json
+The 16-bit variants other than float32 compute run native bfloat16 kernels: on a CPU without native bf16
+arithmetic (AVX2 only) they are many times slower than float32, and each variant leaves the rotation after
+``BUDGET_S`` seconds of timed steps (at least 3).
+
+    python benchmarks/bench_compile.py            # writes benchmarks/results/compile.json
+    python benchmarks/bench_compile.py --only gpt
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import copy
 import time
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch._dynamo.testing
 import torch.nn.functional as F
 from rich.console import Console
 
 import ampkit
-from ampkit.experiment.models import GPT
+from ampkit.diagnostics.memory import saved_bytes_of_step
+from ampkit.experiment.models import GPT, ResNet18
 from common import interleaved_medians, save
 
-BATCH, CONTEXT = 2, 128
+WARMUP, REPEATS, BUDGET_S = 1, 7, 20.0
+
+
+def _text(batch: int, context: int) -> Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]:
+    def data(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, 256, (batch, context + 1), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    return data
+
+
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[torch.Generator], Any], str]] = {
+    "resnet18": (ResNet18, lambda g: (torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)),
+                 "ResNet-18, batch 64 of 28x28"),
+    "gpt": (GPT, _text(32, 64), "the GPT of `ampkit compare` (d_model 128, 4 layers), batch 32, context 64"),
+    "gpt-wide": (lambda: GPT(context=256, d_model=384, n_layers=4, n_heads=6), _text(2, 256),
+                 "the wider GPT (d_model 384, 4 layers), batch 2, context 256"),
+}
+
+
+def regions() -> dict[str, Callable[[], Any]]:
+    native = ampkit.Policy.default("cpu", torch.bfloat16, compute="native")
+    edited = native.with_ops(deny=["gelu", "softmax"], allow=["layer_norm"])
+    return {
+        "float32": contextlib.nullcontext,
+        "torch.autocast": lambda: torch.autocast("cpu", torch.bfloat16),
+        "ampkit default": lambda: ampkit.autocast(native),
+        "ampkit edited": lambda: ampkit.autocast(edited),
+        "ampkit float32 compute": lambda: ampkit.autocast(native.with_compute("float32")),
+    }
+
+
+def run_model(name: str, console: Console) -> dict[str, Any]:
+    make, data, description = MODELS[name]
+    x, y = data(torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    base = make()
+
+    def loss_of(model: Any, region: Callable[[], Any]) -> torch.Tensor:
+        with region():
+            out = model(x)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+
+    steps: dict[str, Callable[[], None]] = {}
+    first_s: dict[str, float] = {}
+    graphs: dict[str, int] = {}
+    saved: dict[str, int] = {}
+    agreement: dict[str, dict[str, Any]] = {}
+    torch._dynamo.reset()
+    for policy, region in regions().items():
+        for mode in ("eager", "compiled"):
+            label = f"{mode}, {policy}"
+            model = copy.deepcopy(base)
+            counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+            call = torch.compile(model, backend=counter) if mode == "compiled" else model
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+            def step(call: Any = call, region: Callable[[], Any] = region, optimizer: Any = optimizer) -> None:
+                optimizer.zero_grad(set_to_none=True)
+                loss_of(call, region).backward()
+                optimizer.step()
+
+            if mode == "compiled":
+                with torch.no_grad(), region():  # the compiled forward's values against eager's, same weights
+                    got, eager = call(x), model(x)
+                agreement[policy] = {"dtype_compiled": str(got.dtype), "dtype_eager": str(eager.dtype),
+                                     "max_abs_diff": (got.float() - eager.float()).abs().max().item()}
+                start = time.perf_counter()
+                step()  # the training graphs' compile
+                first_s[label] = time.perf_counter() - start
+                graphs[label] = counter.frame_count
+            _, saved[label] = saved_bytes_of_step(model, lambda call=call, region=region: loss_of(call, region))
+            model.zero_grad(set_to_none=True)
+            steps[label] = step
+            console.print(f"  {name}: {label} ready" + (f" (first step {first_s[label]:.1f} s, "
+                                                          f"{graphs[label]} graphs)" if label in first_s else ""))
+    seconds = interleaved_medians(steps, warmup=WARMUP, repeats=REPEATS, budget_s=BUDGET_S)
+    ms = {label: 1000 * s for label, s in seconds.items()}
+    for label, value in ms.items():
+        console.print(f"{name:9s} {label:32s} {value:9.1f} ms/step  {value / ms['eager, float32']:6.2f}x float32")
+    return {"description": description, "ms": ms, "first_step_s": first_s, "graphs": graphs,
+            "saved_for_backward": saved, "agreement": agreement,
+            "over_float32_eager": {label: value / ms["eager, float32"] for label, value in ms.items()},
+            "over_compiled_torch_autocast": {label: value / ms["compiled, torch.autocast"]
+                                             for label, value in ms.items()}}
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="+", choices=list(MODELS), default=list(MODELS))
+    args = parser.parse_args()
     warnings.simplefilter("ignore", ampkit.SlowPrecisionWarning)  # native kernels are the point here
+    warnings.simplefilter("ignore", ampkit.ComputeModeWarning)
     console = Console()
-    torch.manual_seed(0)
-    base = GPT(context=CONTEXT, d_model=384, n_layers=4, n_heads=6)
-    tokens = torch.randint(0, 256, (BATCH, CONTEXT + 1))
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    dtype = ampkit.recommend_dtype("cpu")
-    policy = ampkit.Policy.default("cpu", dtype, compute="native")
-
-    def step_of(model: torch.nn.Module, enabled: bool):  # type: ignore[no-untyped-def]
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-
-        def step() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            with ampkit.autocast(policy, enabled=enabled):
-                logits = model(x)
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)).backward()
-            optimizer.step()
-
-        return step
-
-    # Values first, on identical weights: the compiled forward against the eager one.
-    agreement = {}
-    for enabled in (True, False):
-        eager, compiled = copy.deepcopy(base), torch.compile(copy.deepcopy(base), backend="inductor")
-        with torch.no_grad(), ampkit.autocast(policy, enabled=enabled):
-            start = time.perf_counter()
-            out_compiled = compiled(x)
-            compile_s = time.perf_counter() - start
-            out_eager = eager(x)
-        name = str(dtype).removeprefix("torch.") if enabled else "float32"
-        agreement[name] = {"dtype_eager": str(out_eager.dtype), "dtype_compiled": str(out_compiled.dtype),
-                           "max_abs_diff": (out_compiled.float() - out_eager.float()).abs().max().item(),
-                           "first_call_s": compile_s}
-        console.print(f"{name}: eager {out_eager.dtype}, compiled {out_compiled.dtype}, "
-                      f"greatest difference {agreement[name]['max_abs_diff']:.3g}, first compiled call {compile_s:.1f} s")
-
-    torch._dynamo.reset()
-    variants = {
-        f"eager, ampkit default {dtype}": step_of(copy.deepcopy(base), True),
-        f"compiled, ampkit default {dtype}": step_of(torch.compile(copy.deepcopy(base)), True),
-        "eager, float32": step_of(copy.deepcopy(base), False),
-        "compiled, float32": step_of(torch.compile(copy.deepcopy(base)), False),
-    }
-    seconds = interleaved_medians(variants, warmup=2, repeats=5)
-    ms = {name: 1000 * s for name, s in seconds.items()}
-    names = list(ms)
-    ratio = {"default policy": ms[names[1]] / ms[names[0]], "float32": ms[names[3]] / ms[names[2]]}
-    for name, value in ms.items():
-        console.print(f"{name:36s} {value:9.1f} ms/step")
-    console.print(f"compiled / eager: default policy {ratio['default policy']:.2f}x, float32 {ratio['float32']:.2f}x")
-    path = save("compile", {"batch": BATCH, "context": CONTEXT, "dtype": str(dtype), "backend": "inductor",
-                            "ms": ms, "compiled_over_eager": ratio, "agreement": agreement})
+    models = {name: run_model(name, console) for name in args.only}
+    path = save("compile", {"backend": "inductor", "dtype": "torch.bfloat16", "budget_s": BUDGET_S,
+                            "repeats": REPEATS, "models": models})
     console.print(f"wrote {path}")
 
 

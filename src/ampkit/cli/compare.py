@@ -14,7 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ampkit.experiment import report
 from ampkit.cli.flags import as_flags, directory
 from ampkit.experiment.comparison import Comparison, check_out_dir, compare, reserve_out_dir
-from ampkit.experiment.config import LOSS_SCALES, PRECISIONS, RunConfig, low_dtype
+from ampkit.experiment.config import COMPILE_MODES, LOSS_SCALES, PRECISIONS, RunConfig, low_dtype
 from ampkit.experiment.cost import Estimate, estimate
 from ampkit.experiment.data import DATASETS
 from ampkit.experiment.models import MODELS
@@ -52,6 +52,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--activation-budget", nargs="+",
                         help="saved-for-backward budgets (0.5 of a run's own, or bytes: 64MiB): each mixed setting "
                              "also trains with a recompute plan for each (ampkit.plan_recompute)")
+    parser.add_argument("--compile", nargs="?", const="on", default="off", choices=COMPILE_MODES,
+                        help="train through torch.compile (inductor): --compile (or on) compiles every run, "
+                             "--compile both runs each setting eagerly and compiled; the first step, the compile, "
+                             "is reported apart")
     parser.add_argument("--no-probe", action="store_true",
                         help="skip the short native 16-bit probe run added where auto computes in float32")
     parser.add_argument("--batch-size", type=int)
@@ -78,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, epochs=args.epochs, steps=args.steps, lr=args.lr, device=args.device,
             seed=args.seed, computes=args.compute, probe=False if args.no_probe else None,
             loss_scales=args.loss_scale, updates=args.update, loss_divisor=args.loss_divisor,
-            activation_budgets=args.activation_budget,
+            activation_budgets=args.activation_budget, compile=args.compile,
         )
         cost = estimate(configs)  # builds and steps the model: a bad model fails here
         out = reserve_out_dir(args.out)  # before training: a bad location fails now
@@ -156,3 +160,5 @@ def print_plan(console: Console, configs: list[RunConfig], estimate: Estimate) -
                       f"(this model: {speedup:.3g}x), measured on {measured.device_name}.")
     if any(c.float32_compute for c in configs):
         console.print("  fp32-compute runs keep tensors in 16 bits and compute GEMMs and convolutions in float32.")
+    if any(c.compiled for c in configs):
+        console.print("  compiled runs: the estimate leaves out their first step, which compiles (reported apart).")

@@ -17,6 +17,7 @@ from ampkit.precision.modes import resolve_dtype
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current", "mxfp8", "mxfp8-rceil", "mxfp4", "mxfp4-rceil", "nvfp4",
               "nvfp4-no-tiles", "nvfp4-no-sr", "nvfp4-no-hadamard", "nvfp4-no-kept")
 LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
+COMPILE_MODES = ("off", "on", "both")  # compare --compile: eager runs, compiled runs, or each setting both ways
 STATIC_SCALE = 2.0**10  # the static setting's loss scale (Micikevicius et al. used 8 to 32768 per task)
 # FP8 recipes of the fp8 settings: delayed scaling (ampkit's own) and current scaling (torchao), both
 # E4M3 forward and E5M2 gradients; everything else runs at the 16-bit dtype the hardware recommends.
@@ -69,6 +70,7 @@ class RunConfig:
     # A saved-for-backward budget ("0.5" of the run's own, or bytes: "64MiB"): the run trains with a recompute
     # plan for it (ampkit.plan_recompute, made on its first batch); None: no plan.
     activation_budget: str | None = None
+    compiled: bool = False  # the training forward through torch.compile (inductor); evaluation stays eager
 
     @property
     def scaling(self) -> str:
@@ -87,11 +89,12 @@ class RunConfig:
 
     @property
     def label(self) -> str:
-        """``fp32``, ``bf16 O1``; ``bf16 O1 fp32-compute`` where GEMMs compute in float32;
+        """``fp32``, ``bf16 O1``; ``bf16 O1 fp32-compute`` where GEMMs compute in float32 (``... compiled``
+        through torch.compile);
         ``bf16 O1 native probe`` for a probe; the fp8 settings name their recipe
         (``fp8-delayed-hybrid O1``)."""
         if self.precision == "fp32":
-            return "fp32"
+            return "fp32" + (" compiled" if self.compiled else "")
         recipe = FP8_RECIPES.get(self.precision)
         name = f"fp8-{recipe.scaling}-{recipe.format}" if recipe is not None else self.precision
         if self.precision in BLOCK_RECIPES:
@@ -108,7 +111,7 @@ class RunConfig:
             label += f" {self.update}"
         if self.activation_budget is not None:
             label += f" recompute-{self.activation_budget}"
-        return label + (" probe" if self.probe else "")
+        return label + (" probe" if self.probe else "") + (" compiled" if self.compiled else "")
 
 
 @dataclasses.dataclass
@@ -137,3 +140,4 @@ class RunResult:
     state_bytes: int = 0  # weights, gradients, masters and optimizer states after training (measured)
     parameters: int = 0  # the model's parameters (a tied weight once)
     zero_grad_fraction: float | None = None  # of gradient values exactly zero, mean over sampled steps
+    compile_s: float | None = None  # compiled runs: the first step's seconds (tracing and compiling), not in ms_per_step

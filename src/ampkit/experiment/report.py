@@ -42,6 +42,9 @@ def table(comparison: Comparison) -> Table:
         caption += "; fp32-compute: GEMMs and convolutions computed in float32 on 16-bit values"
     if any(run.probe for run in comparison.runs):
         caption += "; probe: a few steps, timed only"
+    compiled = any(run.compile_s is not None for run in comparison.runs)
+    if compiled:
+        caption += "; compiled: torch.compile (inductor); +N s: its first step, which compiles, not in ms/step"
     out = Table(title=title, box=box.SIMPLE_HEAD, caption=caption, pad_edge=False)
     scaled = any(run.final_loss_scale is not None for run in comparison.runs)
     # Headers on two lines and figures above their ratios, so the table fits an 80-column terminal.
@@ -55,8 +58,9 @@ def table(comparison: Comparison) -> Table:
     for run in comparison.runs:
         r = lambda field: _ratio(comparison.ratio(run, field)) if run is not comparison.baseline else ""  # noqa: E731
         row = [
-            run.label.replace(" fp32-", "\nfp32-").replace(" native", "\nnative"),  # narrow: wraps at the mode
-            f"{run.ms_per_step:.1f}{r('ms_per_step')}",
+            run.label.replace(" fp32-", "\nfp32-").replace(" native", "\nnative")  # narrow: wraps at the mode
+            .replace(" compiled", "\ncompiled"),
+            f"{run.ms_per_step:.1f}{r('ms_per_step')}" + (f"\n+{run.compile_s:.0f} s" if run.compile_s is not None else ""),
             f"{run.samples_per_s:.0f}" if run.samples_per_s >= 100 else f"{run.samples_per_s:.1f}",
             f"{run.peak_memory_bytes / MIB:.0f}M{r('peak_memory_bytes')}",
             f"{run.saved_for_backward_bytes / MIB:.1f}M{r('saved_for_backward_bytes')}",

@@ -13,6 +13,7 @@ import torch
 
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import (
+    COMPILE_MODES,
     CONTEXT,
     BLOCK_RECIPES,
     FP8_RECIPES,
@@ -88,6 +89,7 @@ def plan(
     updates: Sequence[str] | None = None,
     loss_divisor: float = 1.0,
     activation_budgets: Sequence[str] | None = None,
+    compile: str = "off",
 ) -> list[RunConfig]:
     """The runs of a comparison: float32 first, then the mixed settings, then a probe.
 
@@ -115,6 +117,10 @@ def plan(
     ``"64MiB"``) add, for every mixed setting, a run per budget that trains with a recompute plan for
     it (``ampkit.plan_recompute`` on its first batch), beside the same setting without one.
 
+    ``compile``: ``"off"`` (default) trains eagerly; ``"on"`` compiles every run's training forward with
+    torch.compile (inductor; its first step, the compile, is reported apart as ``compile_s``); ``"both"``
+    runs every setting eagerly and compiled, side by side. The probe stays eager.
+
     ``probe`` (default: where an ``auto`` setting computes in float32) adds a short
     run of the first mixed precision at O1 with native 16-bit kernels,
     ``PROBE_STEPS`` steps with no evaluation, so the table also says how fast
@@ -141,6 +147,7 @@ def plan(
         _check_choice(scaling, LOSS_SCALES, "loss scaling")
     for update in updates or ():
         _check_choice(update, UPDATES, "update")
+    _check_choice(compile, COMPILE_MODES, "compile mode")
     # Options that the chosen settings would ignore are refused, never dropped: a run must be what was asked.
     if precisions is not None and set(precisions) == {"fp32"}:
         ignored = [f"{name}={list(value)!r}" for name, value in (("opt_levels", opt_levels), ("computes", computes),
@@ -227,6 +234,9 @@ def plan(
     ]
     configs += [dataclasses.replace(c, activation_budget=str(budget)) for c in configs[1:]
                 for budget in activation_budgets or ()]
+    if compile != "off":
+        ways = {"on": (True,), "both": (False, True)}[compile]
+        configs = [dataclasses.replace(c, compiled=way) for c in configs for way in ways]
     for precision in sorted({c.precision for c in configs if c.compute == "native"}):
         slow = slow_native_message(parsed_device, low_dtype(precision, parsed_device))
         if slow:
@@ -237,7 +247,7 @@ def plan(
         if first is not None:
             # the probe times native kernels at O1: O3's update and fp16's scaling choice do not apply to it
             configs.append(dataclasses.replace(first, opt_level="O1", compute="native", steps=PROBE_STEPS, probe=True,
-                                               update="plain"))
+                                               update="plain", compiled=False))
     return configs
 
 

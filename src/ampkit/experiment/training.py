@@ -86,7 +86,7 @@ def execute(
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = model(x)
+        logits = forward(x)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
     plan = data_mod.batches(dataset, config.batch_size, config.steps, config.seed, CONTEXT)
@@ -94,6 +94,7 @@ def execute(
         x0, y0 = batch(plan[0])
         plan_recompute(model, x0, config.activation_budget, loss_fn=lambda logits: F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), y0.reshape(-1))).apply(model)
+    forward = torch.compile(model) if config.compiled else model  # after every conversion and plan
     losses: list[float] = []
     times: list[float] = []
     saved = 0
@@ -161,6 +162,7 @@ def execute(
         state_bytes=measured_state_bytes(model, optimizer),
         parameters=sum(p.numel() for p in model.parameters()),
         zero_grad_fraction=statistics.fmean(zeros) if zeros else None,
+        compile_s=times[0] if config.compiled and times else None,
     )
 
 
