@@ -29,12 +29,12 @@ WORKLOADS = {
     "gpt-fp8": ["--model", "gpt", "--precision", "bf16", "fp8", "fp8-current", "--opt-level", "O1",
                 "--no-probe"],
     # Block-scaled formats (issue 26), emulated: MXFP8, MXFP4 and NVFP4 (full, and each recipe part removed)
-    "gpt-block-scaled": ["--model", "gpt", "--precision", "bf16", "mxfp8", "mxfp4", "nvfp4", "nvfp4-no-tiles",
+    "gpt-block-scaled": ["--model", "gpt", "--precision", "bf16", "mxfp8-floor", "mxfp4", "nvfp4", "nvfp4-no-tiles",
                          "nvfp4-no-sr", "nvfp4-no-hadamard", "nvfp4-no-kept", "--opt-level", "O1", "--no-probe"],
     # MXFP8's two scale modes against bf16 on two seeds: the spec's FLOOR (saturates a block's largest values)
     # and RCEIL (never saturates); one seed's final loss moves by a few percent with any rounding change.
-    "gpt-mxfp8": ["--model", "gpt", "--precision", "bf16", "mxfp8", "mxfp8-rceil", "--opt-level", "O1", "--no-probe"],
-    "gpt-mxfp8-seed1": ["--model", "gpt", "--precision", "bf16", "mxfp8", "mxfp8-rceil", "--opt-level", "O1",
+    "gpt-mxfp8": ["--model", "gpt", "--precision", "bf16", "mxfp8-floor", "mxfp8", "--opt-level", "O1", "--no-probe"],
+    "gpt-mxfp8-seed1": ["--model", "gpt", "--precision", "bf16", "mxfp8-floor", "mxfp8", "--opt-level", "O1",
                         "--seed", "1", "--no-probe"],
     # Numerics (issue 13). The paper's experiment: float16 with no, static, dynamic and per-layer loss scaling.
     "gpt-loss-scaling": ["--model", "gpt", "--precision", "fp16", "--opt-level", "O1",

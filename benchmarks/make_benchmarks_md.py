@@ -300,21 +300,32 @@ def integrations_table(results: dict[str, Any]) -> str:
 def compile_table(results: dict[str, Any]) -> str:
     rows = [
         f"`python benchmarks/bench_compile.py`, {results['created']}, on {machine_line(results['machine'])}. "
-        f"The GPT of `ampkit compare` (batch {results['batch']}, context {results['context']}), one training step, "
-        f"torch.compile ({results['backend']}) against eager, inside an ampkit default region "
-        f"({results['dtype'].removeprefix('torch.')}, native kernels) and in float32; medians, variants timed in "
-        "alternation.",
-        "",
-        "| variant | ms/step |",
-        "|---|---|",
+        f"One training step (forward, backward, AdamW) per variant, eager and through torch.compile "
+        f"({results['backend']}); medians of up to {results['repeats']} steps, variants timed in alternation (a "
+        f"variant leaves the rotation after {results['budget_s']:.0f} s of timed steps). 16-bit variants: "
+        f"{results['dtype'].removeprefix('torch.')}, native kernels but float32 compute's; ampkit edited denies "
+        "GELU and softmax and allows layer norm. First step: the compiled variant's first training step (its "
+        "compile).",
     ]
-    rows += [f"| {name} | {value:.1f} |" for name, value in results["ms"].items()]
-    ratio = results["compiled_over_eager"]
-    rows += ["", f"Compiled / eager: default policy {ratio['default policy']:.2f}x, float32 {ratio['float32']:.2f}x. "
-             "Compiled logits against eager ones: " + "; ".join(
-                 f"{name} region: compiled {a['dtype_compiled'].removeprefix('torch.')}, eager "
-                 f"{a['dtype_eager'].removeprefix('torch.')}, greatest difference {a['max_abs_diff']:.3g}"
-                 for name, a in results["agreement"].items()) + "."]
+    for name, model in results["models"].items():
+        rows += ["", f"**{name}**: {model['description']}.", "",
+                 "| variant | ms/step | x eager float32 | x compiled torch.autocast | first step s | graphs "
+                 "| saved for backward MiB |", "|---|---|---|---|---|---|---|"]
+        for label, ms in model["ms"].items():
+            first = model["first_step_s"].get(label)
+            rows.append(f"| {label} | {ms:.1f} | {model['over_float32_eager'][label]:.2f}x | "
+                        f"{model['over_compiled_torch_autocast'][label]:.2f}x | "
+                        f"{'-' if first is None else f'{first:.1f}'} | {model['graphs'].get(label, '-')} | "
+                        f"{model['saved_for_backward'][label] / 2**20:.1f} |")
+        ms = model["ms"]
+        rows += ["", "Compiled ampkit against compiled torch.autocast: default "
+                 f"{ms['compiled, ampkit default'] / ms['compiled, torch.autocast']:.3f}x, edited "
+                 f"{ms['compiled, ampkit edited'] / ms['compiled, torch.autocast']:.3f}x; compiled float32 compute "
+                 f"against eager float32 compute {ms['compiled, ampkit float32 compute'] / ms['eager, ampkit float32 compute']:.3f}x. "
+                 "Compiled forward against eager, same weights: " + "; ".join(
+                     f"{policy} {a['dtype_compiled'].removeprefix('torch.')} (eager "
+                     f"{a['dtype_eager'].removeprefix('torch.')}), greatest difference {a['max_abs_diff']:.3g}"
+                     for policy, a in model["agreement"].items()) + "."]
     return "\n".join(rows)
 
 
@@ -402,6 +413,28 @@ def seeds_section(directory: Path) -> str | None:
     if len(rows) < 2:
         return None
     return "\n".join(["| seed | fp32 | bf16 O1 | bf16 O2 |", "|---|---|---|---|", *rows])
+
+
+def mxfp8_section(directory: Path) -> str | None:
+    """MXFP8 with each E8M0 scale mode against bf16 O1 on the GPT, per seed (the compare-gpt-mxfp8 records)."""
+    rows = []
+    settings = ("mxfp8-floor O1", "mxfp8-rceil O1")
+    for name in ("compare-gpt-mxfp8-cpu", "compare-gpt-mxfp8-seed1-cpu"):
+        results = load(directory / name, "results.json")
+        if results is None:
+            continue
+        runs = _by_setting(results)
+        base = runs["bf16 O1"]["final_train_loss"]
+        cells = [f"{runs[k]['final_train_loss']:.4f} ({100 * (runs[k]['final_train_loss'] / base - 1):+.1f}%)"
+                 for k in settings]
+        skipped = sum(runs[k]["skipped_steps"] for k in settings)
+        non_finite = len(results.get("non_finite", []))
+        rows.append(f"| {results['config']['seed']} | {runs['fp32']['final_train_loss']:.4f} | {base:.4f} | "
+                    f"{' | '.join(cells)} | {skipped} | {non_finite} |")
+    if not rows:
+        return None
+    return "\n".join(["| seed | fp32 | bf16 O1 | mxfp8 FLOOR (the spec's) | mxfp8 RCEIL | skipped steps | "
+                      "non-finite values in the record |", "|---|---|---|---|---|---|---|", *rows])
 
 
 def underflow_section(directory: Path, relative: str) -> str | None:
@@ -493,6 +526,13 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
         sections += [f"{level} GPT: bf16 O1 and O2 against float32, per seed", "",
                      "Final train losses (mean of the last 40 of 400 steps) from the compare-gpt records above; "
                      "each seed is its own initialisation and batch order.", "", seeds, ""]
+    mxfp8 = mxfp8_section(directory)
+    if mxfp8:
+        sections += [f"{level} GPT: MXFP8's two scale modes against bf16 O1, per seed", "",
+                     "Final train losses (mean of the last 40 of 400 steps) from the compare-gpt-mxfp8 records above, "
+                     "percent from bf16 O1 of the same record. The records ran as `--precision mxfp8 mxfp8-rceil`, "
+                     "before `mxfp8` came to mean RCEIL on this evidence (`mxfp8-floor` is the spec's FLOOR now); "
+                     "their run labels name the scale mode either way.", "", mxfp8, ""]
     underflow = underflow_section(directory, relative)
     if underflow:
         sections += [f"{level} GPT: float16 with and without loss scaling (the paper's experiment)", "", underflow, ""]
@@ -530,7 +570,7 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
                      recompute_table(recompute), ""]
     compiled = load(directory, "compile.json")
     if compiled:
-        sections += [f"{level} torch.compile under the default policy", "", compile_table(compiled), ""]
+        sections += [f"{level} torch.compile under every kind of policy", "", compile_table(compiled), ""]
     integrations = load(directory, "integrations.json")
     if integrations:
         sections += [f"{level} Lightning and Accelerate: per-step cost", "", integrations_table(integrations), ""]

@@ -137,7 +137,7 @@ def test_compare_labels_each_block_scaled_run_with_its_recipe_and_refuses_a_mode
     from ampkit.experiment.settings import plan
 
     assert RunConfig(model="gpt", data="text", precision="nvfp4", opt_level="O1").label.startswith("nvfp4 O1")
-    assert RunConfig(model="gpt", data="text", precision="mxfp8", opt_level="O2").label.startswith("mxfp8-floor O2")
+    assert RunConfig(model="gpt", data="text", precision="mxfp8", opt_level="O2").label.startswith("mxfp8-rceil O2")
     with pytest.raises(ValueError, match=r"precisions=\['mxfp4'\]: resnet18 has no linear mxfp4-floor can take"):
         plan(model="resnet18", data="digits", precisions=["mxfp4"])
 

@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend
 from ampkit import _torch
 from ampkit.float32_compute.gelu_recompute import gelu_input
 from ampkit.float32_compute.generic import Upcasts
-from ampkit.precision.modes import LOW_DTYPES
+from ampkit.precision.modes import LOW_DTYPES, without_autocast
 
 
 def _rounded(grads: Sequence[torch.Tensor], dtype: torch.dtype, wanted: Sequence[bool]) -> list[torch.Tensor | None]:
@@ -41,6 +41,7 @@ class _Linear(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         x, w = ctx.saved_tensors
         if ctx.gelu is not None:
@@ -70,6 +71,7 @@ class _Convolution(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         x, w = ctx.saved_tensors
         mask = list(ctx.needs_input_grad[:3])
@@ -100,6 +102,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     @torch.autograd.function.once_differentiable
+    @without_autocast
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         q, k, v, out, logsumexp = ctx.saved_tensors
         up = Upcasts()

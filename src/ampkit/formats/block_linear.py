@@ -26,6 +26,7 @@ from torch import nn
 
 from ampkit.formats.block_scaled import MX_ELEMENTS, Quantized, quantize_mx, quantize_nvfp4
 from ampkit.formats.recipes import BlockScaledRecipe
+from ampkit.precision.modes import without_autocast
 
 
 def hadamard_16(seed: int) -> torch.Tensor:
@@ -75,14 +76,8 @@ class _BlockScaledMatmul(torch.autograd.Function):
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
     @staticmethod
+    @without_autocast  # float32 GEMMs, also where torch.compile traces this under the forward's autocast state
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        # float32 GEMMs, never autocast's: torch.compile traces the backward under the forward's autocast
-        # state (it cast these GEMMs to bfloat16 where eager, outside the region, ran them in float32)
-        with torch.autocast(grad_out.device.type, enabled=False):
-            return _BlockScaledMatmul._backward(ctx, grad_out)
-
-    @staticmethod
-    def _backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         x, weight = ctx.saved_tensors
         module = ctx.module
         recipe, generator = module.recipe, module.generator

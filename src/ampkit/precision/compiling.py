@@ -17,11 +17,11 @@ eager code: a 2-layer GPT step, 0.99x); it is there to be guarded on.
 - While tracing, ampkit's kernels at the Autocast dispatch key run as in eager code (AOTAutograd traces
   through the dispatcher), so the policy's casts and float32 GEMMs are written into the graph: inductor
   compiles them like any other op.
-- On disk: inductor's FX graph cache and AOTAutograd's cache key their entries by the traced graph and
-  its inputs; a policy's casts are in the graph, so two policies never share an entry. The custom pass
-  ``PolicyKey`` adds the policies of the open regions to the key as well (``torch._inductor.config
-  .post_grad_custom_pre_pass``): where a graph has no cast to tell two policies apart, they are still
-  two entries.
+- On disk: AOTAutograd's cache keys an entry by dynamo's graph (the same under every policy: the casts
+  come later, from the kernels) and torch.autocast's dtype, so it handed the default policy's graph to an
+  edited one. The custom pass ``PolicyKey`` adds the open regions' policies, and a hash of the ampkit code
+  that runs at the dispatcher, to inductor's and AOTAutograd's keys (``torch._inductor.config
+  .post_grad_custom_pre_pass``, beside any pass of the user's).
 
 The other mechanism considered, an ampkit backend that applies the policy as a pass over the FX graph
 before inductor, would cover only the backends ampkit wraps (not ``torch.compile(model)`` as users write
@@ -31,9 +31,11 @@ adds nothing to the compiled step and reuses every kernel, so it was chosen.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -109,7 +111,22 @@ class PolicyKey(_torch.CustomGraphPass):  # type: ignore[misc]
         return None
 
     def uuid(self) -> str:
-        return hashlib.sha256("\n".join(open_guards()).encode()).hexdigest()
+        guards = open_guards()
+        if not guards:
+            return "no ampkit policy"  # torch.autocast's graphs: no ampkit code in them
+        return hashlib.sha256("\n".join([_kernel_source_hash(), *guards]).encode()).hexdigest()
+
+
+@functools.cache
+def _kernel_source_hash() -> str:
+    """A hash of the ampkit code that runs below dynamo, at the dispatcher (policies' kernels, float32 compute):
+    the traced graph holds what it did, not the code, so a changed ampkit must not find its old graphs on disk
+    (a fix to float32 compute's backward was invisible until the cache directory was emptied)."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted([*root.glob("precision/*.py"), *root.glob("float32_compute/*.py")]):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
 
 
 _KEY = PolicyKey()

@@ -5,6 +5,10 @@ This module imports nothing of ampkit (a leaf: every other module may use it).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -50,3 +54,21 @@ def check_compute(compute: str) -> str:
             "picks per op class what the measured hardware runs faster."
         )
     return compute
+
+
+def without_autocast(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a custom autograd Function's ``backward`` with autocast off on its gradients' device.
+
+    Eager autograd runs a backward where ``.backward()`` is called, outside the region as a rule; torch.compile
+    traces it under the forward's autocast state instead, which cast the float32 GEMMs of ampkit's emulations
+    (float32 compute, block-scaled formats) to 16 bits: inductor then ran a native bfloat16 GEMM where eager
+    runs a float32 one (1.6x slower a GPT step on a CPU without bf16 arithmetic). Off, both run what is written.
+    """
+
+    @functools.wraps(backward)
+    def run(ctx: Any, *grads: Any) -> Any:
+        device = next((g.device.type for g in grads if isinstance(g, torch.Tensor)), "cpu")
+        with torch.autocast(device, enabled=False):
+            return backward(ctx, *grads)
+
+    return run
