@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+_Backward = TypeVar("_Backward", bound=Callable[..., Any])
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -56,7 +58,7 @@ def check_compute(compute: str) -> str:
     return compute
 
 
-def without_autocast(backward: Callable[..., Any]) -> Callable[..., Any]:
+def without_autocast(backward: _Backward) -> _Backward:
     """Run a custom autograd Function's ``backward`` with autocast off on its gradients' device.
 
     Eager autograd runs a backward where ``.backward()`` is called, outside the region as a rule; torch.compile
@@ -71,4 +73,4 @@ def without_autocast(backward: Callable[..., Any]) -> Callable[..., Any]:
         with torch.autocast(device, enabled=False):
             return backward(ctx, *grads)
 
-    return run
+    return run  # type: ignore[return-value]
