@@ -54,7 +54,7 @@ def _text(batch: int, context: int) -> Callable[[torch.Generator], tuple[torch.T
 MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[torch.Generator], Any], str]] = {
     "resnet18": (ResNet18, lambda g: (torch.randn(64, 1, 28, 28, generator=g), torch.randint(0, 10, (64,), generator=g)),
                  "ResNet-18, batch 64 of 28x28"),
-    "gpt": (GPT, _text(32, 64), "the GPT of `ampkit compare` (d_model 128, 4 layers), batch 32, context 64"),
+    "gpt": (GPT, _text(32, 64), "the GPT of `ampkit compare` (d_model 128, 2 layers), batch 32, context 64"),
     "gpt-wide": (lambda: GPT(context=256, d_model=384, n_layers=4, n_heads=6), _text(2, 256),
                  "the wider GPT (d_model 384, 4 layers), batch 2, context 256"),
 }

@@ -303,9 +303,10 @@ def compile_table(results: dict[str, Any]) -> str:
         f"One training step (forward, backward, AdamW) per variant, eager and through torch.compile "
         f"({results['backend']}); medians of up to {results['repeats']} steps, variants timed in alternation (a "
         f"variant leaves the rotation after {results['budget_s']:.0f} s of timed steps). 16-bit variants: "
-        f"{results['dtype'].removeprefix('torch.')}, native kernels but float32 compute's; ampkit edited denies "
+        f"{results['dtype'].removeprefix('torch.')}, native kernels except float32 compute's; ampkit edited denies "
         "GELU and softmax and allows layer norm. First step: the compiled variant's first training step (its "
-        "compile).",
+        "compile; a graph another variant compiled before is reused). Graphs: dynamo's graphs of the variant, one "
+        "for the no-grad forward of the value check and one for training.",
     ]
     for name, model in results["models"].items():
         rows += ["", f"**{name}**: {model['description']}.", "",
