@@ -388,3 +388,13 @@ def test_compare_compile_both_reports_the_compile_apart_beside_the_eager_runs(tm
         assert runs[eager]["compile_s"] is None
         assert runs[compiled]["compile_s"] > 0.5  # the compile: an eager first step of this MLP takes ~0.05 s
         torch.testing.assert_close(runs[compiled]["losses"], runs[eager]["losses"], atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.slow  # one inductor compile of a small MLP
+def test_the_estimate_counts_a_compile_for_each_compiled_run() -> None:
+    from ampkit.experiment.cost import estimate
+    from ampkit.experiment.settings import plan
+
+    cost = estimate(plan(model="mlp", precisions=["fp32"], steps=3, compile="both"))
+    assert cost.compile_s > 0
+    assert cost.run_s[1] == pytest.approx(cost.run_s[0] + cost.compile_s)  # the same run, compiled

@@ -85,39 +85,13 @@ else:
     TorchDispatchMode = _dispatch.TorchDispatchMode
 
 __all__ = [
-    "TorchDispatchMode",
-    "disable_current_modes",
-    "pytree",
-    "aten_op_names",
-    "autocast_key",
-    "excluding_key",
-    "is_mutable",
-    "checkpoint_entry_points",
-    "replace_checkpoint_entry_points",
-    "forward_used_autocast",
-    "saved_tensors_hooks_now",
-    "forward_class",
-    "gelu_saved",
-    "fused_sdp_choice",
-    "flash_attention_cpu",
-    "flash_attention_cpu_backward",
-    "scaled_mm",
-    "has_scaled_mm",
-    "require",
-    "DISPATCHER_KERNELS",
-    "amp_unscale_",
-    "OpOverload",
-    "foreach_copy_",
-    "foreach_norm",
-    "flatten_dense_tensors",
-    "unflatten_dense_tensors",
-    "NORM_BASE",
-    "CustomGraphPass",
-    "add_inductor_key_pass",
-    "compiled_original",
-    "skip_as_frame",
-    "missing",
-    "TorchVersionWarning",
+    "TorchDispatchMode", "disable_current_modes", "pytree", "aten_op_names", "autocast_key", "excluding_key",
+    "is_mutable", "checkpoint_entry_points", "replace_checkpoint_entry_points", "forward_used_autocast",
+    "saved_tensors_hooks_now", "forward_class", "gelu_saved", "fused_sdp_choice", "flash_attention_cpu",
+    "flash_attention_cpu_backward", "scaled_mm", "has_scaled_mm", "require", "DISPATCHER_KERNELS", "amp_unscale_",
+    "OpOverload", "foreach_copy_", "foreach_norm", "flatten_dense_tensors", "unflatten_dense_tensors", "NORM_BASE",
+    "CustomGraphPass", "add_inductor_key_pass", "compiled_original", "skip_as_frame", "missing",
+    "TorchVersionWarning"
 ]
 
 
@@ -328,26 +302,20 @@ NORM_BASE: Any = getattr(nn.modules.batchnorm, "_NormBase", None) or (
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
-# inductor's custom graph pass base (``torch._inductor.custom_graph_pass.CustomGraphPass``, 2.6-2.13): its
-# ``uuid()`` enters inductor's and AOTAutograd's cache keys, which is how compiled graphs are keyed by policy.
-_graph_pass = _module("torch._inductor.custom_graph_pass")
-CustomGraphPass: Any = getattr(_graph_pass, "CustomGraphPass", object)
+# inductor's custom pass base (``torch._inductor.custom_graph_pass.CustomGraphPass``, 2.6-2.13): its ``uuid()``
+# enters inductor's and AOTAutograd's cache keys, which is how compiled graphs are keyed by policy.
+CustomGraphPass: Any = getattr(_module("torch._inductor.custom_graph_pass"), "CustomGraphPass", object)
 
 
 def add_inductor_key_pass(key_pass: Any) -> None:
-    """Put ``key_pass`` among ``torch._inductor.config.post_grad_custom_pre_pass`` (a list there since 2.6),
-    beside any pass the user set, once. Where this torch lacks the custom pass machinery, turn off
-    AOTAutograd's and inductor's FX graph caches instead (said once): slower compiles, never a graph of
-    another policy."""
+    """Add ``key_pass`` to ``torch._inductor.config.post_grad_custom_pre_pass`` beside any pass the user set, once.
+    Missing: AOTAutograd's and inductor's on-disk graph caches are turned off instead (said once)."""
     config: Any = _module("torch._inductor.config")
-    if CustomGraphPass is object or config is None or not hasattr(config, "post_grad_custom_pre_pass"):
-        _fallback("torch._inductor.custom_graph_pass.CustomGraphPass", "the on-disk caches of compiled graphs "
-                  "are turned off while ampkit policies compile (they could not tell two policies apart)")
-        functorch: Any = _module("torch._functorch.config")
-        if functorch is not None:
-            functorch.enable_autograd_cache = False
-        if config is not None:
-            config.fx_graph_cache = False
+    if CustomGraphPass is object or not hasattr(config, "post_grad_custom_pre_pass"):
+        _fallback("torch._inductor.custom_graph_pass.CustomGraphPass", "the on-disk caches of compiled graphs are "
+                  "turned off (they could not tell two ampkit policies apart)")
+        for name, flag in (("torch._functorch.config", "enable_autograd_cache"), ("torch._inductor.config", "fx_graph_cache")):
+            setattr(_module(name) or types.SimpleNamespace(), flag, False)
         return
     current = config.post_grad_custom_pre_pass
     passes = list(current) if isinstance(current, (list, tuple)) else [] if current is None else [current]
@@ -356,22 +324,20 @@ def add_inductor_key_pass(key_pass: Any) -> None:
 
 
 def compiled_original(module: nn.Module) -> nn.Module:
-    """The module a ``torch.compile(module)`` wrapper holds (``OptimizedModule._orig_mod``, 2.0-2.13), else
-    ``module`` itself: module names are taken relative to the model, not to its compiled wrapper."""
-    eval_frame = _module("torch._dynamo.eval_frame")
-    wrapper = getattr(eval_frame, "OptimizedModule", None)
-    return getattr(module, "_orig_mod", module) if wrapper is not None and isinstance(module, wrapper) else module
+    """The module a ``torch.compile(module)`` wrapper holds (``OptimizedModule._orig_mod``, 2.0-2.13), else ``module``."""
+    wrapper = getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", ())
+    return module._orig_mod if isinstance(module, wrapper) else module  # type: ignore[return-value]
 
 
 def skip_as_frame(fn: Callable[..., Any]) -> None:
-    """Never compile ``fn`` as a frame of its own, yet inline it where dynamo traces a caller
-    (``torch._dynamo.eval_frame.skip_code``, 2.4-2.13; ``torch._dynamo.skip`` would make callers graph-break).
-    Missing: dynamo may compile it on its own (recompiles up to its limit, then eager: slower, never wrong)."""
+    """Never compile ``fn`` as a frame of its own, yet inline it where dynamo traces a caller (``torch._dynamo.
+    eval_frame.skip_code``, 2.4-2.13; ``torch._dynamo.skip`` would make callers break). Missing: dynamo may
+    compile it alone (recompiles to its limit, then eager: slower, never wrong)."""
     skip_code = getattr(_module("torch._dynamo.eval_frame"), "skip_code", None)
     if skip_code is None:
         _fallback("torch._dynamo.eval_frame.skip_code", "dynamo may compile ampkit's policy guard on its own")
-        return
-    skip_code(fn.__code__)
+    else:
+        skip_code(fn.__code__)
 
 
 _NEEDED: dict[str, Callable[[], object]] = {
@@ -397,8 +363,8 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "torch._utils._flatten_dense_tensors": lambda: __import__("torch._utils")._utils._flatten_dense_tensors,
     "nn.modules.batchnorm._NormBase": lambda: nn.modules.batchnorm._NormBase,
     "torch._inductor.custom_graph_pass.CustomGraphPass": lambda: None if CustomGraphPass is object else CustomGraphPass,
-    "torch._inductor.config.post_grad_custom_pre_pass":
-        lambda: hasattr(_module("torch._inductor.config"), "post_grad_custom_pre_pass") or None,
+    "torch._inductor.config.post_grad_custom_pre_pass": lambda: hasattr(_module("torch._inductor.config"),
+                                                                        "post_grad_custom_pre_pass") or None,
     "torch._dynamo.eval_frame.OptimizedModule": lambda: getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", None),
     "torch._dynamo.eval_frame.skip_code": lambda: getattr(_module("torch._dynamo.eval_frame"), "skip_code", None),
 }

@@ -7,7 +7,7 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,8 @@ class Estimate:
         run_s: per configuration, in plan order: its training steps and evaluation.
         native_speedup: per mixed precision, float32's time over native 16-bit's for
             this model's GEMMs (measured kernel speeds weighted by the model's FLOPs).
+        compile_s: where runs are compiled, the float32 model's first compiled step here, less a step:
+            what each compiled run is estimated to spend compiling (0 without compiled runs).
     """
 
     float32_step_s: float
@@ -47,6 +49,7 @@ class Estimate:
     startup_s: float
     run_s: list[float]
     native_speedup: dict[str, float]
+    compile_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -80,11 +83,11 @@ def estimate(configs: list[RunConfig]) -> Estimate:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def step() -> tuple[float, float]:
+    def step(forward: Callable[[torch.Tensor], torch.Tensor] = model) -> tuple[float, float]:
         """One training step; returns its time and its forward's."""
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        logits = check_output(first.model, model(x), dataset.num_classes, tuple(y.shape))
+        logits = check_output(first.model, forward(x), dataset.num_classes, tuple(y.shape))
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         sync()
         forward_s = time.perf_counter() - t0
@@ -107,6 +110,14 @@ def estimate(configs: list[RunConfig]) -> Estimate:
         raise ValueError(f"The model from {first.model!r} failed on a batch of {first.data} (inputs "
                          f"{tuple(x.shape)}, {x.dtype}): {type(error).__name__}: {error}{hint}") from error
     step_s, forward_s = (statistics.median(times) for times in zip(*timed))
+    compile_s = 0.0
+    if any(c.compiled for c in configs):  # one compile of the float32 model, as the compiled runs will do theirs
+        try:
+            compile_s = max(step(torch.compile(model))[0] - step_s, 0.0)
+        except Exception as error:  # dynamo's and inductor's errors: one line, before any run starts
+            raise ValueError(f"torch.compile failed on the model from {first.model!r}: {type(error).__name__}: "
+                             f"{str(error).splitlines()[0] if str(error) else ''}; run without --compile, or "
+                             "make the model compile (torch._dynamo.explain(model)(x) lists its graph breaks).") from error
     share: dict[str, float] = {}  # op class -> its part of the step's GEMM arithmetic
     for op, count in flops.get_flop_counts()["Global"].items():
         name = "conv" if "convolution" in str(op) else "matmul"
@@ -130,10 +141,10 @@ def estimate(configs: list[RunConfig]) -> Estimate:
         factor = 1.0
         if config.precision != "fp32":
             factor = time_factor(config.precision, [c for c in GEMM_OPS if c not in config.float32_compute])
-        train = config.steps * step_s * factor
+        train = config.steps * step_s * factor + (compile_s if config.compiled else 0.0)
         evaluation = 0.0 if config.probe else (n_eval / config.batch_size + PRECISE_BN_BATCHES) * forward_s * factor
         runs.append(train + evaluation)
-    return Estimate(step_s, forward_s, startup, runs, speedups)
+    return Estimate(step_s, forward_s, startup, runs, speedups, compile_s)
 
 
 def _process_age_s() -> float:
