@@ -194,3 +194,30 @@ def test_compare_runs_each_mixed_setting_with_and_without_a_plan_and_the_losses_
         planned = execute(RunConfig(**common, activation_budget="0.5"))
     assert planned.losses == plain.losses  # bit-identical training
     assert planned.saved_for_backward_bytes <= 0.5 * plain.saved_for_backward_bytes
+
+
+def test_the_compare_table_gives_each_planned_run_against_the_same_setting_without_its_plan() -> None:
+    from rich.console import Console
+
+    from ampkit.experiment import comparison, report
+    from ampkit.experiment.config import RunResult
+    from ampkit.experiment.settings import plan
+    from ampkit.hardware.advice import machine_summary
+
+    configs = plan(model="gpt", precisions=["bf16"], opt_levels=["O1"], steps=2, activation_budgets=["0.5"],
+                   computes=["native"], probe=False)
+    figures = {"fp32": (100.0, 400, 80), "bf16 O1": (50.0, 200, 40), "bf16 O1 recompute-0.5": (60.0, 150, 20)}
+    runs = [RunResult(label=c.label, precision=c.precision, opt_level=c.opt_level, float32_compute=[], probe=False,
+                      ms_per_step=figures[c.label][0], samples_per_s=1.0, peak_memory_bytes=figures[c.label][1],
+                      saved_for_backward_bytes=figures[c.label][2], final_train_loss=1.0, test_accuracy=0.5,
+                      skipped_steps=0, final_loss_scale=None, steps=2, losses=[1.0, 1.0], wall_s=0.1)
+            for c in configs]
+    result = comparison.Comparison(runs, comparison._shared_config(configs), machine_summary("cpu"), "2026-12-01")
+    record = {run["label"]: run for run in result.to_dict()["runs"]}
+    assert record["bf16 O1 recompute-0.5"]["ratio_to_unplanned"] == {
+        "ms_per_step": 1.2, "peak_memory_bytes": 0.75, "saved_for_backward_bytes": 0.5}
+    assert "ratio_to_unplanned" not in record["bf16 O1"]
+    console = Console(width=100, record=True)
+    console.print(report.table(result))
+    text = console.export_text()
+    assert "(1.20x)" in text and "(0.75x)" in text and "(0.50x)" in text and "without its plan" in text

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +31,9 @@ RATIO_FIELDS = {
     "test_accuracy": False,
 }
 
+
+# What a recompute plan changes, compared against the same setting without the plan.
+PLAN_FIELDS = ("ms_per_step", "peak_memory_bytes", "saved_for_backward_bytes")
 
 Progress = Callable[[str, int, int, float], None]
 
@@ -56,11 +60,26 @@ class Comparison:
             return None
         return value / base
 
+    def unplanned(self, run: RunResult) -> RunResult | None:
+        """The same setting without ``run``'s recompute plan (None for a run without a plan, or if absent)."""
+        if " recompute-" not in run.label:
+            return None
+        label = re.sub(r" recompute-\S+", "", run.label)
+        return next((other for other in self.runs if other.label == label), None)
+
+    def plan_ratio(self, run: RunResult, field: str) -> float | None:
+        """A planned run's figure over the same setting's without the plan (None where either is missing)."""
+        base = self.unplanned(run)
+        value, reference = getattr(run, field), getattr(base, field) if base is not None else None
+        return value / reference if value is not None and reference else None
+
     def to_dict(self) -> dict[str, Any]:
         runs = []
         for run in self.runs:
             entry = dataclasses.asdict(run)
             entry["ratio_to_fp32"] = {field: self.ratio(run, field) for field in RATIO_FIELDS}
+            if self.unplanned(run) is not None:
+                entry["ratio_to_unplanned"] = {field: self.plan_ratio(run, field) for field in PLAN_FIELDS}
             runs.append(entry)
         record = {
             "version": 2, "created": self.created, "machine": self.machine, "config": self.config,

@@ -10,7 +10,8 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
-from ampkit.experiment.comparison import Comparison
+from ampkit.experiment.comparison import PLAN_FIELDS, Comparison
+from ampkit.experiment.config import RunResult
 from ampkit.files import publish_new
 
 MIB = 2**20
@@ -42,6 +43,8 @@ def table(comparison: Comparison) -> Table:
         caption += "; fp32-compute: GEMMs and convolutions computed in float32 on 16-bit values"
     if any(run.probe for run in comparison.runs):
         caption += "; probe: a few steps, timed only"
+    if any(comparison.unplanned(run) is not None for run in comparison.runs):
+        caption += "; (Nx): a recompute run's figure over the same setting's without its plan"
     compiled = any(run.compile_s is not None for run in comparison.runs)
     if compiled:
         caption += "; compiled: torch.compile (inductor); +N s: its first step, which compiles, not in ms/step"
@@ -56,7 +59,12 @@ def table(comparison: Comparison) -> Table:
         else:
             out.add_column(header, justify="right")
     for run in comparison.runs:
-        r = lambda field: _ratio(comparison.ratio(run, field)) if run is not comparison.baseline else ""  # noqa: E731
+        def r(field: str, run: RunResult = run) -> str:
+            """The figure's ratio to float32 below it, and a planned run's to its unplanned setting below that."""
+            text = _ratio(comparison.ratio(run, field)) if run is not comparison.baseline else ""
+            planned = comparison.plan_ratio(run, field) if field in PLAN_FIELDS else None
+            return text + (f"\n({planned:.2f}x)" if planned is not None else "")
+
         row = [
             run.label.replace(" fp32-", "\nfp32-").replace(" native", "\nnative")  # narrow: wraps at the mode
             .replace(" compiled", "\ncompiled"),
