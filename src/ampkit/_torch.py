@@ -314,7 +314,8 @@ def add_inductor_key_pass(key_pass: Any) -> None:
     if CustomGraphPass is object or not hasattr(config, "post_grad_custom_pre_pass"):
         _fallback("torch._inductor.custom_graph_pass.CustomGraphPass", "the on-disk caches of compiled graphs are "
                   "turned off (they could not tell two ampkit policies apart)")
-        for name, flag in (("torch._functorch.config", "enable_autograd_cache"), ("torch._inductor.config", "fx_graph_cache")):
+        for name, flag in (("torch._functorch.config", "enable_autograd_cache"),
+                           ("torch._inductor.config", "fx_graph_cache")):
             setattr(_module(name) or types.SimpleNamespace(), flag, False)
         return
     current = config.post_grad_custom_pre_pass
@@ -324,7 +325,8 @@ def add_inductor_key_pass(key_pass: Any) -> None:
 
 
 def compiled_original(module: nn.Module) -> nn.Module:
-    """The module a ``torch.compile(module)`` wrapper holds (``OptimizedModule._orig_mod``, 2.0-2.13), else ``module``."""
+    """The module a ``torch.compile(module)`` wrapper holds (``OptimizedModule._orig_mod``, 2.0-2.13), else
+    ``module`` itself: module names are the model's own."""
     wrapper = getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", ())
     return module._orig_mod if isinstance(module, wrapper) else module  # type: ignore[return-value]
 
@@ -365,7 +367,8 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "torch._inductor.custom_graph_pass.CustomGraphPass": lambda: None if CustomGraphPass is object else CustomGraphPass,
     "torch._inductor.config.post_grad_custom_pre_pass": lambda: hasattr(_module("torch._inductor.config"),
                                                                         "post_grad_custom_pre_pass") or None,
-    "torch._dynamo.eval_frame.OptimizedModule": lambda: getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", None),
+    "torch._dynamo.eval_frame.OptimizedModule":
+        lambda: getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", None),
     "torch._dynamo.eval_frame.skip_code": lambda: getattr(_module("torch._dynamo.eval_frame"), "skip_code", None),
 }
 

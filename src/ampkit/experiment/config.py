@@ -91,10 +91,9 @@ class RunConfig:
 
     @property
     def label(self) -> str:
-        """``fp32``, ``bf16 O1``; ``bf16 O1 fp32-compute`` where GEMMs compute in float32 (``... compiled``
-        through torch.compile);
+        """``fp32``, ``bf16 O1``; ``bf16 O1 fp32-compute`` where GEMMs compute in float32;
         ``bf16 O1 native probe`` for a probe; the fp8 settings name their recipe
-        (``fp8-delayed-hybrid O1``)."""
+        (``fp8-delayed-hybrid O1``); ``... compiled`` for a run through torch.compile."""
         if self.precision == "fp32":
             return "fp32" + (" compiled" if self.compiled else "")
         recipe = FP8_RECIPES.get(self.precision)

@@ -47,7 +47,7 @@ def name_modules(root: nn.Module) -> None:
             _module_names[sub] = name
 
 
-@torch.compiler.disable  # a graph break per module call while an override region is open (docs/policies.md)
+@torch.compiler.disable  # compiled code breaks its graph here while an override region is open (docs/compile.md)
 def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
     top = state.stack[-1] if state.stack else None
     if top is None or top.policy is None or not top.policy.overrides:

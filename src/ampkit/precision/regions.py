@@ -60,7 +60,9 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         once per process); they stay, and do what torch.autocast does in threads
         without an ampkit region. ``"auto"`` compute reads ``ampkit.measure()``,
         which times this machine's kernels for about a second the first time it
-        ever runs here (then it is cached on disk).
+        ever runs here (then it is cached on disk). Compiled code called inside a
+        region traces the policy into its graph and runs only under that policy
+        (docs/compile.md).
     """
 
     def __init__(self, policy: Policy | None = None, *, enabled: bool = True) -> None:
