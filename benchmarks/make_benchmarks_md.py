@@ -261,8 +261,9 @@ def recompute_table(results: dict[str, Any]) -> str:
         f"`python benchmarks/bench_recompute.py`, {results['created']}, on {machine_line(results['machine'])}; "
         f"one training step (forward, backward, AdamW), medians, settings timed in alternation; batches: "
         + "; ".join(f"{model} {what}" for model, what in results["batches"].items()) + ". Saved-for-backward is "
-        "measured on the planned model; `(floor)`: the budget was below what a block plan reaches, so the plan "
-        "is at the smallest feasible budget the planner named.",
+        "measured on the planned model; segments: the number recomputed, `whole model` where the plan recomputes "
+        "the model as one segment (below what any plan of its blocks reaches); `(floor)`: a budget below every "
+        "plan's reach, planned at the smallest feasible budget the planner named.",
         "",
         "| model | setting | step ms | vs bf16 O1 | saved for backward MiB | vs bf16 O1 | budget MiB | segments |",
         "|---|---|---|---|---|---|---|---|",
@@ -270,7 +271,7 @@ def recompute_table(results: dict[str, Any]) -> str:
     for model, settings in results["models"].items():
         for label, row in settings.items():
             budget = f"{row['budget_bytes'] / 2**20:.2f}" if "budget_bytes" in row else ""
-            segments = len(row.get("segments", []))
+            segments = "whole model" if row.get("segments") == [[""]] else len(row.get("segments", []))
             rows.append(f"| {model} | {label} | {row['step_ms']:.1f} | {row['step_vs_bf16']:.2f}x | "
                         f"{row['saved_bytes'] / 2**20:.2f} | {row['saved_vs_bf16']:.2f}x | {budget} | "
                         f"{segments if 'segments' in row else ''} |")

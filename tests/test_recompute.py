@@ -87,6 +87,28 @@ def test_resnet_batch_norm_statistics_are_the_unplanned_ones() -> None:
         assert torch.equal(a, b), name  # measured three times and recomputed once: still one update
 
 
+@pytest.mark.parametrize("name, budget", [("gpt", 0.2), ("resnet18", 0.25)])
+def test_below_the_blocks_reach_the_whole_model_is_one_segment(name: str, budget: float) -> None:
+    """Below what any plan of blocks reaches (the stem and head outside the blocks save the rest: ResNet-18's
+    block floor was 0.42x), the whole model recomputed as one segment keeps only its inputs."""
+    if name == "gpt":
+        model, x = _gpt()
+    else:
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, _ = ampkit.initialize(ResNet18(), None, "O1", torch.bfloat16, compute="native")
+        x = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(2))
+    for strategy in ("blocks", "sqrt"):
+        with pytest.raises(ValueError, match="smallest feasible budget"):
+            plan_recompute(model, x, budget, _loss, strategy=strategy)
+    plan, (loss, saved, grads), (loss0, saved0, grads0), planned, plain = _planned_and_plain(model, x, budget)
+    assert plan.segments == (("",),) and saved == plan.planned_bytes <= plan.budget_bytes
+    assert torch.equal(loss, loss0) and all(torch.equal(a, b) for a, b in zip(grads, grads0))
+    for (buffer, a), (_, b) in zip(planned.named_buffers(), plain.named_buffers()):
+        assert torch.equal(a, b), buffer
+
+
 @pytest.mark.parametrize("budget, message", [
     (0, "budget=0 is invalid"), (-5, "budget=-5 is invalid"), (math.nan, "budget=nan is invalid"),
     (1.5, "budget=1.5 is a fraction above 1"), (True, "budget=True is invalid"), ("lots", "budget='lots' is unreadable"),

@@ -10,7 +10,9 @@ storages: a storage is freed when every op that saved it is inside a recomputed 
 block keeps its inputs instead.
 
 Strategies: ``"auto"`` (the planner: blocks by bytes freed per millisecond of recompute, neighbours merged
-into longer segments where the budget asks for it, the unneeded ones dropped again), ``"blocks"`` (every block, the usual ``gradient_checkpointing``) and
+into longer segments where the budget asks for it, the unneeded ones dropped again; where no plan of blocks
+fits, the whole model as one segment, which keeps only its inputs: Chen's one extra forward, reaching below
+what the stem and head outside the blocks save), ``"blocks"`` (every block, the usual ``gradient_checkpointing``) and
 ``"sqrt"`` (Chen's: about sqrt(n) segments of consecutive blocks per nn.Sequential, each recomputed as one
 and keeping only its first input). ``plan.apply(model)`` installs the plan with torch.utils.checkpoint
 (non-reentrant), which ampkit makes recompute under the forward's policy and compute mode; batch norms
@@ -40,6 +42,8 @@ from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 
 STRATEGIES = ("auto", "blocks", "sqrt")
+WHOLE = ""  # the whole model as a segment: its name in named_modules()
+_OUTSIDE = "(outside the model)"  # what the loss saves: no plan reaches it
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -71,9 +75,9 @@ class RecomputePlan:
         planned_bytes: saved-for-backward with the plan (predicted; ``saved_bytes_of_step`` measures it:
             torch's checkpoint saves each segment's inputs through autograd's saved-tensor hooks).
         segments: the recomputed units, each a tuple of consecutive block names (one block each, but
-            for ``"sqrt"``).
+            for ``"sqrt"``); ``(("",),)`` is the whole model.
         extra_ms: the predicted recompute time per step (the segments' forward times).
-        blocks: every candidate block, measured.
+        blocks: every candidate block, measured, and the whole model (name ``""``).
     """
 
     strategy: str
@@ -211,8 +215,10 @@ class _Measured:
 
     def predict(self, segments: list[tuple[str, ...]] | tuple[tuple[str, ...], ...]) -> int:
         """Saved-for-backward bytes with ``segments`` recomputed: what only their ops saved is freed, and each
-        segment keeps its first block's inputs."""
+        segment keeps its first block's inputs. The whole model holds every block."""
         inside = {name for segment in segments for name in segment}
+        if WHOLE in inside:
+            inside |= set(self.order)
         kept = {ptr: n for ptr, n in self.sizes.items() if not (self.savers[ptr] <= inside)}
         for segment in segments:
             kept.update(self.inputs.get(segment[0], {}))
@@ -236,7 +242,7 @@ def _measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torc
         storage = t.untyped_storage()
         if storage.data_ptr() not in params and not is_weight_copy(t):
             sizes[storage.data_ptr()] = storage.nbytes()
-            savers.setdefault(storage.data_ptr(), set()).add(active[-1] if active else "")
+            savers.setdefault(storage.data_ptr(), set()).add(active[-1] if active else _OUTSIDE)
         return t
 
     def before(name: str) -> Callable[..., None]:
@@ -255,8 +261,10 @@ def _measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torc
             active.pop()
         return hook
 
-    handles = [h for name, m in chosen for h in (m.register_forward_pre_hook(before(name)),
-                                                   m.register_forward_hook(after(name)))]
+    candidates = [(WHOLE, model), *chosen]  # the model's own ops, outside every block, save as ""
+    times[WHOLE] = []
+    handles = [h for name, m in candidates for h in (m.register_forward_pre_hook(before(name)),
+                                                      m.register_forward_hook(after(name)))]
     region = autocast(policy) if policy is not None else contextlib.nullcontext()
     # Measuring is not training: buffers (batch-norm statistics, FP8 amax histories), the random
     # generators (dropout, stochastic rounding) are put back as they were.
@@ -284,7 +292,7 @@ def _measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torc
     for ptr in weights:
         sizes.pop(ptr, None)
     costs = [BlockCost(name, sum(sizes[p] for p in sizes if name in savers[p]), sum(inputs.get(name, {}).values()),
-                       statistics.median(times[name]) if times[name] else 0.0) for name, _ in chosen]
+                       statistics.median(times[name]) if times[name] else 0.0) for name, _ in candidates]
     return _Measured(sizes, savers, inputs, costs, [name for name, _ in chosen])
 
 
@@ -329,6 +337,9 @@ def _knapsack(measured: _Measured, budget: int, model: nn.Module) -> list[tuple[
         rest = [s for s in chosen if s != segment]
         if measured.predict(rest) <= budget:
             chosen = rest
+    whole: list[tuple[str, ...]] = [(WHOLE,)]
+    if measured.predict(chosen) > budget and measured.predict(whole) < measured.predict(chosen):
+        return whole  # below the blocks' reach: one extra forward of everything, keeping only the inputs
     return chosen
 
 
