@@ -113,6 +113,18 @@ def test_peak_memory_counts_what_training_adds_not_torch_itself(device: str) -> 
     del held
 
 
+def test_the_estimate_costs_each_mixed_run_at_its_own_setting_s_step(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Every run was costed at float32's step (or the kernels' throughput): a block-scaled GPT comparison said
+    72 s and took 618 s. Each setting's own step is timed now (here replaced by known times)."""
+    configs = settings.plan(model="mlp", precisions=["bf16"], opt_levels=["O1", "O2"],
+                            steps=4, batch_size=8, probe=False)
+    steps = {"bf16 O1 auto plain": 0.1, "bf16 O2 auto plain": 0.7}
+    monkeypatch.setattr(cost, "_setting_step", lambda c, *args: steps[cost._setting(c)])
+    estimate = cost.estimate(configs)
+    assert estimate.setting_step_s == steps
+    assert estimate.run_s[2] == pytest.approx(7 * estimate.run_s[1])  # the same steps and evaluation, 7x the step
+
+
 def test_estimate_scales_a_measured_float32_step(fake_machine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     fake_machine({"matmul": 0.05, "conv": 0.05})
     monkeypatch.setattr(cost, "_process_age_s", lambda: 3.0)  # this test process's import time, say
@@ -126,8 +138,9 @@ def test_estimate_scales_a_measured_float32_step(fake_machine, monkeypatch) -> N
     assert estimate.native_speedup == {"bf16": pytest.approx(0.05)}
     fp32, probe = estimate.run_s[0], estimate.run_s[-1]
     assert estimate.total_s == pytest.approx(estimate.startup_s + sum(estimate.run_s))
-    # the probe: its native steps at 1/0.05 = 20x float32's time each, no evaluation
-    assert probe == pytest.approx(settings.PROBE_STEPS * 20 * estimate.float32_step_s)
+    # the probe: its own native steps, timed here (not the 20x the measured kernels predict), no evaluation
+    assert set(estimate.setting_step_s) == {"bf16 O1 auto plain", "bf16 O2 auto plain", "bf16 O1 native plain"}
+    assert probe == pytest.approx(settings.PROBE_STEPS * estimate.setting_step_s["bf16 O1 native plain"])
     # its 4 steps, then evaluation: the test set (360 digits, batch 8) and precise BN's batches, each a timed forward
     assert 0 < estimate.float32_forward_s < estimate.float32_step_s
     evaluation = (360 / 8 + config.PRECISE_BN_BATCHES) * estimate.float32_forward_s

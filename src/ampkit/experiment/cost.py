@@ -25,6 +25,7 @@ from ampkit.float32_compute.decide import GEMM_OPS
 from ampkit.hardware import throughput
 
 ESTIMATE_STEPS = 3  # float32 steps the plan times (after a warm-up step): a median, as the runs report
+SLOW_SETTING_S = 5.0  # a mixed setting's warm-up step slower than this is its estimate (no second step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,8 @@ class Estimate:
             this model's GEMMs (measured kernel speeds weighted by the model's FLOPs).
         compile_s: where runs are compiled, the float32 model's first compiled step here, less a step:
             what each compiled run is estimated to spend compiling (0 without compiled runs).
+        setting_step_s: per mixed setting (precision, opt level, compute, update), a training step of
+            its own model timed here (after a warm-up step); its runs are costed at it.
     """
 
     float32_step_s: float
@@ -50,6 +53,7 @@ class Estimate:
     run_s: list[float]
     native_speedup: dict[str, float]
     compile_s: float = 0.0
+    setting_step_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
@@ -58,10 +62,8 @@ class Estimate:
 
 def estimate(configs: list[RunConfig]) -> Estimate:
     """Estimate the wall time of ``compare(configs)``: time float32 training steps of
-    the model in this process (after one warm-up step), then scale by steps, evaluation,
-    start-up and the measured speed of native 16-bit kernels where a run uses them.
-
-    Runs that compute GEMMs in float32 are estimated at float32's step time.
+    the model in this process (after one warm-up step) and one step of each mixed setting's own
+    model, then scale by steps, evaluation (at the same ratio to float32) and start-up.
     """
     # What each run repeats before its set-up: starting Python, importing torch and ampkit. This process's
     # CPU time so far, at most its age (a long-lived notebook has spent its age on other things).
@@ -134,17 +136,43 @@ def estimate(configs: list[RunConfig]) -> Estimate:
 
     precisions = sorted({c.precision for c in configs if c.precision != "fp32"})
     speedups = {p: 1 / time_factor(p, list(GEMM_OPS)) for p in precisions}
+    distinct = {_setting(c): c for c in reversed(configs) if c.precision != "fp32"}  # the first of each setting
+    setting_s = {key: _setting_step(c, dataset, device, x, y, sync) for key, c in reversed(distinct.items())}
     startup = import_s * max(1.0, len(configs) / (os.cpu_count() or 1))
     n_eval = len(dataset.test_y) if dataset.kind == "image" else 64
     runs = []
     for config in configs:
-        factor = 1.0
-        if config.precision != "fp32":
-            factor = time_factor(config.precision, [c for c in GEMM_OPS if c not in config.float32_compute])
+        factor = 1.0 if config.precision == "fp32" else setting_s[_setting(config)] / step_s
         train = config.steps * step_s * factor + (compile_s if config.compiled else 0.0)
         evaluation = 0.0 if config.probe else (n_eval / config.batch_size + PRECISE_BN_BATCHES) * forward_s * factor
         runs.append(train + evaluation)
-    return Estimate(step_s, forward_s, startup, runs, speedups, compile_s)
+    return Estimate(step_s, forward_s, startup, runs, speedups, compile_s, setting_s)
+
+
+def _setting(config: RunConfig) -> str:
+    """What sets a run's step time apart: its precision, opt level, compute mode and O3 update."""
+    return f"{config.precision} {config.opt_level} {config.compute} {config.update}"
+
+
+def _setting_step(config: RunConfig, dataset: data_mod.Dataset, device: torch.device, x: torch.Tensor,
+                  y: torch.Tensor, sync: Callable[[], None]) -> float:
+    """One training step of ``config``'s own model (lr 0) after a warm-up step; a warm-up slower than
+    ``SLOW_SETTING_S`` (native 16-bit kernels emulated in software) is taken as the step."""
+    from ampkit.experiment.training import prepare  # training imports the models and formats: only here
+
+    model, optimizer = prepare(config, dataset, device, lr=0.0)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(x)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)).backward()
+        optimizer.step()
+        sync()
+        return time.perf_counter() - t0
+
+    first = step()
+    return first if first > SLOW_SETTING_S else step()
 
 
 def _process_age_s() -> float:

@@ -59,20 +59,7 @@ def execute(
     device = torch.device(config.device)
     dataset = data_mod.load(config.data)
     baseline = memory_baseline(device)
-    torch.manual_seed(config.seed)
-    model = build(config.model, **dataset.model_kwargs(CONTEXT)).to(device)
-    # AdamW's update is unchanged when its gradients and eps shrink by one factor (up to float32 rounding)
-    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr,
-                                                         eps=1e-8 / config.loss_divisor)
-    dtype = low_dtype(config.precision, device) if config.precision != "fp32" else torch.float32
-    if config.precision in FP8_RECIPES:
-        convert_to_fp8(model, FP8_RECIPES[config.precision])  # before initialize: O2 casts the rest
-    if config.precision in BLOCK_RECIPES:
-        convert_to_block_scaled(model, BLOCK_RECIPES[config.precision], seed=config.seed)
-    if config.precision != "fp32":
-        model, optimizer = initialize(  # type: ignore[assignment]
-            model, optimizer, config.opt_level, dtype, compute=config.compute, update=config.update
-        )
+    model, optimizer = prepare(config, dataset, device)
     scaler = make_scaler(config.scaling, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config.steps))
 
@@ -164,6 +151,26 @@ def execute(
         zero_grad_fraction=statistics.fmean(zeros) if zeros else None,
         compile_s=times[0] if config.compiled and times else None,
     )
+
+
+def prepare(config: RunConfig, dataset: data_mod.Dataset, device: torch.device,
+            lr: float | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The run's model and optimizer, set up in its precision (seeded; FP8 or block-scaled linears, then
+    ``initialize`` at its opt level); ``lr`` overrides the run's (the estimate times steps at 0)."""
+    torch.manual_seed(config.seed)
+    model = build(config.model, **dataset.model_kwargs(CONTEXT)).to(device)
+    # AdamW's update is unchanged when its gradients and eps shrink by one factor (up to float32 rounding)
+    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr if lr is None else lr,
+                                                         eps=1e-8 / config.loss_divisor)
+    if config.precision in FP8_RECIPES:
+        convert_to_fp8(model, FP8_RECIPES[config.precision])  # before initialize: O2 casts the rest
+    if config.precision in BLOCK_RECIPES:
+        convert_to_block_scaled(model, BLOCK_RECIPES[config.precision], seed=config.seed)
+    if config.precision != "fp32":
+        model, optimizer = initialize(  # type: ignore[assignment]
+            model, optimizer, config.opt_level, low_dtype(config.precision, device), compute=config.compute,
+            update=config.update)
+    return model, optimizer
 
 
 def lr_factor(step: int, steps: int) -> float:
