@@ -51,6 +51,9 @@ WORKLOADS = {
                    "--update", "plain", "kahan", "stochastic", "--no-probe"],
     "digits-pure16": ["--precision", "bf16", "--opt-level", "O2", "O3", "--update", "plain", "kahan", "stochastic",
                       "--no-probe"],
+    # torch.compile (issue 23): float32 and bf16 O1, each eager and compiled, in one interleaved comparison.
+    "gpt-compile": ["--model", "gpt", "--precision", "fp32", "bf16", "--opt-level", "O1", "--compile", "both",
+                    "--no-probe"],
 }
 
 

@@ -62,7 +62,8 @@ def compare_table(results: dict[str, Any]) -> str:
         r = (lambda k: "" if first else _x(ratio[k]))  # noqa: E731
         scale = "-" if run["final_loss_scale"] is None else f"{run['final_loss_scale']:g}"
         classes = run.get("float32_compute", [])
-        mode = "float32" if first else ("fp32 on 16-bit: " + ", ".join(classes) if classes else "native")
+        mode = ("float32" if run["precision"] == "fp32" else
+                "fp32 on 16-bit: " + ", ".join(classes) if classes else "native")
         loss = "-" if run["final_train_loss"] is None else f"{run['final_train_loss']:.4f}"
         accuracy = "-" if run["test_accuracy"] is None else f"{100 * run['test_accuracy']:.1f}%"
         rows.append(
@@ -439,6 +440,28 @@ def mxfp8_section(directory: Path) -> str | None:
                       "non-finite values in the record |", "|---|---|---|---|---|---|---|", *rows])
 
 
+# Records made before this were estimated by the earlier method: every run at float32's step (float32-compute
+# runs) or at the measured kernels' throughput (native ones), and no compile.
+ESTIMATE_TIMES_EACH_SETTING = "2026-12-01T14:40"
+
+
+def estimate_section(directory: Path) -> str | None:
+    """The plan's estimate against the time each comparison took, for every compare record."""
+    rows = []
+    for path in sorted(directory.glob("compare-*/results.json")):
+        results = json.loads(path.read_text())
+        if results.get("estimated_s") is None or results.get("wall_s") is None:
+            continue
+        method = "each setting timed" if results["created"] >= ESTIMATE_TIMES_EACH_SETTING else "float32's step"
+        rows.append(f"| {path.parent.name.removeprefix('compare-')} | {results['created'][:16]} | {method} | "
+                    f"{results['estimated_s']:.0f} | {results['wall_s']:.0f} | "
+                    f"{results['wall_s'] / results['estimated_s']:.2f}x |")
+    if not rows:
+        return None
+    return "\n".join(["| record | created | estimate | estimated s | took s | took / estimated |",
+                      "|---|---|---|---|---|---|", *rows])
+
+
 def underflow_section(directory: Path, relative: str) -> str | None:
     """Micikevicius et al.'s claim on the GPT: float16 loss scaling at the workload's own gradient magnitudes
     (compare-gpt-loss-scaling) and at a 16x larger batch's (compare-gpt-underflow, the loss divided by 16)."""
@@ -528,6 +551,14 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
         sections += [f"{level} GPT: bf16 O1 and O2 against float32, per seed", "",
                      "Final train losses (mean of the last 40 of 400 steps) from the compare-gpt records above; "
                      "each seed is its own initialisation and batch order.", "", seeds, ""]
+    estimates = estimate_section(directory)
+    if estimates:
+        sections += [f"{level} `ampkit compare`: the plan's estimate against the time taken", "",
+                     "From each compare record above: the estimate printed before training and the comparison's "
+                     "wall time (`estimated_s`, `wall_s` in results.json). Since "
+                     f"{ESTIMATE_TIMES_EACH_SETTING}, the estimate times one step of each mixed setting's own model "
+                     "and, for compiled runs, one compile of the float32 model; before, every run was costed at "
+                     "float32's step or the kernels' measured throughput.", "", estimates, ""]
     mxfp8 = mxfp8_section(directory)
     if mxfp8:
         sections += [f"{level} GPT: MXFP8's two scale modes against bf16 O1, per seed", "",
