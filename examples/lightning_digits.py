@@ -74,6 +74,10 @@ def main(argv: list[str] | None = None) -> Digits:
         float32_bytes = sum(p.numel() * 4 for p in model.parameters()) * trainer.global_step
         print(f"rank {trainer.global_rank}: all-reduce bytes {precision.hook_state.bytes_sent} "
               f"= {precision.hook_state.bytes_sent / float32_bytes:.3f}x float32's {float32_bytes}")
+    # Tear the process group down before exit: left to the interpreter, a rank could abort there ("terminate
+    # called without an active exception", SIGABRT) after training had finished.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return model
 
 
