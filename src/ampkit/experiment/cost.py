@@ -119,7 +119,7 @@ def estimate(configs: list[RunConfig]) -> Estimate:
         except Exception as error:  # dynamo's and inductor's errors: one line, before any run starts
             raise ValueError(f"torch.compile failed on the model from {first.model!r}: {type(error).__name__}: "
                              f"{str(error).splitlines()[0] if str(error) else ''}; run without --compile, or "
-                             "make the model compile (torch._dynamo.explain(model)(x) lists its graph breaks).") from error
+                             "make the model compile (dynamo's explain lists what breaks its graph).") from error
     share: dict[str, float] = {}  # op class -> its part of the step's GEMM arithmetic
     for op, count in flops.get_flop_counts()["Global"].items():
         name = "conv" if "convolution" in str(op) else "matmul"
