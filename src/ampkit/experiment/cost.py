@@ -86,17 +86,9 @@ def estimate(configs: list[RunConfig]) -> Estimate:
             torch.cuda.synchronize(device)
 
     def step(forward: Callable[[torch.Tensor], torch.Tensor] = model) -> tuple[float, float]:
-        """One training step; returns its time and its forward's."""
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        logits = check_output(first.model, forward(x), dataset.num_classes, tuple(y.shape))
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        sync()
-        forward_s = time.perf_counter() - t0
-        loss.backward()
-        optimizer.step()
-        sync()
-        return time.perf_counter() - t0, forward_s
+        """One float32 training step, its output checked; returns its time and its forward's."""
+        return _timed_step(forward, optimizer, x, y, sync,
+                           lambda out: check_output(first.model, out, dataset.num_classes, tuple(y.shape)))
 
     try:
         with FlopCounterMode(display=False) as flops:
@@ -136,8 +128,11 @@ def estimate(configs: list[RunConfig]) -> Estimate:
 
     precisions = sorted({c.precision for c in configs if c.precision != "fp32"})
     speedups = {p: 1 / time_factor(p, list(GEMM_OPS)) for p in precisions}
-    distinct = {_setting(c): c for c in reversed(configs) if c.precision != "fp32"}  # the first of each setting
-    setting_s = {key: _setting_step(c, dataset, device, x, y, sync) for key, c in reversed(distinct.items())}
+    distinct: dict[str, RunConfig] = {}  # the first run of each mixed setting
+    for config in configs:
+        if config.precision != "fp32":
+            distinct.setdefault(_setting(config), config)
+    setting_s = {key: _setting_step(c, dataset, device, x, y, sync) for key, c in distinct.items()}
     startup = import_s * max(1.0, len(configs) / (os.cpu_count() or 1))
     n_eval = len(dataset.test_y) if dataset.kind == "image" else 64
     runs = []
@@ -161,18 +156,24 @@ def _setting_step(config: RunConfig, dataset: data_mod.Dataset, device: torch.de
     from ampkit.experiment.training import prepare  # training imports the models and formats: only here
 
     model, optimizer = prepare(config, dataset, device, lr=0.0)
+    first = _timed_step(model, optimizer, x, y, sync)[0]
+    return first if first > SLOW_SETTING_S else _timed_step(model, optimizer, x, y, sync)[0]
 
-    def step() -> float:
-        t0 = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(x)
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)).backward()
-        optimizer.step()
-        sync()
-        return time.perf_counter() - t0
 
-    first = step()
-    return first if first > SLOW_SETTING_S else step()
+def _timed_step(forward: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer, x: torch.Tensor,
+                y: torch.Tensor, sync: Callable[[], None],
+                check: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits) -> tuple[float, float]:
+    """One training step (cross-entropy on ``check(forward(x))``); returns its time and its forward's."""
+    t0 = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    logits = check(forward(x))
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+    sync()
+    forward_s = time.perf_counter() - t0
+    loss.backward()
+    optimizer.step()
+    sync()
+    return time.perf_counter() - t0, forward_s
 
 
 def _process_age_s() -> float:
