@@ -17,6 +17,7 @@ from torch import nn
 
 from ampkit.float32_compute.gelu_recompute import passthrough
 from ampkit.float32_compute.weights import is_weight_copy, weight_storages
+from ampkit.planning.selective import observing_kept
 from ampkit.precision.modes import resolve_dtype
 from ampkit.shards import local_shard
 
@@ -28,9 +29,10 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-nomomentum": 0, "adagr
 def saved_bytes_of_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
     """Run ``step`` (forward and loss) and count the activation bytes autograd saves for backward.
 
-    Storages are counted once. Parameters, and the 16-bit copies of parameters
-    that autocast saves, are weights rather than activations and are left out,
-    so the figure is the activation memory of one step, exact on any device.
+    Storages are counted once, and so are the outputs a selectively recomputed block keeps (its
+    checkpoint holds them, not autograd). Parameters, and the 16-bit copies of parameters that
+    autocast saves, are weights rather than activations and are left out, so the figure is the
+    activation memory of one step, exact on any device.
 
     Returns:
         (the loss ``step`` returned, bytes).
@@ -38,14 +40,17 @@ def saved_bytes_of_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> t
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 
-    @passthrough
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def count(t: torch.Tensor) -> None:
         storage = t.untyped_storage()
         if storage.data_ptr() not in params and not is_weight_copy(t):
             seen[storage.data_ptr()] = storage.nbytes()
+
+    @passthrough
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        count(t)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), observing_kept(count):
         loss = step()
         # Read before the step's graph can go: float32-compute ops save aliases of weights.
         weights = weight_storages()

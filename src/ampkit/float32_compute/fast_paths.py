@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from ampkit import _torch
+from ampkit.float32_compute import single_ops
 from ampkit.float32_compute.gelu_recompute import gelu_input
 from ampkit.float32_compute.generic import Upcasts
 from ampkit.precision.modes import LOW_DTYPES, without_autocast
@@ -37,6 +38,8 @@ class _Linear(torch.autograd.Function):
         gelu = gelu_input(x)
         ctx.gelu = None if gelu is None else gelu[1]
         ctx.save_for_backward(x if gelu is None else gelu[0], w)
+        if single_ops.active():
+            return single_ops.linear(x, w, b)
         return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
     @staticmethod
@@ -66,6 +69,8 @@ class _Convolution(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *params: Any) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w)
         ctx.params, ctx.bias_sizes = params, None if b is None else list(b.shape)
+        if single_ops.active():
+            return single_ops.convolution(x, w, b, *params)
         out = torch.ops.aten.convolution(x.float(), w.float(), None if b is None else b.float(), *params)
         return out.to(x.dtype)
 
@@ -91,11 +96,12 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,  # type: ignore[override]
                 scale: float | None) -> torch.Tensor:
-        up = Upcasts()  # q, k and v are often views of one tensor: one conversion
-        out, logsumexp = _torch.flash_attention_cpu(
-            up(q), up(k), up(v), 0.0, is_causal, scale=scale
-        )
-        out = out.to(q.dtype)
+        if single_ops.active():
+            out, logsumexp = single_ops.flash_attention(q, k, v, is_causal, scale)
+        else:
+            up = Upcasts()  # q, k and v are often views of one tensor: one conversion
+            out, logsumexp = _torch.flash_attention_cpu(up(q), up(k), up(v), 0.0, is_causal, scale=scale)
+            out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, logsumexp)
         ctx.is_causal, ctx.scale = is_causal, scale
         return out

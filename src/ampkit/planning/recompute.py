@@ -22,12 +22,9 @@ delayed scales) and keep the ones it left.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import re
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -35,33 +32,13 @@ import torch
 from torch import nn
 
 from ampkit.distributed.units import shard_blocks
-from ampkit.float32_compute.gelu_recompute import passthrough
-from ampkit.float32_compute.weights import is_weight_copy, weight_storages
+from ampkit.planning import selective as selective_recompute
+from ampkit.planning.measure import WHOLE, BlockCost, Measured, measure
 from ampkit.planning.segments import checkpoint_module, checkpoint_run
 from ampkit.precision.policy import Policy
-from ampkit.precision.regions import autocast
 
 STRATEGIES = ("auto", "blocks", "sqrt")
-WHOLE = ""  # the whole model as a segment: its name in named_modules()
-_OUTSIDE = "(outside the model)"  # what the loss saves: no plan reaches it
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockCost:
-    """One block, measured.
-
-    Attributes:
-        name: the block's module name.
-        saved_bytes: bytes its ops save for backward (storages it shares with other savers included).
-        input_bytes: bytes of its tensor inputs (what recomputing it keeps instead).
-        forward_ms: its forward time, the price of recomputing it (median of the repeats).
-    """
-
-    name: str
-    saved_bytes: int
-    input_bytes: int
-    forward_ms: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,8 +53,11 @@ class RecomputePlan:
             torch's checkpoint saves each segment's inputs through autograd's saved-tensor hooks).
         segments: the recomputed units, each a tuple of consecutive block names (one block each, but
             for ``"sqrt"``); ``(("",),)`` is the whole model.
-        extra_ms: the predicted recompute time per step (the segments' forward times).
+        extra_ms: the predicted recompute time per step (the segments' forward times; a selective
+            segment's ``selective_ms``).
         blocks: every candidate block, measured, and the whole model (name ``""``).
+        selective: the one-block segments recomputed selectively, keeping their GEMM and attention
+            outputs (``planning/selective.py``); the others recompute every op.
     """
 
     strategy: str
@@ -87,6 +67,7 @@ class RecomputePlan:
     segments: tuple[tuple[str, ...], ...]
     extra_ms: float
     blocks: tuple[BlockCost, ...]
+    selective: tuple[str, ...] = ()
 
     def apply(self, model: nn.Module) -> None:
         """Install the plan on ``model`` (the model it was made for): each segment runs under
@@ -109,7 +90,7 @@ class RecomputePlan:
                              "with plan_recompute on this model.")
         for segment in self.segments:
             if len(segment) == 1:
-                checkpoint_module(modules[segment[0]])
+                checkpoint_module(modules[segment[0]], selective=segment[0] in self.selective)
             else:
                 checkpoint_run(modules, segment)
         model._ampkit_recompute = self  # type: ignore[assignment]
@@ -150,7 +131,7 @@ def parse_budget(budget: object, unplanned_bytes: int) -> int:
 def plan_recompute(model: nn.Module, sample_inputs: Any, budget: int | float | str,
                    loss_fn: Callable[[Any], torch.Tensor] | None = None, strategy: str = "auto",
                    policy: Policy | None = None, blocks: list[type[nn.Module]] | None = None,
-                   repeats: int = 3) -> RecomputePlan:
+                   repeats: int = 3, selective: bool = True) -> RecomputePlan:
     """Choose what to recompute so that saved-for-backward fits ``budget`` at the least recompute time.
 
     Args:
@@ -162,6 +143,8 @@ def plan_recompute(model: nn.Module, sample_inputs: Any, budget: int | float | s
         policy: run the measurement under this ampkit policy (default: whatever region the call is in).
         blocks: module types to treat as blocks (default: the children of the model's containers).
         repeats: forward passes timed (default 3; the median counts).
+        selective: the planner may recompute a block but for its GEMMs and attention (default; torch 2.13
+            and later). False: whole blocks only. The baselines always recompute whole blocks.
 
     Returns:
         A ``RecomputePlan``; ``plan.apply(model)`` installs it.
@@ -180,167 +163,88 @@ def plan_recompute(model: nn.Module, sample_inputs: Any, budget: int | float | s
         raise ValueError(f"{type(model).__name__} has no blocks to recompute (no nn.Sequential or nn.ModuleList "
                          "children): pass blocks=[YourBlock].")
     parse_budget(budget, 1)  # refuses a bad budget before measuring
-    measured = _measure(model, sample_inputs, loss_fn, policy, chosen, repeats)
+    measured = measure(model, sample_inputs, loss_fn, policy, chosen, repeats)
     budget_bytes = parse_budget(budget, measured.total())
+    partial: set[str] = set()
     if strategy == "sqrt":
         segments = _sqrt_segments(model, chosen)
     elif strategy == "blocks":
         segments = [(name,) for name, _ in chosen]
     else:
-        segments = _knapsack(measured, budget_bytes, model)
-    planned = measured.predict(segments)
+        segments, partial = _knapsack(measured, budget_bytes, model, selective and selective_recompute.SUPPORTED)
+    planned = measured.predict(segments, partial)
     if planned > budget_bytes:
-        floor = measured.predict(segments if strategy != "auto" else _knapsack(measured, 0, model))
+        floor = measured.predict(segments if strategy != "auto" else _knapsack(measured, 0, model, False)[0])
         raise ValueError(f"budget {budget_bytes} bytes is below what strategy {strategy!r} reaches: the smallest "
                          f"feasible budget is {floor} bytes (every recomputed block keeps its inputs; unplanned "
                          f"{measured.total()} bytes).")
     costs = {c.name: c for c in measured.costs}
-    return RecomputePlan(strategy, budget_bytes, measured.total(), planned, tuple(segments),
-                         sum(costs[n].forward_ms for segment in segments for n in segment), tuple(measured.costs))
+    extra_ms = sum(costs[n].selective_ms if n in partial else costs[n].forward_ms for seg in segments for n in seg)
+    return RecomputePlan(strategy, budget_bytes, measured.total(), planned, tuple(segments), extra_ms,
+                         tuple(measured.costs), tuple(n for n in measured.order if n in partial))
 
 
-# -- measurement --------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class _Measured:
-    sizes: dict[int, int]  # storage -> bytes, of everything saved for backward
-    savers: dict[int, set[str]]  # storage -> the blocks whose ops saved it ("" outside every block)
-    inputs: dict[str, dict[int, int]]  # block -> its input storages and their bytes
-    costs: list[BlockCost]
-    order: list[str]
-
-    def total(self) -> int:
-        return sum(self.sizes.values())
-
-    def predict(self, segments: list[tuple[str, ...]] | tuple[tuple[str, ...], ...]) -> int:
-        """Saved-for-backward bytes with ``segments`` recomputed: what only their ops saved is freed, and each
-        segment keeps its first block's inputs. The whole model holds every block."""
-        inside = {name for segment in segments for name in segment}
-        if WHOLE in inside:
-            inside |= set(self.order)
-        kept = {ptr: n for ptr, n in self.sizes.items() if not (self.savers[ptr] <= inside)}
-        for segment in segments:
-            kept.update(self.inputs.get(segment[0], {}))
-        return sum(kept.values())
-
-
-def _measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
-             policy: Policy | None, chosen: list[tuple[str, nn.Module]], repeats: int) -> _Measured:
-    args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
-    loss_fn = loss_fn or (lambda out: out.float().pow(2).mean())
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    active: list[str] = []
-    sizes: dict[int, int] = {}
-    savers: dict[int, set[str]] = {}
-    inputs: dict[str, dict[int, int]] = {}
-    times: dict[str, list[float]] = {name: [] for name, _ in chosen}
-    started: dict[str, float] = {}
-
-    @passthrough
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and not is_weight_copy(t):
-            sizes[storage.data_ptr()] = storage.nbytes()
-            savers.setdefault(storage.data_ptr(), set()).add(active[-1] if active else _OUTSIDE)
-        return t
-
-    def before(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, module_args: tuple) -> None:
-            inputs[name] = {a.untyped_storage().data_ptr(): a.untyped_storage().nbytes()
-                            for a in module_args if isinstance(a, torch.Tensor)}
-            active.append(name)
-            _sync(module_args)
-            started[name] = time.perf_counter()
-        return hook
-
-    def after(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, module_args: tuple, output: Any) -> None:
-            _sync(output)
-            times[name].append((time.perf_counter() - started[name]) * 1e3)
-            active.pop()
-        return hook
-
-    candidates = [(WHOLE, model), *chosen]  # the model's own ops, outside every block, save as ""
-    times[WHOLE] = []
-    handles = [h for name, m in candidates for h in (m.register_forward_pre_hook(before(name)),
-                                                      m.register_forward_hook(after(name)))]
-    region = autocast(policy) if policy is not None else contextlib.nullcontext()
-    # Measuring is not training: buffers (batch-norm statistics, FP8 amax histories), the random
-    # generators (dropout, stochastic rounding) are put back as they were.
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    generators = [(g, g.get_state()) for m in model.modules() if isinstance(g := getattr(m, "generator", None),
-                                                                             torch.Generator)]
-    rng = torch.get_rng_state()
-    try:
-        for _ in range(repeats):
-            sizes.clear()
-            savers.clear()
-            with region, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                loss = loss_fn(model(*args))
-                weights = weight_storages()
-            del loss  # the graph goes: nothing is kept between repeats
-    finally:
-        for handle in handles:
-            handle.remove()
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
-        for g, state in generators:
-            g.set_state(state)
-        torch.set_rng_state(rng)
-    for ptr in weights:
-        sizes.pop(ptr, None)
-    costs = [BlockCost(name, sum(sizes[p] for p in sizes if name in savers[p]), sum(inputs.get(name, {}).values()),
-                       statistics.median(times[name]) if times[name] else 0.0) for name, _ in candidates]
-    return _Measured(sizes, savers, inputs, costs, [name for name, _ in chosen])
-
-
-def _sync(value: Any) -> None:
-    """Wait for the device before reading the clock (a CUDA tensor among a module's inputs or outputs)."""
-    values = value if isinstance(value, (tuple, list)) else (value,)
-    for tensor in values:
-        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
-            torch.cuda.synchronize(tensor.device)
-            return
-
-
-def _knapsack(measured: _Measured, budget: int, model: nn.Module) -> list[tuple[str, ...]]:
-    """Blocks by bytes freed per millisecond of recompute until the prediction fits; then, if it still does
-    not, neighbours in one nn.Sequential merged into one segment (free: the same blocks are recomputed, and
-    the inner inputs are no longer kept), the most bytes first; then any block the fit no longer needs
-    dropped again (the most expensive first)."""
+def _knapsack(measured: Measured, budget: int, model: nn.Module,
+              selective: bool) -> tuple[list[tuple[str, ...]], set[str]]:
+    """Blocks by bytes freed per millisecond of recompute until the prediction fits, each block recomputed
+    whole or (``selective``) but for its GEMMs and attention, and a selective one made whole where that is
+    the best next step; then, if it still does not fit, neighbours in one nn.Sequential merged into one
+    segment (free: the same blocks are recomputed, and the inner inputs are no longer kept), the most bytes
+    first; then any block the fit no longer needs dropped again, or made selective, the most expensive
+    first. Returns the segments and the blocks among them recomputed selectively."""
     costs = {c.name: c for c in measured.costs}
-    chosen: list[tuple[str, ...]] = []
-    remaining = list(measured.order)
-    while measured.predict(chosen) > budget and remaining:
-        now = measured.predict(chosen)
+    whole_blocks: list[tuple[str, ...]] = []
+    partial: set[str] = set()
 
-        def gain(name: str) -> float:
-            return (now - measured.predict([*chosen, (name,)])) / max(costs[name].forward_ms, 1e-6)
+    def predict(segments: list[tuple[str, ...]], selected: set[str]) -> int:
+        return measured.predict(segments + [(n,) for n in selected], selected)
 
-        best = max(remaining, key=gain)
-        if now - measured.predict([*chosen, (best,)]) <= 0:
+    def fits(segments: list[tuple[str, ...]], selected: set[str]) -> bool:
+        return predict(segments, selected) <= budget
+
+    while not fits(whole_blocks, partial):
+        now, steps = predict(whole_blocks, partial), []
+        for name in measured.order:
+            if (name,) in whole_blocks:
+                continue
+            spent = costs[name].selective_ms if name in partial else 0.0
+            options = [(whole_blocks + [(name,)], partial - {name}, costs[name].forward_ms)]
+            if selective and name not in partial:
+                options.append((whole_blocks, partial | {name}, costs[name].selective_ms))
+            for segments, selected, ms in options:
+                freed = now - predict(segments, selected)
+                if freed > 0:
+                    steps.append((freed / max(ms - spent, 1e-6), segments, selected))
+        if not steps:
             break
-        chosen.append((best,))
-        remaining.remove(best)
+        _, whole_blocks, partial = max(steps, key=lambda step: step[0])
     order = {name: i for i, name in enumerate(measured.order)}
-    chosen.sort(key=lambda s: order[s[0]])
+    whole_blocks.sort(key=lambda s: order[s[0]])
     sequential = _sequential_neighbours(model, measured.order)
-    while measured.predict(chosen) > budget:
-        merges = [i for i in range(len(chosen) - 1) if (chosen[i][-1], chosen[i + 1][0]) in sequential]
+    while not fits(whole_blocks, partial):
+        merges = [i for i in range(len(whole_blocks) - 1)
+                  if (whole_blocks[i][-1], whole_blocks[i + 1][0]) in sequential]
         if not merges:
             break
-        best_i = min(merges, key=lambda i: measured.predict(chosen[:i] + [chosen[i] + chosen[i + 1]] + chosen[i + 2:]))
-        chosen = chosen[:best_i] + [chosen[best_i] + chosen[best_i + 1]] + chosen[best_i + 2:]
-    for segment in sorted([s for s in chosen if len(s) == 1], key=lambda s: -costs[s[0]].forward_ms):
-        rest = [s for s in chosen if s != segment]
-        if measured.predict(rest) <= budget:
-            chosen = rest
+
+        def merged(i: int) -> list[tuple[str, ...]]:
+            return whole_blocks[:i] + [whole_blocks[i] + whole_blocks[i + 1]] + whole_blocks[i + 2:]
+
+        whole_blocks = merged(min(merges, key=lambda i: predict(merged(i), partial)))
+    for segment in sorted([s for s in whole_blocks if len(s) == 1], key=lambda s: -costs[s[0]].forward_ms):
+        rest = [s for s in whole_blocks if s != segment]
+        if fits(rest, partial):
+            whole_blocks = rest
+        elif selective and fits(rest, partial | {segment[0]}):
+            whole_blocks, partial = rest, partial | {segment[0]}
+    for name in sorted(partial, key=lambda n: -costs[n].selective_ms):
+        if fits(whole_blocks, partial - {name}):
+            partial = partial - {name}
+    segments = sorted(whole_blocks + [(n,) for n in partial], key=lambda s: order[s[0]])
     whole: list[tuple[str, ...]] = [(WHOLE,)]
-    if measured.predict(chosen) > budget and measured.predict(whole) < measured.predict(chosen):
-        return whole  # below the blocks' reach: one extra forward of everything, keeping only the inputs
-    return chosen
+    if not fits(whole_blocks, partial) and measured.predict(whole) < predict(whole_blocks, partial):
+        return whole, set()  # below the blocks' reach: one extra forward of everything, keeping only the inputs
+    return segments, partial
 
 
 def _sequential_neighbours(model: nn.Module, names: list[str]) -> set[tuple[str, str]]:

@@ -1,6 +1,7 @@
 """Installing a recompute plan: torch.utils.checkpoint (non-reentrant) around each segment.
 
-A segment of one block wraps its forward; a segment of consecutive nn.Sequential children runs them all
+A segment of one block wraps its forward (recomputing all of it, or all but its GEMMs and attention:
+``selective.py``); a segment of consecutive nn.Sequential children runs them all
 from the first one's forward (the others pass their input on). A recompute sees the buffers its forward saw
 and leaves them as the forward left them (FP8 delayed scales, batch-norm running statistics), and runs under
 the forward's ampkit policy (``precision/checkpointing.py``).
@@ -16,18 +17,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit import _torch
+from ampkit.planning.selective import contexts as selective_contexts
+
 
 @contextlib.contextmanager
 def _buffers_as(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    """The buffers hold ``snapshot``'s values inside, their own again after."""
-    now = [b.clone() for b, _ in snapshot]
-    with torch.no_grad():
+    """The buffers hold ``snapshot``'s values inside, their own again after. The copies run below the
+    checkpoint's dispatch modes: they are bookkeeping, not ops a selective recompute replays."""
+    with _torch.disable_current_modes(), torch.no_grad():
+        now = [b.clone() for b, _ in snapshot]
         for b, value in snapshot:
             b.copy_(value)
     try:
         yield
     finally:
-        with torch.no_grad():
+        with _torch.disable_current_modes(), torch.no_grad():
             for (b, _), value in zip(snapshot, now):
                 b.copy_(value)
 
@@ -43,7 +48,8 @@ def _recomputing(fn: Callable[..., Any], modules: list[nn.Module]) -> Callable[.
     def run(*args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         if calls[0] == 1:
-            snapshot[:] = [(b, b.clone()) for module in modules for b in module.buffers()]
+            with _torch.disable_current_modes():
+                snapshot[:] = [(b, b.clone()) for module in modules for b in module.buffers()]
             return fn(*args, **kwargs)
         with _buffers_as(snapshot):
             return fn(*args, **kwargs)
@@ -51,12 +57,15 @@ def _recomputing(fn: Callable[..., Any], modules: list[nn.Module]) -> Callable[.
     return run
 
 
-def checkpoint_module(module: nn.Module) -> None:
+def checkpoint_module(module: nn.Module, selective: bool = False) -> None:
+    """Recompute ``module``'s forward in backward; ``selective``: but for its GEMMs and attention, whose
+    outputs it keeps (``selective.py``)."""
     original = module.forward
+    options: dict[str, Any] = {"context_fn": selective_contexts} if selective else {}
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         return torch.utils.checkpoint.checkpoint(_recomputing(original, [module]), *args, use_reentrant=False,
-                                                 **kwargs)
+                                                 **options, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
 

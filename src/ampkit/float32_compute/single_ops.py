@@ -1,0 +1,84 @@
+"""float32 compute's GEMMs and attention as one dispatcher op each, for selective recompute.
+
+A fast-path forward (``fast_paths.py``) is several ATen ops: float32 copies of the 16-bit inputs, the
+float32 GEMM, its result rounded to 16 bits. torch's selective activation checkpointing decides per
+ATen op what to keep: keeping the GEMM's output would keep a float32 tensor, twice the bytes of the
+16-bit one the model goes on with, and recomputing it recomputes the GEMM. Inside a selectively
+recomputed block (``planning/selective.py`` turns ``single_ops`` on, in its forward and its recompute)
+the fast paths call these custom ops instead, each the same expression as the fast path's, so the
+checkpoint sees one GEMM whose output is the 16-bit tensor a native kernel returns. Outside such a
+block nothing changes (torch.compile, for one, still sees and fuses the conversions).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from ampkit import _torch
+from ampkit.float32_compute.generic import Upcasts
+
+_state = threading.local()
+
+
+def active() -> bool:
+    """Whether the fast paths run as single ops on this thread (inside a selectively recomputed block)."""
+    return getattr(_state, "on", False)
+
+
+@contextlib.contextmanager
+def single_ops() -> Iterator[None]:
+    """The fast paths run as single ops in here (re-entrant)."""
+    before = active()
+    _state.on = True
+    try:
+        yield
+    finally:
+        _state.on = before
+
+
+@torch.library.custom_op("ampkit::linear_in_float32", mutates_args=())
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` in float32 on 16-bit tensors, rounded to ``x``'s dtype (``fast_paths._Linear``'s)."""
+    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+
+
+@torch.library.custom_op("ampkit::convolution_in_float32", mutates_args=())
+def convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: list[int], padding: list[int],
+                dilation: list[int], transposed: bool, output_padding: list[int], groups: int) -> torch.Tensor:
+    """``aten.convolution`` in float32 on 16-bit tensors, rounded (``fast_paths._Convolution``'s)."""
+    out = torch.ops.aten.convolution(x.float(), w.float(), None if b is None else b.float(), stride, padding,
+                                     dilation, transposed, output_padding, groups)
+    return out.to(x.dtype)
+
+
+@torch.library.custom_op("ampkit::flash_attention_in_float32", mutates_args=())
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention in float32 on 16-bit q, k, v: (the output rounded to q's dtype, the float32
+    log-sum-exp), as ``fast_paths._Attention`` computes them."""
+    up = Upcasts()  # q, k and v are often views of one tensor: one conversion
+    out, logsumexp = _torch.flash_attention_cpu(up(q), up(k), up(v), 0.0, is_causal, scale=scale)
+    return out.to(q.dtype), logsumexp
+
+
+@linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+
+@convolution.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: list[int], padding: list[int],
+      dilation: list[int], transposed: bool, output_padding: list[int], groups: int) -> torch.Tensor:
+    return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups)
+
+
+@flash_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+      scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    out, logsumexp = _torch.flash_attention_cpu(q.float(), k.float(), v.float(), 0.0, is_causal, scale=scale)
+    return out.to(q.dtype), logsumexp

@@ -1,0 +1,180 @@
+"""The recompute planner's measurement: per block, what its ops save for backward, its inputs, its forward
+time, and what a selective recompute of it would keep and repeat; and the prediction of a plan's
+saved-for-backward bytes from them, exact set arithmetic on storages (``recompute.py`` chooses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit.float32_compute.gelu_recompute import passthrough
+from ampkit.float32_compute.single_ops import single_ops
+from ampkit.float32_compute.weights import is_weight_copy, weight_storages
+from ampkit.planning.selective import OpRecorder, observing_kept
+from ampkit.precision.policy import Policy
+from ampkit.precision.regions import autocast
+
+WHOLE = ""  # the whole model as a segment: its name in named_modules()
+_OUTSIDE = "(outside the model)"  # what the loss saves: no plan reaches it
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCost:
+    """One block, measured.
+
+    Attributes:
+        name: the block's module name.
+        saved_bytes: bytes its ops save for backward (storages it shares with other savers included).
+        input_bytes: bytes of its tensor inputs (what recomputing it keeps instead).
+        forward_ms: its forward time, the price of recomputing it (median of the repeats).
+        selective_kept_bytes: bytes of its GEMM and attention outputs, what a selective recompute keeps
+            besides its inputs (0 for the whole model, which is never recomputed selectively).
+        selective_ms: the price of a selective recompute: ``forward_ms`` times the share of the block's op
+            time outside its GEMMs and attention.
+    """
+
+    name: str
+    saved_bytes: int
+    input_bytes: int
+    forward_ms: float
+    selective_kept_bytes: int = 0
+    selective_ms: float = 0.0
+
+
+@dataclasses.dataclass
+class Measured:
+    sizes: dict[int, int]  # storage -> bytes, of everything saved for backward
+    savers: dict[int, set[str]]  # storage -> the blocks whose ops saved it ("" outside every block)
+    inputs: dict[str, dict[int, int]]  # block -> its input storages and their bytes
+    kept: dict[str, dict[int, int]]  # block -> its GEMM and attention output storages and their bytes
+    costs: list[BlockCost]
+    order: list[str]
+
+    def total(self) -> int:
+        return sum(self.sizes.values())
+
+    def predict(self, segments: Iterable[tuple[str, ...]], selective: Iterable[str] = ()) -> int:
+        """Saved-for-backward bytes with ``segments`` recomputed (``selective``: the one-block segments
+        recomputed but for their GEMMs and attention): what only their ops saved is freed, each segment
+        keeps its first block's inputs, a selective one its GEMM and attention outputs too. The whole
+        model holds every block."""
+        segments = list(segments)
+        inside = {name for segment in segments for name in segment}
+        if WHOLE in inside:
+            inside |= set(self.order)
+        kept = {ptr: n for ptr, n in self.sizes.items() if not (self.savers[ptr] <= inside)}
+        for segment in segments:
+            kept.update(self.inputs.get(segment[0], {}))
+        for name in selective:
+            kept.update(self.kept.get(name, {}))
+        return sum(kept.values())
+
+
+def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+            policy: Policy | None, chosen: list[tuple[str, nn.Module]], repeats: int) -> Measured:
+    """``repeats`` timed forwards and one more that records every op (``selective.OpRecorder``); the
+    storages are the last one's, so that every figure refers to the same tensors."""
+    args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
+    loss_fn = loss_fn or (lambda out: out.float().pow(2).mean())
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    active: list[str] = []
+    sizes: dict[int, int] = {}
+    savers: dict[int, set[str]] = {}
+    inputs: dict[str, dict[int, int]] = {}
+    times: dict[str, list[float]] = {name: [] for name, _ in chosen}
+    started: dict[str, float] = {}
+    recorder = OpRecorder(lambda: active[-1] if active and active[-1] != WHOLE else None)
+    recording = [False]
+
+    def count(t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and not is_weight_copy(t):
+            sizes[storage.data_ptr()] = storage.nbytes()
+            savers.setdefault(storage.data_ptr(), set()).add(active[-1] if active else _OUTSIDE)
+
+    @passthrough
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        count(t)
+        return t
+
+    def before(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, module_args: tuple) -> None:
+            inputs[name] = {a.untyped_storage().data_ptr(): a.untyped_storage().nbytes()
+                            for a in module_args if isinstance(a, torch.Tensor)}
+            active.append(name)
+            _sync(module_args)
+            started[name] = time.perf_counter()
+        return hook
+
+    def after(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, module_args: tuple, output: Any) -> None:
+            _sync(output)
+            if not recording[0]:
+                times[name].append((time.perf_counter() - started[name]) * 1e3)
+            active.pop()
+        return hook
+
+    candidates = [(WHOLE, model), *chosen]  # the model's own ops, outside every block, save as ""
+    times[WHOLE] = []
+    handles = [h for name, m in candidates for h in (m.register_forward_pre_hook(before(name)),
+                                                      m.register_forward_hook(after(name)))]
+    region = autocast(policy) if policy is not None else contextlib.nullcontext()
+    # Measuring is not training: buffers (batch-norm statistics, FP8 amax histories), the random
+    # generators (dropout, stochastic rounding) are put back as they were.
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    generators = [(g, g.get_state()) for m in model.modules() if isinstance(g := getattr(m, "generator", None),
+                                                                             torch.Generator)]
+    rng = torch.get_rng_state()
+    try:
+        for repeat in range(repeats + 1):
+            sizes.clear()
+            savers.clear()
+            recording[0] = repeat == repeats  # the last forward records ops (as a selective recompute runs them)
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(region)
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+                stack.enter_context(observing_kept(count))  # a block the model recomputes selectively already
+                if recording[0]:
+                    stack.enter_context(single_ops())
+                    stack.enter_context(recorder)
+                loss = loss_fn(model(*args))
+                weights = weight_storages()
+            del loss  # the graph goes: nothing is kept between repeats
+    finally:
+        for handle in handles:
+            handle.remove()
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        for g, state in generators:
+            g.set_state(state)
+        torch.set_rng_state(rng)
+    for ptr in weights:
+        sizes.pop(ptr, None)
+    kept = {name: recorder.kept.get(name, {}) for name, _ in chosen}
+    costs = []
+    for name, _ in candidates:
+        forward_ms = statistics.median(times[name]) if times[name] else 0.0
+        selective = name != WHOLE
+        costs.append(BlockCost(name, sum(sizes[p] for p in sizes if name in savers[p]),
+                               sum(inputs.get(name, {}).values()), forward_ms,
+                               sum(kept[name].values()) if selective else 0,
+                               forward_ms * recorder.recompute_share(name) if selective else 0.0))
+    return Measured(sizes, savers, inputs, kept, costs, [name for name, _ in chosen])
+
+
+def _sync(value: Any) -> None:
+    """Wait for the device before reading the clock (a CUDA tensor among a module's inputs or outputs)."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    for tensor in values:
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda:
+            torch.cuda.synchronize(tensor.device)
+            return

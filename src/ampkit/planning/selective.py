@@ -1,0 +1,138 @@
+"""Selective recompute: a block recomputed in backward but for its GEMMs and attention, whose outputs it keeps.
+
+Recomputing a whole block repeats its most expensive ops. torch's selective activation checkpointing
+(``create_selective_checkpoint_contexts``: a policy per ATen op, inside ``torch.utils.checkpoint``) keeps
+the outputs of the ops a policy names and recomputes the rest. ampkit's policy keeps the GEMMs (matmuls,
+linears, convolutions) and attention, and recomputes the elementwise, normalization and conversion ops:
+cheap to run again, and under mixed precision the ones whose saved tensors are many (float32 inputs of
+norms and losses, the 16-bit copies autocast makes for each GEMM). Under float32 compute the fast paths
+run as one op each inside such a block (``float32_compute/single_ops.py``), so what is kept is the GEMM's
+16-bit output, not its float32 one.
+
+The kept outputs are held by the checkpoint, not through autograd's saved-tensor hooks, where ampkit's
+memory accounting counts saved tensors: ``observing_kept`` hands them to it (``saved_bytes_of_step``, the
+planner's measurement).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
+
+from ampkit._torch import TorchDispatchMode
+from ampkit.float32_compute import single_ops
+
+KEPT = ("gemm", "attention")  # the op classes a selectively recomputed block keeps the outputs of
+_GEMM_NAMES = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution", "_convolution", "_scaled_mm")
+_ATTENTION_NAMES = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+
+
+def _overloads(namespace: Any, names: tuple[str, ...]) -> frozenset[Any]:
+    packets = [getattr(namespace, name) for name in names if hasattr(namespace, name)]
+    return frozenset(getattr(p, o) for p in packets for o in p.overloads())
+
+
+_CLASSES = {
+    **dict.fromkeys(_overloads(torch.ops.aten, _GEMM_NAMES), "gemm"),
+    **dict.fromkeys(_overloads(torch.ops.ampkit, ("linear_in_float32", "convolution_in_float32")), "gemm"),
+    **dict.fromkeys(_overloads(torch.ops.aten, _ATTENTION_NAMES), "attention"),
+    **dict.fromkeys(_overloads(torch.ops.ampkit, ("flash_attention_in_float32",)), "attention"),
+}
+# torch.utils.checkpoint hands the policy the op's output from torch 2.13 on; without it the kept bytes
+# cannot be counted, and the planner offers whole blocks only.
+SUPPORTED = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
+
+
+def op_class(op: Any) -> str:
+    """``"gemm"``, ``"attention"`` or ``"other"`` (elementwise, normalization, conversions, views)."""
+    return _CLASSES.get(op, "other")
+
+
+_state = threading.local()
+
+
+def _observers() -> list[Callable[[torch.Tensor], Any]]:
+    if not hasattr(_state, "observers"):
+        _state.observers = []
+    return _state.observers
+
+
+@contextlib.contextmanager
+def observing_kept(observe: Callable[[torch.Tensor], Any]) -> Iterator[None]:
+    """``observe(tensor)`` is called, on this thread, for each output a selectively recomputed block keeps."""
+    _observers().append(observe)
+    try:
+        yield
+    finally:
+        _observers().remove(observe)
+
+
+def tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors among an op's outputs."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op_class(op) not in KEPT:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not ctx.is_recompute:
+        for tensor in tensors(ctx.op_output):
+            for observe in _observers():
+                observe(tensor)
+    return CheckpointPolicy.MUST_SAVE
+
+
+@contextlib.contextmanager
+def _with_single_ops(mode: Any) -> Iterator[None]:
+    with single_ops.single_ops(), mode:
+        yield
+
+
+def contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    """``context_fn`` for ``torch.utils.checkpoint``: the forward's and the recompute's contexts."""
+    forward, recompute = create_selective_checkpoint_contexts(_policy)
+    return _with_single_ops(forward), _with_single_ops(recompute)
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records each op's class, time and output storages, for the block ``where()`` names (the planner's
+    measurement: what keeping a block's GEMM and attention outputs would keep, what the rest costs)."""
+
+    def __init__(self, where: Callable[[], str | None]) -> None:
+        super().__init__()
+        self.where = where
+        self.kept: dict[str, dict[int, int]] = {}  # block -> storage -> bytes, of its GEMM and attention outputs
+        self.ms: dict[str, dict[bool, float]] = {}  # block -> kept class or not -> milliseconds
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        block = self.where()
+        started = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        if block is None:
+            return out
+        kept = op_class(func) in KEPT
+        outputs = tensors(out)
+        if any(t.is_cuda for t in outputs):
+            torch.cuda.synchronize()
+        times = self.ms.setdefault(block, {True: 0.0, False: 0.0})
+        times[kept] += (time.perf_counter() - started) * 1e3
+        if kept:
+            storages = self.kept.setdefault(block, {})
+            for t in outputs:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return out
+
+    def recompute_share(self, block: str) -> float:
+        """The share of the block's op time a selective recompute repeats (its ops outside ``KEPT``)."""
+        times = self.ms.get(block, {True: 0.0, False: 0.0})
+        total = times[True] + times[False]
+        return times[False] / total if total else 1.0
