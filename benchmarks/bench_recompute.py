@@ -2,8 +2,9 @@
 and every-block checkpointing, on ResNet-18 (the digits' shape) and the GPT of `ampkit compare`, bf16 O1.
 
 Per model, one interleaved timing of training steps (forward, backward, AdamW) of: float32; bf16 O1 without
-a plan; bf16 O1 with the planner's plan at 0.5 and 0.25 of its own saved-for-backward (or the smallest
-feasible budget the planner names, when a budget is below what any block plan reaches); sqrt(n); every
+a plan; bf16 O1 with the planner's plan at 0.85, 0.5 and 0.25 of its own saved-for-backward (or the smallest
+feasible budget the planner names, when a budget is below what any block plan reaches), and at 0.85 and 0.5
+without selective recompute (whole blocks only: what selective recompute gains, measured); sqrt(n); every
 block. Saved-for-backward is measured on the planned model (``saved_bytes_of_step``), beside the plan's
 prediction.
 
@@ -42,19 +43,23 @@ def run_model(name: str) -> dict:
     bf16, _ = ampkit.initialize(copy.deepcopy(base), None, "O1", torch.bfloat16)
     settings: dict[str, torch.nn.Module] = {"float32": copy.deepcopy(base), "bf16 O1": copy.deepcopy(bf16)}
     plans: dict[str, dict] = {}
-    for label, budget, strategy in (("plan 0.5", 0.5, "auto"), ("plan 0.25", 0.25, "auto"), ("sqrt(n)", 1.0, "sqrt"),
-                                    ("every block", 1.0, "blocks")):
+    for label, budget, strategy, selective in (
+            ("plan 0.85", 0.85, "auto", True), ("plan 0.85, whole blocks", 0.85, "auto", False),
+            ("plan 0.5", 0.5, "auto", True), ("plan 0.5, whole blocks", 0.5, "auto", False),
+            ("plan 0.25", 0.25, "auto", True), ("sqrt(n)", 1.0, "sqrt", False), ("every block", 1.0, "blocks", False)):
         model = copy.deepcopy(bf16)
+        options = dict(strategy=strategy, selective=selective)
         try:
-            plan = ampkit.plan_recompute(model, x, budget, lambda out: _loss(out, y), strategy=strategy)
+            plan = ampkit.plan_recompute(model, x, budget, lambda out: _loss(out, y), **options)
         except ValueError as error:  # below the block floor: plan at the floor the planner names
             floor = int(str(error).split("smallest feasible budget is ")[1].split(" ")[0])
-            plan = ampkit.plan_recompute(model, x, floor, lambda out: _loss(out, y), strategy=strategy)
+            plan = ampkit.plan_recompute(model, x, floor, lambda out: _loss(out, y), **options)
             label = f"{label} (floor)"
         plan.apply(model)
         settings[label] = model
         plans[label] = {"budget_bytes": plan.budget_bytes, "predicted_bytes": plan.planned_bytes,
-                        "segments": [list(s) for s in plan.segments]}
+                        "segments": [list(s) for s in plan.segments], "selective": list(plan.selective),
+                        "extra_ms": plan.extra_ms}
     optimizers = {label: torch.optim.AdamW(m.parameters(), lr=1e-4) for label, m in settings.items()}
     saved = {}
     for label, model in settings.items():
@@ -69,7 +74,7 @@ def run_model(name: str) -> dict:
             optimizer.step()
         return run
 
-    times = interleaved_medians({label: step(label) for label in settings}, warmup=1, repeats=5)
+    times = interleaved_medians({label: step(label) for label in settings}, warmup=2, repeats=25)
     reference = times["bf16 O1"]
     return {label: {"step_ms": times[label] * 1e3, "step_vs_bf16": times[label] / reference,
                     "saved_bytes": saved[label], "saved_vs_bf16": saved[label] / saved["bf16 O1"],

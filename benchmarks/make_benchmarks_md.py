@@ -263,19 +263,25 @@ def recompute_table(results: dict[str, Any]) -> str:
         f"one training step (forward, backward, AdamW), medians, settings timed in alternation; batches: "
         + "; ".join(f"{model} {what}" for model, what in results["batches"].items()) + ". Saved-for-backward is "
         "measured on the planned model; segments: the number recomputed, `whole model` where the plan recomputes "
-        "the model as one segment (below what any plan of its blocks reaches); `(floor)`: a budget below every "
-        "plan's reach, planned at the smallest feasible budget the planner named.",
+        "the model as one segment (below what any plan of its blocks reaches), `(k selective)`: k of them recompute "
+        "all but their GEMMs and attention, whose outputs they keep; `(floor)`: a budget below every plan's reach, "
+        "planned at the smallest feasible budget the planner named; `whole blocks`: the planner without selective "
+        "recompute; predicted ms: the plan's predicted recompute time per step.",
         "",
-        "| model | setting | step ms | vs bf16 O1 | saved for backward MiB | vs bf16 O1 | budget MiB | segments |",
-        "|---|---|---|---|---|---|---|---|",
+        "| model | setting | step ms | vs bf16 O1 | saved for backward MiB | vs bf16 O1 | budget MiB | segments "
+        "| predicted ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for model, settings in results["models"].items():
         for label, row in settings.items():
             budget = f"{row['budget_bytes'] / 2**20:.2f}" if "budget_bytes" in row else ""
-            segments = "whole model" if row.get("segments") == [[""]] else len(row.get("segments", []))
+            segments = "whole model" if row.get("segments") == [[""]] else str(len(row.get("segments", [])))
+            if row.get("selective"):
+                segments += f" ({len(row['selective'])} selective)"
+            predicted = f"{row['extra_ms']:.1f}" if "extra_ms" in row else ""
             rows.append(f"| {model} | {label} | {row['step_ms']:.1f} | {row['step_vs_bf16']:.2f}x | "
                         f"{row['saved_bytes'] / 2**20:.2f} | {row['saved_vs_bf16']:.2f}x | {budget} | "
-                        f"{segments if 'segments' in row else ''} |")
+                        f"{segments if 'segments' in row else ''} | {predicted} |")
     return "\n".join(rows)
 
 

@@ -15,12 +15,16 @@ from ampkit import Policy, autocast
 CPU = Policy.default("cpu", torch.bfloat16)
 
 
+@pytest.mark.parametrize("backward", ["after the region", "inside the region"])
 @pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 @pytest.mark.parametrize("edit", ["edited", "float32-compute"])
-def test_activation_checkpointing_recomputes_under_the_region_policy(edit: str, use_reentrant: bool) -> None:
+def test_activation_checkpointing_recomputes_under_the_region_policy(edit: str, use_reentrant: bool,
+                                                                     backward: str) -> None:
     """torch.utils.checkpoint restores torch.autocast's state for the recompute, not ampkit's;
     before ampkit hooked it, non-reentrant raised CheckpointError (float32 saved, bfloat16
-    recomputed) and reentrant gave other gradients."""
+    recomputed) and reentrant gave other gradients. A backward inside the region did the same
+    until the hook re-entered the policy there too: torch's restored torch.autocast, opened
+    inside the region, hid it from ampkit's kernels."""
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
     policy = (CPU.with_ops(deny=["gelu"], allow=["layer_norm"]) if edit == "edited"
@@ -33,7 +37,10 @@ def test_activation_checkpointing_recomputes_under_the_region_policy(edit: str, 
             warnings.simplefilter("ignore")
             with autocast(policy):
                 out = checkpoint(model, x, use_reentrant=use_reentrant) if checkpointed else model(x)
-        out.float().sum().backward()
+                if backward == "inside the region":
+                    out.float().sum().backward()
+        if backward == "after the region":
+            out.float().sum().backward()
         grads.append([p.grad for p in model.parameters()] + [x.grad])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 

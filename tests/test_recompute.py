@@ -5,6 +5,7 @@ refusals, and composition with ampkit regions, float32 compute and FP8."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 
@@ -150,8 +151,10 @@ def test_sqrt_needs_sequential_blocks_and_a_plan_applies_once() -> None:
         plan.apply(model)
 
 
+@pytest.mark.parametrize("selective", [False, True], ids=["whole blocks", "selective"])
 @pytest.mark.parametrize("setting", ["edited policy", "float32 compute", "fp8"])
-def test_a_plan_recomputes_in_the_forwards_dtypes_and_gives_the_unplanned_gradients(setting: str) -> None:
+def test_a_plan_recomputes_in_the_forwards_dtypes_and_gives_the_unplanned_gradients(setting: str,
+                                                                                   selective: bool) -> None:
     torch.manual_seed(0)
     model = GPT(d_model=32, n_layers=2, n_heads=2, context=16)
     x = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(3))
@@ -167,6 +170,8 @@ def test_a_plan_recomputes_in_the_forwards_dtypes_and_gives_the_unplanned_gradie
         warnings.simplefilter("ignore")
         with ampkit.autocast(policy):
             plan = plan_recompute(planned, x, 0.6, _loss, strategy="blocks")
+        if selective:  # every block but for its GEMMs and attention (the GELU is recomputed either way)
+            plan = dataclasses.replace(plan, selective=tuple(s[0] for s in plan.segments))
         plan.apply(planned)
         seen: dict[str, list[torch.dtype]] = {"planned": [], "plain": []}
         for key, m in (("planned", planned), ("plain", plain)):

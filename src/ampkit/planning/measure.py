@@ -18,9 +18,11 @@ from torch import nn
 from ampkit.float32_compute.gelu_recompute import passthrough
 from ampkit.float32_compute.single_ops import single_ops
 from ampkit.float32_compute.weights import is_weight_copy, weight_storages
-from ampkit.planning.selective import OpRecorder, observing_kept
+from ampkit.planning.selective import OpRecorder, contexts, observing_kept, tensors
+from ampkit.precision.op_lists import DEVICE_TYPES
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
+from ampkit.precision.state import current_policy
 
 WHOLE = ""  # the whole model as a segment: its name in named_modules()
 _OUTSIDE = "(outside the model)"  # what the loss saves: no plan reaches it
@@ -34,17 +36,22 @@ class BlockCost:
         name: the block's module name.
         saved_bytes: bytes its ops save for backward (storages it shares with other savers included).
         input_bytes: bytes of its tensor inputs (what recomputing it keeps instead).
-        forward_ms: its forward time, the price of recomputing it (median of the repeats).
+        forward_ms: its forward time (median of the repeats).
+        recompute_ms: what recomputing it adds to a training step: the block's own step (forward and
+            backward, on the inputs it saw, under the policy it ran in) under torch's checkpoint, less the
+            same step without (median of paired runs); the whole model's: its ``forward_ms``.
         selective_kept_bytes: bytes of its GEMM and attention outputs, what a selective recompute keeps
             besides its inputs (0 for the whole model, which is never recomputed selectively).
-        selective_ms: the price of a selective recompute: ``forward_ms`` times the share of the block's op
-            time outside its GEMMs and attention.
+        selective_ms: what a selective recompute adds, measured as ``recompute_ms`` is (the checkpoint's
+            dispatch modes run every op of the block through Python, forward and recompute: on a CPU
+            that can cost more than the ops it spares).
     """
 
     name: str
     saved_bytes: int
     input_bytes: int
     forward_ms: float
+    recompute_ms: float = 0.0
     selective_kept_bytes: int = 0
     selective_ms: float = 0.0
 
@@ -81,7 +88,8 @@ class Measured:
 def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
             policy: Policy | None, chosen: list[tuple[str, nn.Module]], repeats: int) -> Measured:
     """``repeats`` timed forwards and one more that records every op (``selective.OpRecorder``); the
-    storages are the last one's, so that every figure refers to the same tensors."""
+    storages are the last one's, so that every figure refers to the same tensors. Then each block's
+    recompute, whole and selective, timed on the inputs it saw there (``_recompute_ms``)."""
     args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
     loss_fn = loss_fn or (lambda out: out.float().pow(2).mean())
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -91,6 +99,7 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
     inputs: dict[str, dict[int, int]] = {}
     times: dict[str, list[float]] = {name: [] for name, _ in chosen}
     started: dict[str, float] = {}
+    seen: dict[str, tuple[tuple, list[Policy]]] = {}  # block -> its inputs and the policies it ran under
     recorder = OpRecorder(lambda: active[-1] if active and active[-1] != WHOLE else None)
     recording = [False]
 
@@ -109,6 +118,8 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
         def hook(module: nn.Module, module_args: tuple) -> None:
             inputs[name] = {a.untyped_storage().data_ptr(): a.untyped_storage().nbytes()
                             for a in module_args if isinstance(a, torch.Tensor)}
+            if recording[0] and name != WHOLE:
+                seen[name] = (module_args, [p for p in map(current_policy, DEVICE_TYPES) if p is not None])
             active.append(name)
             _sync(module_args)
             started[name] = time.perf_counter()
@@ -148,6 +159,9 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
                 loss = loss_fn(model(*args))
                 weights = weight_storages()
             del loss  # the graph goes: nothing is kept between repeats
+        for handle in handles:  # (and again below, where an error leaves early)
+            handle.remove()
+        extra = {name: _recompute_ms(module, *seen[name], repeats) for name, module in chosen if name in seen}
     finally:
         for handle in handles:
             handle.remove()
@@ -163,12 +177,43 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
     costs = []
     for name, _ in candidates:
         forward_ms = statistics.median(times[name]) if times[name] else 0.0
-        selective = name != WHOLE
+        whole_ms, selective_ms = extra.get(name, (forward_ms, 0.0))
         costs.append(BlockCost(name, sum(sizes[p] for p in sizes if name in savers[p]),
-                               sum(inputs.get(name, {}).values()), forward_ms,
-                               sum(kept[name].values()) if selective else 0,
-                               forward_ms * recorder.recompute_share(name) if selective else 0.0))
+                               sum(inputs.get(name, {}).values()), forward_ms, whole_ms,
+                               sum(kept.get(name, {}).values()), selective_ms))
     return Measured(sizes, savers, inputs, kept, costs, [name for name, _ in chosen])
+
+
+def _recompute_ms(module: nn.Module, args: tuple, policies: list[Policy], repeats: int) -> tuple[float, float]:
+    """What recomputing ``module`` adds to a step, whole and selective (ms): its own forward and backward
+    on ``args`` under ``policies``, checkpointed less plain, paired runs in alternating order, medians."""
+    def step(context_fn: Callable[[], Any] | None) -> float:
+        inputs = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                       for a in args)
+        with contextlib.ExitStack() as stack:
+            for policy in policies:
+                stack.enter_context(autocast(policy))
+            _sync(inputs)
+            started = time.perf_counter()
+            if context_fn is None:
+                out = module(*inputs)
+            else:
+                out = torch.utils.checkpoint.checkpoint(module, *inputs, use_reentrant=False, context_fn=context_fn)
+            outputs = [t for t in tensors(out) if t.requires_grad]
+            wrt = [t for t in (*module.parameters(), *inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outputs and wrt:  # autograd.grad: the model's .grad stay as they are
+                torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
+            _sync(outputs)
+        return (time.perf_counter() - started) * 1e3
+
+    variants: dict[str, Callable[[], Any] | None] = {"plain": None, "whole": torch.utils.checkpoint.noop_context_fn,
+                                                     "selective": contexts}
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    for repeat in range(2 * repeats + 2):  # a difference of two timings: more of them than of one
+        for name in (list(variants) if repeat % 2 else list(reversed(variants))):
+            runs[name].append(step(variants[name]))
+    plain, whole, selective = (statistics.median(runs[name][1:]) for name in variants)  # the first warms up
+    return max(whole - plain, 0.0), max(selective - plain, 0.0)
 
 
 def _sync(value: Any) -> None:

@@ -53,8 +53,8 @@ class RecomputePlan:
             torch's checkpoint saves each segment's inputs through autograd's saved-tensor hooks).
         segments: the recomputed units, each a tuple of consecutive block names (one block each, but
             for ``"sqrt"``); ``(("",),)`` is the whole model.
-        extra_ms: the predicted recompute time per step (the segments' forward times; a selective
-            segment's ``selective_ms``).
+        extra_ms: the predicted recompute time per step (the segments' measured ``recompute_ms``, a
+            selective one's ``selective_ms``).
         blocks: every candidate block, measured, and the whole model (name ``""``).
         selective: the one-block segments recomputed selectively, keeping their GEMM and attention
             outputs (``planning/selective.py``); the others recompute every op.
@@ -179,7 +179,7 @@ def plan_recompute(model: nn.Module, sample_inputs: Any, budget: int | float | s
                          f"feasible budget is {floor} bytes (every recomputed block keeps its inputs; unplanned "
                          f"{measured.total()} bytes).")
     costs = {c.name: c for c in measured.costs}
-    extra_ms = sum(costs[n].selective_ms if n in partial else costs[n].forward_ms for seg in segments for n in seg)
+    extra_ms = sum(costs[n].selective_ms if n in partial else costs[n].recompute_ms for seg in segments for n in seg)
     return RecomputePlan(strategy, budget_bytes, measured.total(), planned, tuple(segments), extra_ms,
                          tuple(measured.costs), tuple(n for n in measured.order if n in partial))
 
@@ -208,7 +208,7 @@ def _knapsack(measured: Measured, budget: int, model: nn.Module,
             if (name,) in whole_blocks:
                 continue
             spent = costs[name].selective_ms if name in partial else 0.0
-            options = [(whole_blocks + [(name,)], partial - {name}, costs[name].forward_ms)]
+            options = [(whole_blocks + [(name,)], partial - {name}, costs[name].recompute_ms)]
             if selective and name not in partial:
                 options.append((whole_blocks, partial | {name}, costs[name].selective_ms))
             for segments, selected, ms in options:
@@ -231,7 +231,7 @@ def _knapsack(measured: Measured, budget: int, model: nn.Module,
             return whole_blocks[:i] + [whole_blocks[i] + whole_blocks[i + 1]] + whole_blocks[i + 2:]
 
         whole_blocks = merged(min(merges, key=lambda i: predict(merged(i), partial)))
-    for segment in sorted([s for s in whole_blocks if len(s) == 1], key=lambda s: -costs[s[0]].forward_ms):
+    for segment in sorted([s for s in whole_blocks if len(s) == 1], key=lambda s: -costs[s[0]].recompute_ms):
         rest = [s for s in whole_blocks if s != segment]
         if fits(rest, partial):
             whole_blocks = rest

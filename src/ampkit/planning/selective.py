@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -104,35 +103,19 @@ def contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.Abst
 
 
 class OpRecorder(TorchDispatchMode):
-    """Records each op's class, time and output storages, for the block ``where()`` names (the planner's
-    measurement: what keeping a block's GEMM and attention outputs would keep, what the rest costs)."""
+    """Records the output storages of each GEMM and attention op, for the block ``where()`` names: what a
+    selective recompute of that block would keep (the planner's measurement)."""
 
     def __init__(self, where: Callable[[], str | None]) -> None:
         super().__init__()
         self.where = where
-        self.kept: dict[str, dict[int, int]] = {}  # block -> storage -> bytes, of its GEMM and attention outputs
-        self.ms: dict[str, dict[bool, float]] = {}  # block -> kept class or not -> milliseconds
+        self.kept: dict[str, dict[int, int]] = {}  # block -> storage -> bytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        block = self.where()
-        started = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        if block is None:
-            return out
-        kept = op_class(func) in KEPT
-        outputs = tensors(out)
-        if any(t.is_cuda for t in outputs):
-            torch.cuda.synchronize()
-        times = self.ms.setdefault(block, {True: 0.0, False: 0.0})
-        times[kept] += (time.perf_counter() - started) * 1e3
-        if kept:
+        block = self.where()
+        if block is not None and op_class(func) in KEPT:
             storages = self.kept.setdefault(block, {})
-            for t in outputs:
+            for t in tensors(out):
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return out
-
-    def recompute_share(self, block: str) -> float:
-        """The share of the block's op time a selective recompute repeats (its ops outside ``KEPT``)."""
-        times = self.ms.get(block, {True: 0.0, False: 0.0})
-        total = times[True] + times[False]
-        return times[False] / total if total else 1.0

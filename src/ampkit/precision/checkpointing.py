@@ -23,7 +23,7 @@ import torch
 from ampkit import _torch
 from ampkit.precision import op_lists
 from ampkit.precision.policy import Policy
-from ampkit.precision.state import current_policy, warn_once
+from ampkit.precision.state import current_policy, current_region, torch_nesting, warn_once
 
 # Activation checkpointing
 
@@ -36,16 +36,21 @@ EnterRegion = Callable[[Policy], contextlib.AbstractContextManager[Any]]
 
 
 def _reentering(fn: Callable[..., Any], enter: EnterRegion) -> Callable[..., Any]:
-    """``fn``, re-entering the calling thread's ampkit regions when it runs outside them."""
-    policies = [p for p in (current_policy(d) for d in op_lists.DEVICE_TYPES) if p is not None]
-    if not policies:
+    """``fn``, re-entering the calling thread's ampkit regions when it runs outside them, or inside
+    them but below the torch.autocast that torch's checkpoint opens for a recompute (a backward
+    inside the region: ampkit's kernels take an autocast opened inside a region for a plain one)."""
+    depth = torch_nesting()
+    policies = [region.policy for region in map(current_region, op_lists.DEVICE_TYPES)
+                if region is not None and region.policy is not None and region.nesting == depth]
+    if not policies:  # no region, or one under a plain torch.autocast: torch's own recompute is right
         return fn
 
     @functools.wraps(fn)
     def recompute(*args: Any, **kwargs: Any) -> Any:
         with contextlib.ExitStack() as stack:
             for policy in policies:
-                if current_policy(policy.device_type) is not policy:  # in the forward, it still is
+                # In the forward the policy is still open, at the depth it was.
+                if current_policy(policy.device_type) is not policy or torch_nesting() > depth:
                     stack.enter_context(enter(policy))
             return fn(*args, **kwargs)
 
