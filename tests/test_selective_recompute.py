@@ -137,3 +137,21 @@ def test_the_knapsack_takes_selective_blocks_where_they_free_bytes_for_less_time
     dear = _measured(selective_kept=40, selective_ms=9.5)  # 50 bytes for 9.5 ms: a whole block pays more per ms
     assert _knapsack(dear, 150, model, True) == ([("a",)], set())
     assert _knapsack(dear, 180, model, True) == ([("a",)], {"a"})  # but where selective fits, it costs less
+
+
+def test_where_a_baseline_fits_at_no_more_time_and_keeps_fewer_bytes_the_planner_takes_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Four blocks: the knapsack recomputes each (keeping four inputs); Chen's two segments recompute the
+    same blocks keeping two: the planner's plan is Chen's."""
+    from ampkit.planning import recompute
+
+    names = "abcd"
+    model = nn.Sequential(collections.OrderedDict((n, nn.Linear(1, 1)) for n in names))
+    sizes = {**{i: 100 for i in range(4)}, 9: 30}
+    savers = {**{i: {n} for i, n in enumerate(names)}, 9: {""}}
+    fake = Measured(sizes, savers, {n: {10 + i: 10} for i, n in enumerate(names)}, {n: {} for n in names},
+                    [BlockCost("", 30, 0, 50.0, 50.0),
+                     *(BlockCost(n, 100, 10, 10.0, 10.0, 0, 10.0) for n in names)], list(names))
+    monkeypatch.setattr(recompute, "measure", lambda *args: fake)
+    assert recompute._knapsack(fake, 100, model, False) == ([(n,) for n in names], set())  # 70 bytes
+    plan = plan_recompute(model, torch.randn(2, 1), 100, _loss, selective=False)
+    assert plan.segments == (("a", "b"), ("c", "d")) and plan.planned_bytes == 50 and plan.extra_ms == 40.0

@@ -22,6 +22,7 @@ delayed scales) and keep the ones it left.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -165,23 +166,38 @@ def plan_recompute(model: nn.Module, sample_inputs: Any, budget: int | float | s
     parse_budget(budget, 1)  # refuses a bad budget before measuring
     measured = measure(model, sample_inputs, loss_fn, policy, chosen, repeats)
     budget_bytes = parse_budget(budget, measured.total())
+    costs = {c.name: c for c in measured.costs}
+
+    def extra_ms(segments: list[tuple[str, ...]], partial: set[str]) -> float:
+        return sum(costs[n].selective_ms if n in partial else costs[n].recompute_ms for seg in segments for n in seg)
+
     partial: set[str] = set()
+    segments: list[tuple[str, ...]]
     if strategy == "sqrt":
         segments = _sqrt_segments(model, chosen)
     elif strategy == "blocks":
         segments = [(name,) for name, _ in chosen]
     else:
         segments, partial = _knapsack(measured, budget_bytes, model, selective and selective_recompute.SUPPORTED)
+        # The knapsack is greedy; the baselines' plans are exact to predict. Where one fits, costs no more
+        # (within 5%: the predicted times are sums of measured costs, noisy by a few percent) and keeps
+        # fewer bytes, it is the plan.
+        baselines: list[list[tuple[str, ...]]] = [[(name,) for name, _ in chosen]]
+        with contextlib.suppress(ValueError):  # blocks outside an nn.Sequential: no sqrt(n) segments
+            baselines.append(_sqrt_segments(model, chosen))
+        for baseline in baselines:
+            if (measured.predict(baseline) <= min(budget_bytes, measured.predict(segments, partial))
+                    and extra_ms(baseline, set()) <= 1.05 * extra_ms(segments, partial)):
+                segments, partial = baseline, set()
     planned = measured.predict(segments, partial)
     if planned > budget_bytes:
         floor = measured.predict(segments if strategy != "auto" else _knapsack(measured, 0, model, False)[0])
         raise ValueError(f"budget {budget_bytes} bytes is below what strategy {strategy!r} reaches: the smallest "
                          f"feasible budget is {floor} bytes (every recomputed block keeps its inputs; unplanned "
                          f"{measured.total()} bytes).")
-    costs = {c.name: c for c in measured.costs}
-    extra_ms = sum(costs[n].selective_ms if n in partial else costs[n].recompute_ms for seg in segments for n in seg)
-    return RecomputePlan(strategy, budget_bytes, measured.total(), planned, tuple(segments), extra_ms,
-                         tuple(measured.costs), tuple(n for n in measured.order if n in partial))
+    return RecomputePlan(strategy, budget_bytes, measured.total(), planned, tuple(segments),
+                         extra_ms(segments, partial), tuple(measured.costs),
+                         tuple(n for n in measured.order if n in partial))
 
 
 def _knapsack(measured: Measured, budget: int, model: nn.Module,

@@ -110,6 +110,7 @@ class OpRecorder(TorchDispatchMode):
         super().__init__()
         self.where = where
         self.kept: dict[str, dict[int, int]] = {}  # block -> storage -> bytes
+        self._held: list[torch.Tensor] = []  # as the checkpoint would: no freed output's address is reused
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -118,4 +119,5 @@ class OpRecorder(TorchDispatchMode):
             storages = self.kept.setdefault(block, {})
             for t in tensors(out):
                 storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                self._held.append(t)
         return out
