@@ -139,9 +139,14 @@ def test_the_knapsack_takes_selective_blocks_where_they_free_bytes_for_less_time
     assert _knapsack(dear, 180, model, True) == ([("a",)], {"a"})  # but where selective fits, it costs less
 
 
-def test_where_a_baseline_fits_at_no_more_time_and_keeps_fewer_bytes_the_planner_takes_it(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """Four blocks: the knapsack recomputes each (keeping four inputs); Chen's two segments recompute the
-    same blocks keeping two: the planner's plan is Chen's."""
+@pytest.mark.parametrize("timed, expected", [
+    ([(50.0, 1.0), (40.0, 1.0)], (("a", "b"), ("c", "d"))),  # Chen's faster beyond the noise
+    ([(50.0, 1.0), (48.0, 1.0)], (("a",), ("b",), ("c",), ("d",))),  # within it: the knapsack's
+])
+def test_a_baseline_replaces_the_knapsacks_plan_only_where_it_times_faster(monkeypatch, timed, expected) -> None:  # type: ignore[no-untyped-def]
+    """Four blocks: the knapsack recomputes each (keeping four inputs); every block and Chen's two segments
+    fit too. The distinct plans are timed as installed (here: the timings given); a baseline wins only
+    by more than twice the standard error of the difference."""
     from ampkit.planning import recompute
 
     names = "abcd"
@@ -151,7 +156,24 @@ def test_where_a_baseline_fits_at_no_more_time_and_keeps_fewer_bytes_the_planner
     fake = Measured(sizes, savers, {n: {10 + i: 10} for i, n in enumerate(names)}, {n: {} for n in names},
                     [BlockCost("", 30, 0, 50.0, 50.0),
                      *(BlockCost(n, 100, 10, 10.0, 10.0, 0, 10.0) for n in names)], list(names))
+    knapsack = ([(n,) for n in names], set())
+    assert recompute._knapsack(fake, 100, model, False) == knapsack  # 70 bytes; Chen's: 50
+    candidates = []
     monkeypatch.setattr(recompute, "measure", lambda *args: fake)
-    assert recompute._knapsack(fake, 100, model, False) == ([(n,) for n in names], set())  # 70 bytes
+    monkeypatch.setattr(recompute, "step_ms", lambda *args: candidates.append(args[4]) or timed)
     plan = plan_recompute(model, torch.randn(2, 1), 100, _loss, selective=False)
-    assert plan.segments == (("a", "b"), ("c", "d")) and plan.planned_bytes == 50 and plan.extra_ms == 40.0
+    # Every block is the knapsack's plan already: the candidates are the knapsack's and Chen's.
+    assert candidates == [[knapsack, ([("a", "b"), ("c", "d")], set())]]
+    assert plan.segments == expected and plan.planned_bytes == fake.predict(expected)
+
+
+def test_a_plan_installed_for_timing_leaves_every_forward_as_it_was() -> None:
+    from ampkit.planning.segments import installed
+
+    model, x = _model("gpt")  # initialize wrapped the model's own forward: it must come back as it was
+    own = {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+    out = model(x)
+    with installed(model, [("",), ("blocks.0", "blocks.1")], {"blocks.0"}):
+        assert all("forward" in m.__dict__ for m in (model, model.blocks[0], model.blocks[1]))
+        assert torch.equal(model(x), out)
+    assert {name: m.__dict__.get("forward") for name, m in model.named_modules()} == own

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from ampkit.float32_compute.gelu_recompute import passthrough
 from ampkit.float32_compute.single_ops import single_ops
 from ampkit.float32_compute.weights import is_weight_copy, weight_storages
+from ampkit.planning.segments import installed
 from ampkit.planning.selective import OpRecorder, contexts, observing_kept, tensors
 from ampkit.precision.op_lists import DEVICE_TYPES
 from ampkit.precision.policy import Policy
@@ -138,39 +140,28 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
     handles = [h for name, m in candidates for h in (m.register_forward_pre_hook(before(name)),
                                                       m.register_forward_hook(after(name)))]
     region = autocast(policy) if policy is not None else contextlib.nullcontext()
-    # Measuring is not training: buffers (batch-norm statistics, FP8 amax histories), the random
-    # generators (dropout, stochastic rounding) are put back as they were.
-    buffers = {name: b.clone() for name, b in model.named_buffers()}
-    generators = [(g, g.get_state()) for m in model.modules() if isinstance(g := getattr(m, "generator", None),
-                                                                             torch.Generator)]
-    rng = torch.get_rng_state()
     try:
-        for repeat in range(repeats + 1):
-            sizes.clear()
-            savers.clear()
-            recording[0] = repeat == repeats  # the last forward records ops (as a selective recompute runs them)
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(region)
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
-                stack.enter_context(observing_kept(count))  # a block the model recomputes selectively already
-                if recording[0]:
-                    stack.enter_context(single_ops())
-                    stack.enter_context(recorder)
-                loss = loss_fn(model(*args))
-                weights = weight_storages()
-            del loss  # the graph goes: nothing is kept between repeats
-        for handle in handles:  # (and again below, where an error leaves early)
-            handle.remove()
-        extra = {name: _recompute_ms(module, *seen[name], repeats) for name, module in chosen if name in seen}
+        with untouched(model):
+            for repeat in range(repeats + 1):
+                sizes.clear()
+                savers.clear()
+                recording[0] = repeat == repeats  # the last forward records ops (as a selective recompute runs them)
+                with contextlib.ExitStack() as stack:
+                    stack.enter_context(region)
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+                    stack.enter_context(observing_kept(count))  # a block the model recomputes selectively already
+                    if recording[0]:
+                        stack.enter_context(single_ops())
+                        stack.enter_context(recorder)
+                    loss = loss_fn(model(*args))
+                    weights = weight_storages()
+                del loss  # the graph goes: nothing is kept between repeats
+            for handle in handles:  # (and again below, where an error leaves early)
+                handle.remove()
+            extra = {name: _recompute_ms(module, *seen[name], repeats) for name, module in chosen if name in seen}
     finally:
         for handle in handles:
             handle.remove()
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
-        for g, state in generators:
-            g.set_state(state)
-        torch.set_rng_state(rng)
     for ptr in weights:
         sizes.pop(ptr, None)
     kept = {name: recorder.kept.get(name, {}) for name, _ in chosen}
@@ -182,6 +173,54 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
                                sum(inputs.get(name, {}).values()), forward_ms, whole_ms,
                                sum(kept.get(name, {}).values()), selective_ms))
     return Measured(sizes, savers, inputs, kept, costs, [name for name, _ in chosen])
+
+
+def step_ms(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch.Tensor] | None,
+            policy: Policy | None, plans: list[tuple[list[tuple[str, ...]], set[str]]],
+            repeats: int) -> list[tuple[float, float]]:
+    """Each plan's forward and backward of the sample (ms), installed in turn (``segments.installed``),
+    in alternating order: (median, its standard error); the model and its ``.grad`` as they were after."""
+    args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
+    loss_fn = loss_fn or (lambda out: out.float().pow(2).mean())
+    params = [p for p in model.parameters() if p.requires_grad]
+    region = autocast(policy) if policy is not None else contextlib.nullcontext()
+
+    def step(plan: tuple[list[tuple[str, ...]], set[str]]) -> float:
+        with installed(model, *plan), region:
+            started = time.perf_counter()
+            loss = loss_fn(model(*args))
+            if loss.requires_grad and params:
+                torch.autograd.grad(loss, params, allow_unused=True)
+            _sync(loss)
+            return (time.perf_counter() - started) * 1e3
+
+    runs: list[list[float]] = [[] for _ in plans]
+    with untouched(model):
+        for repeat in range(2 * repeats + 2):
+            for i in (range(len(plans)) if repeat % 2 else reversed(range(len(plans)))):
+                runs[i].append(step(plans[i]))
+    # The first run warms up. The median's standard error: 1.2533 sigma / sqrt(n), for normal noise.
+    return [(statistics.median(r[1:]), 1.2533 * statistics.stdev(r[1:]) / math.sqrt(len(r) - 1)) for r in runs]
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module) -> Iterator[None]:
+    """Measuring is not training: the model's buffers (batch-norm statistics, FP8 amax histories) and the
+    random generators (torch's, and a module's own ``generator``: stochastic rounding) are put back as
+    they were."""
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    generators = [(g, g.get_state()) for m in model.modules() if isinstance(g := getattr(m, "generator", None),
+                                                                             torch.Generator)]
+    rng = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                b.copy_(buffers[name])
+        for g, state in generators:
+            g.set_state(state)
+        torch.set_rng_state(rng)
 
 
 def _recompute_ms(module: nn.Module, args: tuple, policies: list[Policy], repeats: int) -> tuple[float, float]:

@@ -34,8 +34,8 @@ from torch import nn
 
 from ampkit.distributed.units import shard_blocks
 from ampkit.planning import selective as selective_recompute
-from ampkit.planning.measure import WHOLE, BlockCost, Measured, measure
-from ampkit.planning.segments import checkpoint_module, checkpoint_run
+from ampkit.planning.measure import WHOLE, BlockCost, Measured, measure, step_ms
+from ampkit.planning.segments import install
 from ampkit.precision.policy import Policy
 
 STRATEGIES = ("auto", "blocks", "sqrt")
@@ -89,11 +89,7 @@ class RecomputePlan:
         if missing:
             raise ValueError(f"The plan recomputes {missing[:3]}, which this model does not have: make the plan "
                              "with plan_recompute on this model.")
-        for segment in self.segments:
-            if len(segment) == 1:
-                checkpoint_module(modules[segment[0]], selective=segment[0] in self.selective)
-            else:
-                checkpoint_run(modules, segment)
+        install(model, self.segments, self.selective)
         model._ampkit_recompute = self  # type: ignore[assignment]
 
 
@@ -179,16 +175,21 @@ def plan_recompute(model: nn.Module, sample_inputs: Any, budget: int | float | s
         segments = [(name,) for name, _ in chosen]
     else:
         segments, partial = _knapsack(measured, budget_bytes, model, selective and selective_recompute.SUPPORTED)
-        # The knapsack is greedy; the baselines' plans are exact to predict. Where one fits, costs no more
-        # (within 5%: the predicted times are sums of measured costs, noisy by a few percent) and keeps
-        # fewer bytes, it is the plan.
+        # The knapsack is greedy, on costs measured block by block. Where a baseline's plan fits too, each
+        # is timed as installed (forward and backward of the sample); a baseline replaces the knapsack's
+        # plan only where it is faster by more than twice the standard error of the difference (plans
+        # that recompute the same blocks time alike, and noise must not pick among them).
+        candidates = [(segments, partial)]
         baselines: list[list[tuple[str, ...]]] = [[(name,) for name, _ in chosen]]
         with contextlib.suppress(ValueError):  # blocks outside an nn.Sequential: no sqrt(n) segments
             baselines.append(_sqrt_segments(model, chosen))
-        for baseline in baselines:
-            if (measured.predict(baseline) <= min(budget_bytes, measured.predict(segments, partial))
-                    and extra_ms(baseline, set()) <= 1.05 * extra_ms(segments, partial)):
-                segments, partial = baseline, set()
+        candidates += [(b, set()) for b in baselines if measured.predict(b) <= budget_bytes
+                       and (b, set()) not in candidates]
+        if len(candidates) > 1:
+            times = step_ms(model, sample_inputs, loss_fn, policy, candidates, repeats)
+            (own, error), (best, best_error) = times[0], min(times[1:])
+            if best + 2 * math.hypot(error, best_error) < own:
+                segments, partial = candidates[times.index((best, best_error))]
     planned = measured.predict(segments, partial)
     if planned > budget_bytes:
         floor = measured.predict(segments if strategy != "auto" else _knapsack(measured, 0, model, False)[0])

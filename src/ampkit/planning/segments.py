@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -91,3 +91,31 @@ def checkpoint_run(modules: dict[str, nn.Module], segment: tuple[str, ...]) -> N
 def _passing(x: Any) -> Any:
     """A block whose work its segment's first block did."""
     return x
+
+
+def install(model: nn.Module, segments: Sequence[tuple[str, ...]], selective: Collection[str]) -> None:
+    """Each segment recomputed (one block: ``checkpoint_module``, ``selective`` ones but for their GEMMs and
+    attention; several: ``checkpoint_run``)."""
+    modules = dict(model.named_modules())
+    for segment in segments:
+        if len(segment) == 1:
+            checkpoint_module(modules[segment[0]], selective=segment[0] in selective)
+        else:
+            checkpoint_run(modules, segment)
+
+
+@contextlib.contextmanager
+def installed(model: nn.Module, segments: Sequence[tuple[str, ...]], selective: Collection[str]) -> Iterator[None]:
+    """The segments installed for the enclosed code; each module's own ``forward`` back after."""
+    modules = dict(model.named_modules())
+    own = {name: modules[name].__dict__.get("forward") for segment in segments for name in segment}
+    install(model, segments, selective)
+    try:
+        yield
+    finally:
+        for name, forward in own.items():
+            if forward is None:
+                del modules[name].forward
+            else:
+                modules[name].forward = forward
+
