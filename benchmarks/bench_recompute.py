@@ -5,7 +5,8 @@ Per model, one interleaved timing of training steps (forward, backward, AdamW) o
 a plan; bf16 O1 with the planner's plan at 0.85, 0.5 and 0.25 of its own saved-for-backward (or the smallest
 feasible budget the planner names, when a budget is below what any block plan reaches), and at 0.85 and 0.5
 without selective recompute (whole blocks only: what selective recompute gains, measured); sqrt(n); every
-block. Saved-for-backward is measured on the planned model (``saved_bytes_of_step``), beside the plan's
+block, whole and selective (the selective variant's record has no predicted bytes: the plan was not made
+for it; its measured bytes stand). Saved-for-backward is measured on the planned model (``saved_bytes_of_step``), beside the plan's
 prediction.
 
     python benchmarks/bench_recompute.py   # writes benchmarks/results/recompute.json
@@ -14,6 +15,7 @@ prediction.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import torch
@@ -55,11 +57,20 @@ def run_model(name: str) -> dict:
             floor = int(str(error).split("smallest feasible budget is ")[1].split(" ")[0])
             plan = ampkit.plan_recompute(model, x, floor, lambda out: _loss(out, y), **options)
             label = f"{label} (floor)"
-        plan.apply(model)
-        settings[label] = model
-        plans[label] = {"budget_bytes": plan.budget_bytes, "predicted_bytes": plan.planned_bytes,
-                        "segments": [list(s) for s in plan.segments], "selective": list(plan.selective),
-                        "extra_ms": plan.extra_ms}
+        variants = [(label, plan)]
+        if strategy == "blocks":  # and every block recomputed selectively: what that costs and frees
+            variants.append(("every block, selective",
+                             dataclasses.replace(plan, selective=tuple(s[0] for s in plan.segments),
+                                                 extra_ms=sum(b.selective_ms for b in plan.blocks if b.name))))
+        for label, plan in variants:
+            selective_variant = label == "every block, selective"
+            model = copy.deepcopy(bf16) if selective_variant else model
+            plan.apply(model)
+            settings[label] = model
+            plans[label] = {"budget_bytes": plan.budget_bytes,
+                            "predicted_bytes": None if selective_variant else plan.planned_bytes,
+                            "segments": [list(s) for s in plan.segments], "selective": list(plan.selective),
+                            "extra_ms": plan.extra_ms}
     optimizers = {label: torch.optim.AdamW(m.parameters(), lr=1e-4) for label, m in settings.items()}
     saved = {}
     for label, model in settings.items():

@@ -174,22 +174,10 @@ def plan_recompute(model: nn.Module, sample_inputs: Any, budget: int | float | s
     elif strategy == "blocks":
         segments = [(name,) for name, _ in chosen]
     else:
-        segments, partial = _knapsack(measured, budget_bytes, model, selective and selective_recompute.SUPPORTED)
-        # The knapsack is greedy, on costs measured block by block. Where a baseline's plan fits too, each
-        # is timed as installed (forward and backward of the sample); a baseline replaces the knapsack's
-        # plan only where it is faster by more than twice the standard error of the difference (plans
-        # that recompute the same blocks time alike, and noise must not pick among them).
-        candidates = [(segments, partial)]
-        baselines: list[list[tuple[str, ...]]] = [[(name,) for name, _ in chosen]]
-        with contextlib.suppress(ValueError):  # blocks outside an nn.Sequential: no sqrt(n) segments
-            baselines.append(_sqrt_segments(model, chosen))
-        candidates += [(b, set()) for b in baselines if measured.predict(b) <= budget_bytes
-                       and (b, set()) not in candidates]
-        if len(candidates) > 1:
-            times = step_ms(model, sample_inputs, loss_fn, policy, candidates, repeats)
-            (own, error), (best, best_error) = times[0], min(times[1:])
-            if best + 2 * math.hypot(error, best_error) < own:
-                segments, partial = candidates[times.index((best, best_error))]
+        segments, partial = _against_baselines(
+            measured, budget_bytes, model, chosen,
+            _knapsack(measured, budget_bytes, model, selective and selective_recompute.SUPPORTED),
+            lambda plans: step_ms(model, sample_inputs, loss_fn, policy, plans, repeats))
     planned = measured.predict(segments, partial)
     if planned > budget_bytes:
         floor = measured.predict(segments if strategy != "auto" else _knapsack(measured, 0, model, False)[0])
@@ -199,6 +187,38 @@ def plan_recompute(model: nn.Module, sample_inputs: Any, budget: int | float | s
     return RecomputePlan(strategy, budget_bytes, measured.total(), planned, tuple(segments),
                          extra_ms(segments, partial), tuple(measured.costs),
                          tuple(n for n in measured.order if n in partial))
+
+
+_Plan = tuple[list[tuple[str, ...]], set[str]]  # the segments, and the blocks among them recomputed selectively
+
+
+def _against_baselines(measured: Measured, budget: int, model: nn.Module, chosen: list[tuple[str, nn.Module]],
+                       plan: _Plan, time_plans: Callable[[list[_Plan]], list[tuple[float, float]]]) -> _Plan:
+    """The knapsack is greedy, on costs measured block by block: the baselines (every block, Chen's
+    segments) are checked against its plan where they fit the budget. One that recomputes only blocks the
+    plan recomputes whole, and keeps no more bytes, is the plan (no more recompute; its longer segments
+    cost fewer checkpoints). Otherwise the plans are timed as installed (``time_plans``: forward and
+    backward of the sample, median and its standard error), and a baseline replaces the knapsack's plan
+    only where it is faster by more than twice the standard error of the difference (plans of the same
+    work time alike, and noise must not pick among them)."""
+    segments, partial = plan
+    baselines: list[list[tuple[str, ...]]] = [[(name,) for name, _ in chosen]]
+    with contextlib.suppress(ValueError):  # blocks outside an nn.Sequential: no sqrt(n) segments
+        baselines.append(_sqrt_segments(model, chosen))
+    fitting = [b for b in baselines if measured.predict(b) <= budget and (b, set()) != plan]
+    whole = {name for segment in segments for name in segment} - partial
+    covered = [b for b in fitting if {name for segment in b for name in segment} <= whole
+               and measured.predict(b) <= measured.predict(segments, partial)]
+    if covered:
+        return min(covered, key=measured.predict), set()
+    if not fitting:
+        return plan
+    candidates = [plan, *((b, set()) for b in fitting)]
+    times = time_plans(candidates)
+    (own, error), (best, best_error) = times[0], min(times[1:])
+    if best + 2 * math.hypot(error, best_error) < own:
+        return candidates[times.index((best, best_error))]
+    return plan
 
 
 def _knapsack(measured: Measured, budget: int, model: nn.Module,
