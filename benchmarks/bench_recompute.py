@@ -85,7 +85,7 @@ def run_model(name: str) -> dict:
             optimizer.step()
         return run
 
-    times = interleaved_medians({label: step(label) for label in settings}, warmup=2, repeats=25)
+    times = interleaved_medians({label: step(label) for label in settings}, warmup=2, repeats=41)
     reference = times["bf16 O1"]
     return {label: {"step_ms": times[label] * 1e3, "step_vs_bf16": times[label] / reference,
                     "saved_bytes": saved[label], "saved_vs_bf16": saved[label] / saved["bf16 O1"],
