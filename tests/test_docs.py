@@ -51,7 +51,7 @@ def test_the_cli_reference_is_what_help_prints(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setenv("COLUMNS", hooks.HELP_COLUMNS)
     commands = [sub.__name__.rsplit(".", 1)[1] for sub in SUBCOMMANDS]
     names = list(next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices).choices)
-    assert len(names) == len(commands) == 4
+    assert len(names) == len(commands) == 5
     for name in names:
         assert f"## ampkit {name}\n\n```text\n{_help([name, '--help'])}\n```" in page
     assert _help(["--help"]) in page

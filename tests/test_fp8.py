@@ -298,3 +298,16 @@ def test_converting_twice_is_refused_and_keeps_the_histories() -> None:
     with pytest.raises(ValueError, match=r"The model trains in FP8 already \(2\): convert_to_fp8 converts a model once"):
         convert_to_fp8(model)  # was: a silent reset of the amax histories and scales
     assert torch.equal(model[2].amax_history, history) and history.abs().sum() > 0
+
+
+def test_an_fp8_linear_in_a_region_returns_the_regions_dtype_as_a_linear_does() -> None:
+    """A float32 input (a norm's output under autocast) gave a float32 output, which every op after it
+    then computed and saved in float32; torchao's and Transformer Engine's FP8 linears return the
+    autocast dtype."""
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 16)
+    fp8 = Fp8Linear.from_linear(copy.deepcopy(linear), Fp8Recipe())
+    x = torch.randn(4, 32)
+    with ampkit.autocast(ampkit.Policy.default("cpu", torch.bfloat16, compute="native")):
+        assert linear(x).dtype == fp8(x).dtype == torch.bfloat16
+    assert fp8(x).dtype == torch.float32  # outside a region: the input's

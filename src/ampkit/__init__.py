@@ -34,7 +34,9 @@ from ampkit.hardware.advice import recommend
 from ampkit.hardware.throughput import measure
 
 # Planning
+from ampkit.planning.precision_plan import LayerChoice, PrecisionPlan
 from ampkit.planning.recompute import RecomputePlan, plan_recompute
+from ampkit.planning.tune import tune
 
 # Distributed: ampkit.distributed (imported on use: it needs torch.distributed)
 
@@ -86,4 +88,7 @@ __all__ = [
     # Planning
     "plan_recompute",
     "RecomputePlan",
+    "tune",
+    "PrecisionPlan",
+    "LayerChoice",
 ]

@@ -56,6 +56,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="train through torch.compile (inductor): --compile (or on) compiles every run, "
                              "--compile both runs each setting eagerly and compiled; the first step, the compile, "
                              "is reported apart")
+    parser.add_argument("--plan", help="a precision plan from `ampkit tune --out`: adds a run with it (beside fp32, "
+                                       "its base and its lowest format for every linear, unless --precision is given)")
     parser.add_argument("--no-probe", action="store_true",
                         help="skip the short native 16-bit probe run added where auto computes in float32")
     parser.add_argument("--batch-size", type=int)
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, epochs=args.epochs, steps=args.steps, lr=args.lr, device=args.device,
             seed=args.seed, computes=args.compute, probe=False if args.no_probe else None,
             loss_scales=args.loss_scale, updates=args.update, loss_divisor=args.loss_divisor,
-            activation_budgets=args.activation_budget, compile=args.compile,
+            activation_budgets=args.activation_budget, compile=args.compile, precision_plan=args.plan,
         )
         cost = estimate(configs)  # builds and steps the model: a bad model fails here
         out = reserve_out_dir(args.out)  # before training: a bad location fails now

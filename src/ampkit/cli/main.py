@@ -8,10 +8,10 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from ampkit.cli import compare, env, inspect_cmd, ops
+from ampkit.cli import compare, env, inspect_cmd, ops, tune
 from ampkit.cli.flags import as_flags
 
-SUBCOMMANDS = [compare, inspect_cmd, env, ops]
+SUBCOMMANDS = [compare, tune, inspect_cmd, env, ops]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -73,6 +73,9 @@ class RunConfig:
     # plan for it (ampkit.plan_recompute, made on its first batch); None: no plan.
     activation_budget: str | None = None
     compiled: bool = False  # the training forward through torch.compile (inductor); evaluation stays eager
+    # A precision plan file (ampkit tune): the run converts the plan's linears first, the rest train in
+    # ``precision`` (its base); None: no plan.
+    precision_plan: str | None = None
 
     @property
     def scaling(self) -> str:
@@ -110,6 +113,8 @@ class RunConfig:
             label += f" {self.loss_scale}-scaling" if self.loss_scale != "none" else " no-scaling"
         if self.update != "plain":
             label += f" {self.update}"
+        if self.precision_plan is not None:
+            label += " tuned"
         if self.activation_budget is not None:
             label += f" recompute-{self.activation_budget}"
         return label + (" probe" if self.probe else "") + (" compiled" if self.compiled else "")

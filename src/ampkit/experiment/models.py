@@ -142,7 +142,39 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"resnet18": ResNet18, "gpt": GPT, "mlp": MLP}
+class ChannelScale(nn.Module):
+    """Multiplies one input channel by ``factor`` (a buffer): an outlier feature, as LLM.int8() found them."""
+
+    scale: torch.Tensor
+
+    def __init__(self, features: int, channel: int, factor: float) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(features).index_fill_(0, torch.tensor([channel]), factor))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale.to(x.dtype)
+
+
+def gpt_with_outlier(channel: int = 7, factor: float = 1e6, **kwargs: int) -> GPT:
+    """The GPT with one planted outlier: input channel ``channel`` of block 0's second MLP linear
+    (``blocks.0.mlp.3``) is ``factor`` times larger, and that weight column ``factor`` times smaller (the
+    same function in exact arithmetic). The column's gradient is zeroed so that AdamW, which moves every
+    weight by about the learning rate, cannot move it ``factor`` times faster in function space: it
+    stays as initialised. A per-tensor FP8 scale of that linear's input is set by the one channel: at
+    10^6 E4M3 flushes the others to zero (at 10^4, LLM.int8()'s int8 failure, E4M3's subnormals still hold
+    them, a few bits each; docs/tune.md). (A deep copy drops the gradient hook: build the model again.)"""
+    model = GPT(**kwargs)
+    first, gelu, second = model.blocks[0].mlp  # type: ignore[union-attr, misc]
+    with torch.no_grad():
+        second.weight[:, channel] /= factor
+    mask = torch.ones_like(second.weight).index_fill_(1, torch.tensor([channel]), 0.0)
+    second.weight.register_hook(lambda grad: grad * mask.to(grad.dtype))
+    model.blocks[0].mlp = nn.Sequential(first, gelu, ChannelScale(second.in_features, channel, factor), second)
+    return model
+
+
+MODELS: dict[str, Callable[..., nn.Module]] = {"resnet18": ResNet18, "gpt": GPT, "mlp": MLP,
+                                               "gpt-outlier": gpt_with_outlier}
 
 
 def load_factory(spec: str) -> Callable[..., nn.Module]:

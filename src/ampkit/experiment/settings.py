@@ -7,6 +7,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from ampkit.experiment.config import (
 )
 from ampkit.experiment.models import build, load_factory
 from ampkit.formats.block_linear import eligible_block_scaled
+from ampkit.planning.precision_plan import PrecisionPlan, fingerprint
 from ampkit.planning.recompute import parse_budget
 from ampkit.formats.fp8 import eligible
 from ampkit.hardware.advice import recommend_dtype, slow_native_message
@@ -34,6 +36,7 @@ from ampkit.precision.modes import COMPUTE_MODES
 
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt": {"data": "text", "batch_size": 32, "steps": 400, "lr": 6e-3},
+    "gpt-outlier": {"data": "text", "batch_size": 32, "steps": 400, "lr": 6e-3},
 }
 IMAGE_DEFAULTS = {"data": "digits", "batch_size": 64, "epochs": 2, "lr": 2e-3}
 
@@ -90,6 +93,7 @@ def plan(
     loss_divisor: float = 1.0,
     activation_budgets: Sequence[str] | None = None,
     compile: str = "off",
+    precision_plan: str | None = None,
 ) -> list[RunConfig]:
     """The runs of a comparison: float32 first, then the mixed settings, then a probe.
 
@@ -120,6 +124,10 @@ def plan(
     ``compile``: ``"off"`` (default) trains eagerly; ``"on"`` compiles every run's training forward with
     torch.compile (inductor; its first step, the compile, is reported apart as ``compile_s``); ``"both"``
     runs every setting eagerly and compiled, side by side. The probe stays eager.
+
+    ``precision_plan`` (a file ``ampkit tune`` wrote for this model) adds a run at O1 that converts the
+    plan's linears and trains the rest in its base; without ``precisions`` and ``opt_levels`` it runs beside
+    float32, the base alone and the lowest format the plan uses for every linear, each at O1.
 
     ``probe`` (default: where an ``auto`` setting computes in float32) adds a short
     run of the first mixed precision at O1 with native 16-bit kernels,
@@ -188,6 +196,10 @@ def plan(
                          "(gradients as a 16-times larger batch's), or 1 to train on the loss as it is.")
     if not 0 <= seed < 2**63:
         raise ValueError(f"seed={seed} is out of range: use an integer in [0, 2**63).")
+    if precision_plan is not None:
+        tuned = _check_plan(model, data, precision_plan)
+        if precisions is None and opt_levels is None:
+            precisions, opt_levels = ["fp32", tuned.base, _lowest(tuned)], ["O1"]
     if any(p in FP8_RECIPES for p in precisions or ()):
         _check_fp8(model, data, [p for p in precisions or () if p in FP8_RECIPES])
     for precision in precisions or ():
@@ -232,6 +244,10 @@ def plan(
         for scaling in ((loss_scales or ("auto",)) if p == "fp16" else ("auto",))
         for update in ((updates or ("plain",)) if level == "O3" else ("plain",))
     ]
+    if precision_plan is not None:
+        configs.append(RunConfig(precision=tuned.base, opt_level="O1", compute=(computes or ["auto"])[0],
+                                 precision_plan=str(Path(precision_plan).resolve()),  # as the run's process reads it
+                                 **common))
     configs += [dataclasses.replace(c, activation_budget=str(budget)) for c in configs[1:]
                 for budget in activation_budgets or ()]
     if compile != "off":
@@ -277,6 +293,22 @@ def _check_block_scaled(model: str, data: str, precision: str) -> None:
         found = "; ".join(f"{name}: {why}" for name, why in decisions.items()) or "it has no nn.Linear"
         raise ValueError(f"precisions={[precision]!r}: {model} has no linear {recipe.label} can take ({found}); "
                          "try model='gpt'.")
+
+
+def _check_plan(model: str, data: str, path: str) -> PrecisionPlan:
+    """The plan at ``path``, made for ``model`` (its linears' fingerprint), or a ValueError saying why not."""
+    tuned = PrecisionPlan.load(path)
+    built = build(model, **data_mod.load(data).model_kwargs(CONTEXT))
+    if fingerprint(built) != tuned.fingerprint:
+        raise ValueError(f"precision_plan={str(path)!r} was made for another model ({tuned.model}); model={model!r} "
+                         f"has other linears: make a plan for it with `ampkit tune --model {model}`.")
+    return tuned
+
+
+def _lowest(tuned: PrecisionPlan) -> str:
+    """The narrowest format the plan lowers a linear to (or tried, where it lowered none)."""
+    used = set(tuned.lowered().values()) or {f for layer in tuned.layers for f in layer.loss_change}
+    return min(used or {"fp8"}, key=lambda f: (f not in ("mxfp4", "nvfp4"), f))
 
 
 def _check_positive_int(value: int | None, name: str) -> None:

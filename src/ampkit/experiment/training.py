@@ -31,6 +31,7 @@ from ampkit.experiment.config import (
 )
 from ampkit.experiment.models import build
 from ampkit.formats.block_linear import convert_to_block_scaled
+from ampkit.planning.precision_plan import PrecisionPlan
 from ampkit.planning.recompute import plan_recompute
 from ampkit.formats.fp8 import convert_to_fp8
 from ampkit.optim.levels import initialize
@@ -166,6 +167,8 @@ def prepare(config: RunConfig, dataset: data_mod.Dataset, device: torch.device,
         convert_to_fp8(model, FP8_RECIPES[config.precision])  # before initialize: O2 casts the rest
     if config.precision in BLOCK_RECIPES:
         convert_to_block_scaled(model, BLOCK_RECIPES[config.precision], seed=config.seed)
+    if config.precision_plan is not None:
+        PrecisionPlan.load(config.precision_plan).apply(model)
     if config.precision != "fp32":
         model, optimizer = initialize(  # type: ignore[assignment]
             model, optimizer, config.opt_level, low_dtype(config.precision, device), compute=config.compute,

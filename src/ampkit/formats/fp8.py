@@ -134,7 +134,12 @@ class _DelayedFp8Matmul(torch.autograd.Function):
         module.record_(INPUT, x2)
         module.record_(WEIGHT, weight)
         native = native_fp8(x.device)
-        out = scaled_mm(xq, scale[INPUT], wq.t(), scale[WEIGHT], x.dtype, native)
+        # The output in the dtype a linear would return here: under autocast (an ampkit region), its 16-bit
+        # dtype, as torchao's and Transformer Engine's FP8 linears do; a float32 output after a float32 norm
+        # would double the bytes every op after it saves.
+        device = x.device.type
+        out_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        out = scaled_mm(xq, scale[INPUT], wq.t(), scale[WEIGHT], out_dtype, native)
         ctx.save_for_backward(xq, wq, scale)  # the FP8 weight copy counts in saved-for-backward: it is stored
         ctx.module, ctx.native, ctx.x_dtype, ctx.w_dtype = module, native, x.dtype, weight.dtype
         return out.reshape(*x.shape[:-1], weight.shape[0])

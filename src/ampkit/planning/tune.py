@@ -1,0 +1,330 @@
+"""``ampkit.tune``: each linear's format chosen from its measured sensitivity and cost.
+
+Which layers may train in FP8 or a block-scaled format is chosen by hand elsewhere (Transformer Engine's
+per-layer YAML, the NVFP4 report's kept layers) or by shape alone (torchao's float8 filter, from H100 speed
+data, blind to accuracy). The failure it misses is LLM.int8()'s: one input channel hundreds of times larger
+than the rest sets a per-tensor scale that flushes everything else to zero. tune measures instead:
+
+1. The reference: the model in the base 16-bit format (an ampkit region) on the tuning batches: losses,
+   gradients, saved-for-backward bytes, step time; and each candidate linear's input, for its cast figures
+   (saturation and underflow in each format, and the channel that sets the scale).
+2. Each candidate linear alone lowered to each format (swapped in on its own Parameters, a warm-up pass,
+   then the measured pass): the loss's relative change, the gradients' relative L2 change, and what it saves
+   (objective ``"time"``: milliseconds per step; ``"memory"``: saved-for-backward bytes; both measured, so
+   an emulated format costs what emulation costs here).
+3. Layers lowered in order of saving per unit of loss change while the summed loss changes stay within
+   ``tolerance``; then the combined plan checked once on held-out batches, and the last layers backed off
+   while its loss change exceeds the tolerance.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ampkit.diagnostics.memory import saved_bytes_of_step
+from ampkit.formats.block_scaled import fake_quantize
+from ampkit.formats.fp8 import E4M3, cast_numerics, native_fp8
+from ampkit.formats.recipes import BlockScaledRecipe
+from ampkit.planning.measure import untouched
+from ampkit.planning.precision_plan import BASES, LOWER, LayerChoice, PrecisionPlan, block_of, fingerprint, lowered
+from ampkit.precision.modes import resolve_dtype
+from ampkit.precision.policy import Policy
+from ampkit.precision.regions import autocast
+
+OBJECTIVES = ("time", "memory")
+OUTLIER_RATIO = 100.0  # a channel this many times the median channel's largest magnitude sets the scale
+
+
+def _cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.reshape(-1, output.shape[-1]).float(), target.reshape(-1))
+
+
+@dataclasses.dataclass
+class _Run:
+    losses: list[float]
+    gradients: list[torch.Tensor]  # per batch, every parameter's gradient flattened into one vector
+    saved_bytes: int  # saved-for-backward of the first batch
+    ms: float  # median step (forward and backward)
+
+
+def _check(model: nn.Module, batches: Sequence[Any], formats: Sequence[str], tolerance: float,
+           objective: str) -> tuple[list[str], str]:
+    """The lowered formats and the base; ValueError naming the value and the fix for anything else."""
+    formats = list(formats) if not isinstance(formats, str) else [formats]
+    unknown = [f for f in formats if f not in LOWER and f not in BASES]
+    if unknown or not formats:
+        raise ValueError(f"formats={formats!r}: {unknown[0] if unknown else 'nothing'} is not a format; choose "
+                         f"lowered formats from {list(LOWER)} and one 16-bit base from {list(BASES)}, e.g. "
+                         "('fp8', 'bf16').")
+    bases = [f for f in formats if f in BASES]
+    lows = [f for f in formats if f in LOWER]
+    if len(bases) != 1 or not lows:
+        raise ValueError(f"formats={formats!r} needs exactly one 16-bit base ({list(BASES)}) and at least one "
+                         f"format to lower to ({list(LOWER)}), e.g. ('fp8', 'bf16').")
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (0 < tolerance < math.inf):
+        raise ValueError(f"tolerance={tolerance!r} is invalid: the relative loss change the plan may cost, a "
+                         "number > 0 (0.01 for 1%).")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r} is invalid: choose one of {list(OBJECTIVES)}.")
+    if len(batches) < 2 or not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batches):
+        raise ValueError(f"batches: {len(batches)} given; tune needs at least 2 (input, target) pairs: some to "
+                         "measure on and one held out to check the combined plan.")
+    if not any(isinstance(m, nn.Linear) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} has no nn.Linear layer: tune chooses formats for linears.")
+    return lows, bases[0]
+
+
+def _candidates(model: nn.Module, lows: list[str], include: Sequence[str]) -> tuple[dict[str, list[str]],
+                                                                                     dict[str, str]]:
+    """The candidate linears and the formats each fits; the reasons the others are not candidates."""
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    unknown = [p for p in include if p not in dict(linears)]
+    if unknown:
+        raise ValueError(f"include={list(include)!r}: {unknown[0]!r} is not a linear of the model; its linears are "
+                         f"{[n for n, _ in linears][:12]}.")
+    candidates, reasons = {}, {}
+    for index, (name, linear) in enumerate(linears):
+        fits = [f for f in lows if linear.in_features % block_of(f) == 0 and linear.out_features % block_of(f) == 0]
+        if index in (0, len(linears) - 1) and name not in include:
+            reasons[name] = "not a candidate: the " + ("first" if index == 0 else "last") + " linear (include= it)"
+        elif not fits:
+            reasons[name] = (f"not a candidate: {linear.in_features}x{linear.out_features} is not a multiple of "
+                             f"{sorted({block_of(f) for f in lows})}")
+        else:
+            candidates[name] = fits
+    return candidates, reasons
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, formats: dict[str, str]) -> Iterator[None]:
+    """The named linears lowered (on their own Parameters) inside; the originals back after."""
+    originals = {}
+    for name, format in formats.items():
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        originals[name] = (owner, child, getattr(owner, child))
+        setattr(owner, child, lowered(getattr(owner, child), format))
+    try:
+        yield
+    finally:
+        for owner, child, original in originals.values():
+            setattr(owner, child, original)
+
+
+def _run(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.Tensor], policy: Policy,
+         warm_up: bool) -> _Run:
+    """Losses, gradients (without touching ``.grad``), the first batch's saved bytes and the median step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    run = _Run([], [], 0, 0.0)
+    times = []
+    for measured in ([False] if warm_up else []) + [True]:
+        for i, (x, y) in enumerate(batches):
+            started = time.perf_counter()
+            with autocast(policy):
+                if measured and i == 0:
+                    loss, run.saved_bytes = saved_bytes_of_step(model, lambda: loss_fn(model(x), y))
+                else:
+                    loss = loss_fn(model(x), y)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+            if not measured:
+                continue
+            times.append((time.perf_counter() - started) * 1e3)
+            run.losses.append(loss.item())
+            run.gradients.append(torch.cat([(g if g is not None else torch.zeros_like(p)).float().flatten()
+                                            for g, p in zip(grads, params)]))
+    run.ms = statistics.median(times)
+    return run
+
+
+def _loss_change(run: _Run, reference: _Run) -> float:
+    """The mean relative change of the loss, batch by batch."""
+    return statistics.fmean(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(run.losses, reference.losses))
+
+
+def _inputs(model: nn.Module, names: list[str], batch: Any, policy: Policy) -> dict[str, torch.Tensor]:
+    """Each named linear's input on one batch, in the region's precision."""
+    seen: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules())
+    handles = [modules[name].register_forward_pre_hook(
+        lambda m, args, name=name: seen.setdefault(name, args[0].detach())) for name in names]
+    try:
+        with torch.no_grad(), autocast(policy):
+            model(batch[0])
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
+
+
+def _cast_figures(x: torch.Tensor, format: str) -> tuple[float | None, float]:
+    """(saturation, underflow) of ``x``'s nonzero values in ``format`` (FP8: E4M3 with current scaling)."""
+    recipe = LOWER[format]
+    if not isinstance(recipe, BlockScaledRecipe):
+        numerics = cast_numerics(x, None, E4M3)
+        return numerics.overflow, numerics.underflow
+    nonzero = x != 0
+    values = fake_quantize(x.float(), recipe.format, scale_mode=recipe.scale_mode)
+    return None, ((values == 0) & nonzero).sum().item() / max(nonzero.sum().item(), 1)
+
+
+def _outlier(x: torch.Tensor) -> str | None:
+    """The input channel that sets a per-tensor scale, where it is OUTLIER_RATIO or more the median's."""
+    channels = x.detach().abs().float().reshape(-1, x.shape[-1]).amax(0)
+    median = channels.median().item()
+    top = int(channels.argmax())
+    ratio = channels[top].item() / median if median > 0 else math.inf
+    return f"channel {top}: {ratio:.1e}x the median channel" if ratio >= OUTLIER_RATIO else None
+
+
+def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None = None,
+         formats: Sequence[str] = ("fp8", "bf16"), tolerance: float = 0.01, objective: str = "time",
+         include: Sequence[str] = (), gradient_tolerance: float = 0.1) -> PrecisionPlan:
+    """Choose each linear's format from measured sensitivity and cost.
+
+    Args:
+        model: the model as built (float32, before ``initialize``, FP8 or block-scaled conversion).
+        batches: at least 2 ``(input, target)`` pairs: the last quarter (at least one) is held out to check
+            the combined plan, the rest measure each layer.
+        loss_fn: ``loss_fn(output, target) -> loss`` (default: cross-entropy over the last dimension).
+        formats: formats to lower linears to (``"fp8"``, ``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``) and the 16-bit
+            base the rest trains in (``"bf16"`` or ``"fp16"``).
+        tolerance: the relative loss change the plan may cost (0.01: 1%).
+        objective: ``"time"`` (milliseconds per step saved) or ``"memory"`` (saved-for-backward bytes).
+        include: linears that are candidates although first or last.
+        gradient_tolerance: the relative L2 change of the model's gradients one layer lowered alone may
+            cause (default 0.1). At initialisation every layer's effect on the loss is small (a block's
+            output is small against the residual stream) while its effect on the gradients is not: FP8
+            changes them by 1-2% for an ordinary layer of the GPT, by 63% for one whose input a 10^6x channel
+            flushes (measured, docs/tune.md). A layer over it is kept whatever its loss change.
+
+    Returns:
+        A ``PrecisionPlan``: ``plan.apply(model)`` converts the chosen linears; ``plan.save(path)``.
+
+    Raises:
+        ValueError: an unknown format, no base or no lowered format, tolerance <= 0, an unknown objective,
+            fewer than 2 batches, a model without linears, an ``include`` that names no linear.
+    """
+    started = time.perf_counter()
+    lows, base = _check(model, batches, formats, tolerance, objective)
+    if isinstance(gradient_tolerance, bool) or not isinstance(gradient_tolerance, (int, float)) or not (
+            0 < gradient_tolerance < math.inf):
+        raise ValueError(f"gradient_tolerance={gradient_tolerance!r} is invalid: the relative change of the "
+                         "gradients one lowered layer may cause, a number > 0 (0.1 for 10%).")
+    loss_fn = loss_fn or _cross_entropy
+    device = next(model.parameters()).device
+    policy = Policy.default(device.type, resolve_dtype(base))
+    held = max(1, len(batches) // 4)
+    tuning, held_out = list(batches[:-held]), list(batches[-held:])
+    candidates, reasons = _candidates(model, lows, include)
+    evidence: dict[tuple[str, str], dict[str, Any]] = {}
+    with untouched(model):
+        reference = _run(model, tuning, loss_fn, policy, warm_up=False)
+        inputs = _inputs(model, list(candidates), tuning[0], policy)
+        for name, fits in candidates.items():
+            for format in fits:
+                with _swapped(model, {name: format}):
+                    run = _run(model, tuning, loss_fn, policy, warm_up=True)
+                saturation, underflow = _cast_figures(inputs[name], format)
+                evidence[name, format] = {
+                    "loss_change": _loss_change(run, reference),
+                    "gradient_change": statistics.fmean(((g - r).norm() / r.norm().clamp(min=1e-30)).item()
+                                                        for g, r in zip(run.gradients, reference.gradients)),
+                    "saturation": saturation, "underflow": underflow,
+                    "saving": reference.ms - run.ms if objective == "time" else reference.saved_bytes - run.saved_bytes}
+        chosen, order, predicted, why = _choose(evidence, tolerance, gradient_tolerance)
+        held_reference = _run(model, held_out, loss_fn, policy, warm_up=False)
+
+        def held_out_change(names: list[str]) -> float:
+            with _swapped(model, {name: chosen[name] for name in names}):
+                return _loss_change(_run(model, held_out, loss_fn, policy, warm_up=True), held_reference)
+
+        measured, backed_off = _back_off(order, held_out_change, tolerance)
+        for name, change in backed_off:
+            why[name] = (f"kept: backed off, the combined plan changed the held-out loss {change:.2%} (tolerance "
+                         f"{tolerance:.2%})")
+            del chosen[name]
+        order = order[:len(order) - len(backed_off)]
+    layers = []
+    for name, m in model.named_modules():
+        if type(m) is not nn.Linear:
+            continue
+        tried = {f: e for (n, f), e in evidence.items() if n == name}
+        outlier = _outlier(inputs[name]) if name in inputs else None
+        reason = reasons.get(name) or why[name]
+        if outlier and name not in chosen:  # the evidence, in the words of the failure
+            reason += f"; {outlier} sets the per-tensor scale: " + ", ".join(
+                f"{e['underflow']:.1%} of the input flushes to zero in {f}" for f, e in tried.items())
+        layers.append(LayerChoice(
+            name, (m.in_features, m.out_features), chosen.get(name, base), reason,
+            {f: e["loss_change"] for f, e in tried.items()}, {f: e["gradient_change"] for f, e in tried.items()},
+            {f: e["saturation"] for f, e in tried.items()}, {f: e["underflow"] for f, e in tried.items()},
+            {f: e["saving"] for f, e in tried.items()}, outlier))
+    emulated = any(isinstance(LOWER[f], BlockScaledRecipe) or not native_fp8(device) for f in lows)
+    return PrecisionPlan(type(model).__name__, fingerprint(model), base, objective, float(tolerance), tuple(layers),
+                         sum(evidence[n, chosen[n]]["loss_change"] for n in order), measured,
+                         tuple(name for name, _ in backed_off),
+                         sum(evidence[n, chosen[n]]["saving"] for n in order), emulated,
+                         time.perf_counter() - started)
+
+
+def _back_off(order: list[str], change: Callable[[list[str]], float],
+              tolerance: float) -> tuple[float, list[tuple[str, float]]]:
+    """The combined plan's measured loss change, with the last-chosen layers put back while it exceeds
+    ``tolerance``: (the change of what remains, 0 for nothing; the layers backed off, each with the change
+    that backed it off)."""
+    kept = list(order)
+    backed: list[tuple[str, float]] = []
+    while kept:
+        measured = change(kept)
+        if measured <= tolerance:
+            return measured, backed
+        backed.append((kept.pop(), measured))
+    return 0.0, backed
+
+
+def _choose(evidence: dict[tuple[str, str], dict[str, Any]], tolerance: float,
+            gradient_tolerance: float) -> tuple[dict[str, str], list[str], float, dict[str, str]]:
+    """Lower layers by saving per unit of sensitivity (the larger of the loss change and the gradient change,
+    each over its tolerance) while the summed loss changes stay within ``tolerance``; a layer whose gradient
+    change exceeds ``gradient_tolerance`` is not lowered. Returns the chosen formats, the order they were
+    chosen in, the summed change, and every layer's why."""
+    def sensitivity(e: dict[str, Any]) -> float:
+        return max(e["loss_change"] / tolerance, e["gradient_change"] / gradient_tolerance, 1e-9)
+
+    ranked = sorted(((e["saving"] / sensitivity(e), n, f) for (n, f), e in evidence.items()
+                     if e["saving"] > 0 and e["gradient_change"] <= gradient_tolerance), reverse=True)
+    chosen: dict[str, str] = {}
+    order: list[str] = []
+    spent = 0.0
+    for _, name, format in ranked:
+        change = evidence[name, format]["loss_change"]
+        if name not in chosen and spent + change <= tolerance:
+            chosen[name], spent = format, spent + change
+            order.append(name)
+    why = {}
+    for name in {n for n, _ in evidence}:
+        if name in chosen:
+            e = evidence[name, chosen[name]]
+            why[name] = f"lowered: loss {e['loss_change']:+.3%} alone, saves {e['saving']:.3g}"
+            continue
+        tried = {f: e for (n, f), e in evidence.items() if n == name}
+        if all(e["saving"] <= 0 for e in tried.values()):
+            why[name] = "kept: lowering saves nothing here (" + ", ".join(
+                f"{f} {e['saving']:+.3g}" for f, e in tried.items()) + ")"
+        elif all(e["loss_change"] > tolerance or e["gradient_change"] > gradient_tolerance for e in tried.values()):
+            why[name] = "kept: too sensitive (" + ", ".join(
+                f"{f} alone changes the loss {e['loss_change']:.2%}, the gradients {e['gradient_change']:.1%}"
+                for f, e in tried.items()) + f"; tolerances {tolerance:.2%}, {gradient_tolerance:.0%})"
+        else:
+            why[name] = "kept: the tolerance went to layers that save more per unit of loss change"
+    return chosen, order, spent, why

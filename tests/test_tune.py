@@ -1,0 +1,136 @@
+"""ampkit.tune: a planted outlier layer kept in bf16 with the channel named, ordinary layers lowered; the
+back-off; the plan as a file (round trip, another model, another version, no silent overwrite); the
+refusals; `ampkit tune` and `ampkit compare --plan`."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+from ampkit.experiment.models import GPT, gpt_with_outlier
+from ampkit.formats.fp8 import Fp8Linear
+from ampkit.planning.precision_plan import PrecisionPlan
+from ampkit.planning.tune import _back_off
+
+PLANTED = "blocks.0.mlp.3"  # the linear whose input channel 7 is 10^6x the others
+
+
+def _gpt(planted: bool = True, **kwargs: int) -> nn.Module:
+    torch.manual_seed(0)
+    shape = dict(d_model=32, n_layers=2, n_heads=2, context=16) | kwargs
+    return gpt_with_outlier(**shape) if planted else GPT(**shape)
+
+
+def _batches(count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    windows = [torch.randint(0, 256, (8, 17), generator=g) for _ in range(count)]
+    return [(w[:, :-1], w[:, 1:]) for w in windows]
+
+
+@pytest.fixture(scope="module")
+def planted_plan() -> PrecisionPlan:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ampkit.tune(_gpt(), _batches(), formats=("fp8", "bf16"), tolerance=0.05, objective="memory")
+
+
+def test_the_planted_outlier_layer_stays_in_bf16_and_its_evidence_names_the_channel(planted_plan) -> None:  # type: ignore[no-untyped-def]
+    layers = {layer.name: layer for layer in planted_plan.layers}
+    planted = layers[PLANTED]
+    assert planted.format == "bf16" and "too sensitive" in planted.why
+    assert planted.outlier is not None and planted.outlier.startswith("channel 7: ")
+    assert planted.underflow["fp8"] > 0.5  # the one channel's scale flushes the others
+    assert "channel 7" in planted.why and "flushes to zero in fp8" in planted.why
+    assert planted.gradient_change["fp8"] > planted_plan.layers[1].gradient_change["fp8"] * 10
+    ordinary = [layer for name, layer in layers.items() if "fp8" in layer.loss_change and name != PLANTED]
+    assert planted.loss_change["fp8"] > 10 * max(layer.loss_change["fp8"] for layer in ordinary)
+    lowered = planted_plan.lowered()
+    assert lowered and set(lowered.values()) == {"fp8"} and PLANTED not in lowered
+    assert layers["blocks.0.attn.qkv"].why.startswith("not a candidate: the first linear")
+    assert layers["lm_head"].why.startswith("not a candidate: the last linear")
+    assert planted_plan.measured_loss_change <= planted_plan.tolerance
+    assert all(layers[name].saving["fp8"] > 0 for name in lowered)  # memory: measured saved-for-backward bytes
+
+
+def test_a_plan_is_a_file_for_its_own_model(planted_plan, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = planted_plan.save(tmp_path / "plan.json")
+    assert PrecisionPlan.load(path) == planted_plan
+    with pytest.raises(FileExistsError, match="plan.json exists: pass overwrite=True"):
+        planted_plan.save(path)
+    planted_plan.save(path, overwrite=True)
+    model = planted_plan.apply(_gpt())
+    for name, module in model.named_modules():
+        if name in planted_plan.lowered():
+            assert isinstance(module, Fp8Linear)
+        elif isinstance(module, nn.Linear):
+            assert type(module) is nn.Linear, name
+    with pytest.raises(ValueError, match="is a Fp8Linear already"):
+        planted_plan.apply(model)
+    with pytest.raises(ValueError, match="This plan was made for another model"):
+        planted_plan.apply(_gpt(d_model=64))
+    data = json.loads(path.read_text())
+    (tmp_path / "v2.json").write_text(json.dumps({**data, "version": 2}))
+    with pytest.raises(ValueError, match="is not a version-1 precision plan"):
+        PrecisionPlan.load(tmp_path / "v2.json")
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(ValueError, match="Cannot read the precision plan"):
+        PrecisionPlan.load(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(formats=("fp9", "bf16")), r"formats=\['fp9', 'bf16'\]: fp9 is not a format"),
+    (dict(formats=("fp8",)), "needs exactly one 16-bit base"),
+    (dict(formats=("bf16",)), "needs exactly one 16-bit base"),
+    (dict(tolerance=0), "tolerance=0 is invalid"),
+    (dict(tolerance=-0.1), "tolerance=-0.1 is invalid"),
+    (dict(tolerance=float("nan")), "tolerance=nan is invalid"),
+    (dict(objective="speed"), "objective='speed' is invalid"),
+    (dict(include=["head"]), "include=\\['head'\\]: 'head' is not a linear"),
+])
+def test_bad_arguments_are_refused_in_one_line(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ampkit.tune(_gpt(), _batches(), **kwargs)
+    with pytest.raises(ValueError, match="tune needs at least 2"):
+        ampkit.tune(_gpt(), _batches(1))
+
+
+def test_the_combined_check_backs_off_the_last_layers_until_it_fits() -> None:
+    changes = {("a", "b", "c"): 0.05, ("a", "b"): 0.02, ("a",): 0.004}
+    measured, backed = _back_off(["a", "b", "c"], lambda names: changes[tuple(names)], 0.01)
+    assert measured == 0.004 and backed == [("c", 0.05), ("b", 0.02)]
+    assert _back_off(["a"], lambda names: 0.5, 0.01) == (0.0, [("a", 0.5)])
+    assert _back_off([], lambda names: pytest.fail("nothing to check"), 0.01) == (0.0, [])
+
+
+def test_ampkit_tune_writes_a_plan_that_compare_runs_beside_its_references(tmp_path, capsys,  # type: ignore[no-untyped-def]
+                                                                          monkeypatch) -> None:
+    from ampkit.cli.main import main
+    from ampkit.experiment.settings import plan
+
+    monkeypatch.setenv("COLUMNS", "240")  # the table unwrapped
+
+    out = tmp_path / "plan.json"
+    args = ["tune", "--model", "gpt-outlier", "--batches", "4", "--batch-size", "8", "--objective", "memory",
+            "--tolerance", "0.05", "--out", str(out)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert PLANTED in printed and "channel 7" in printed and f"wrote {out}" in printed
+    assert main(args) == 2 and "exists: pass --force" in capsys.readouterr().err  # never overwritten silently
+    configs = plan(model="gpt-outlier", steps=2, precision_plan=str(out), probe=False, computes=["native"])
+    assert [c.label for c in configs] == ["fp32", "bf16 O1", "fp8-delayed-hybrid O1", "bf16 O1 tuned"]
+    with pytest.raises(ValueError, match="was made for another model"):
+        plan(model="gpt", steps=2, precision_plan=str(out))
+    from ampkit.experiment import data as data_mod
+    from ampkit.experiment.training import prepare
+
+    model, _ = prepare(configs[-1], data_mod.load("text"), torch.device("cpu"))  # the tuned run's model
+    lowered = PrecisionPlan.load(out).lowered()
+    assert lowered and all(isinstance(model.get_submodule(name), Fp8Linear) for name in lowered)
+    assert type(model.get_submodule(PLANTED)) is nn.Linear
+    assert main(["tune", "--model", "gpt", "--tolerance", "0", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--tolerance 0 is invalid" in capsys.readouterr().err or not (tmp_path / "x.json").exists()
