@@ -89,6 +89,7 @@ def test_a_plan_is_a_file_for_its_own_model(planted_plan, tmp_path) -> None:  # 
     (dict(tolerance=0), "tolerance=0 is invalid"),
     (dict(tolerance=-0.1), "tolerance=-0.1 is invalid"),
     (dict(tolerance=float("nan")), "tolerance=nan is invalid"),
+    (dict(gradient_tolerance=0), "gradient_tolerance=0 is invalid"),
     (dict(objective="speed"), "objective='speed' is invalid"),
     (dict(include=["head"]), "include=\\['head'\\]: 'head' is not a linear"),
 ])

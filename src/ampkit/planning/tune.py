@@ -54,11 +54,10 @@ class _Run:
     losses: list[float]
     gradients: list[torch.Tensor]  # per batch, every parameter's gradient flattened into one vector
     saved_bytes: int  # saved-for-backward of the first batch
-    ms: float  # median step (forward and backward)
 
 
-def _check(model: nn.Module, batches: Sequence[Any], formats: Sequence[str], tolerance: float,
-           objective: str) -> tuple[list[str], str]:
+def _check(model: nn.Module, batches: Sequence[Any], formats: Sequence[str], tolerance: float, objective: str,
+           gradient_tolerance: float) -> tuple[list[str], str]:
     """The lowered formats and the base; ValueError naming the value and the fix for anything else."""
     formats = list(formats) if not isinstance(formats, str) else [formats]
     unknown = [f for f in formats if f not in LOWER and f not in BASES]
@@ -71,9 +70,11 @@ def _check(model: nn.Module, batches: Sequence[Any], formats: Sequence[str], tol
     if len(bases) != 1 or not lows:
         raise ValueError(f"formats={formats!r} needs exactly one 16-bit base ({list(BASES)}) and at least one "
                          f"format to lower to ({list(LOWER)}), e.g. ('fp8', 'bf16').")
-    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not (0 < tolerance < math.inf):
-        raise ValueError(f"tolerance={tolerance!r} is invalid: the relative loss change the plan may cost, a "
-                         "number > 0 (0.01 for 1%).")
+    for name, value, example in (("tolerance", tolerance, "0.01 for 1% of the loss"),
+                                 ("gradient_tolerance", gradient_tolerance, "0.1 for 10% of the gradients")):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
+            raise ValueError(f"{name}={value!r} is invalid: the relative change the plan may cost, a number > 0 "
+                             f"({example}).")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r} is invalid: choose one of {list(OBJECTIVES)}.")
     if len(batches) < 2 or not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batches):
@@ -123,13 +124,11 @@ def _swapped(model: nn.Module, formats: dict[str, str]) -> Iterator[None]:
 
 def _run(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.Tensor], policy: Policy,
          warm_up: bool) -> _Run:
-    """Losses, gradients (without touching ``.grad``), the first batch's saved bytes and the median step."""
+    """Losses, gradients (without touching ``.grad``) and the first batch's saved bytes."""
     params = [p for p in model.parameters() if p.requires_grad]
-    run = _Run([], [], 0, 0.0)
-    times = []
+    run = _Run([], [], 0)
     for measured in ([False] if warm_up else []) + [True]:
         for i, (x, y) in enumerate(batches):
-            started = time.perf_counter()
             with autocast(policy):
                 if measured and i == 0:
                     loss, run.saved_bytes = saved_bytes_of_step(model, lambda: loss_fn(model(x), y))
@@ -138,12 +137,30 @@ def _run(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             if not measured:
                 continue
-            times.append((time.perf_counter() - started) * 1e3)
             run.losses.append(loss.item())
             run.gradients.append(torch.cat([(g if g is not None else torch.zeros_like(p)).float().flatten()
                                             for g, p in zip(grads, params)]))
-    run.ms = statistics.median(times)
     return run
+
+
+def _layer_ms(variants: dict[str, nn.Module], x: torch.Tensor, policy: Policy, repeats: int = 7) -> dict[str, float]:
+    """Each variant of one linear: its forward and backward on ``x`` in the region (ms), the variants timed in
+    alternation, medians (a whole model's step would bury one layer's difference in its noise)."""
+    def step(module: nn.Module) -> float:
+        inputs = x.detach().requires_grad_()
+        started = time.perf_counter()
+        with autocast(policy):
+            out = module(inputs)
+        torch.autograd.grad(out, [inputs, *module.parameters()], torch.ones_like(out), allow_unused=True)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        return (time.perf_counter() - started) * 1e3
+
+    runs: dict[str, list[float]] = {name: [] for name in variants}
+    for repeat in range(repeats + 1):
+        for name in (list(variants) if repeat % 2 else list(reversed(variants))):
+            runs[name].append(step(variants[name]))
+    return {name: statistics.median(times[1:]) for name, times in runs.items()}  # the first warms up
 
 
 def _loss_change(run: _Run, reference: _Run) -> float:
@@ -204,8 +221,9 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
         gradient_tolerance: the relative L2 change of the model's gradients one layer lowered alone may
             cause (default 0.1). At initialisation every layer's effect on the loss is small (a block's
             output is small against the residual stream) while its effect on the gradients is not: FP8
-            changes them by 1-2% for an ordinary layer of the GPT, by 63% for one whose input a 10^6x channel
-            flushes (measured, docs/tune.md). A layer over it is kept whatever its loss change.
+            changes them by a percent or two for an ordinary layer of the GPT, by more than half for one whose
+            input a 10^6x channel flushes (BENCHMARKS.md, the tune table). A layer over it is kept whatever its
+            loss change.
 
     Returns:
         A ``PrecisionPlan``: ``plan.apply(model)`` converts the chosen linears; ``plan.save(path)``.
@@ -215,11 +233,7 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
             fewer than 2 batches, a model without linears, an ``include`` that names no linear.
     """
     started = time.perf_counter()
-    lows, base = _check(model, batches, formats, tolerance, objective)
-    if isinstance(gradient_tolerance, bool) or not isinstance(gradient_tolerance, (int, float)) or not (
-            0 < gradient_tolerance < math.inf):
-        raise ValueError(f"gradient_tolerance={gradient_tolerance!r} is invalid: the relative change of the "
-                         "gradients one lowered layer may cause, a number > 0 (0.1 for 10%).")
+    lows, base = _check(model, batches, formats, tolerance, objective, gradient_tolerance)
     loss_fn = loss_fn or _cross_entropy
     device = next(model.parameters()).device
     policy = Policy.default(device.type, resolve_dtype(base))
@@ -228,9 +242,12 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
     candidates, reasons = _candidates(model, lows, include)
     evidence: dict[tuple[str, str], dict[str, Any]] = {}
     with untouched(model):
-        reference = _run(model, tuning, loss_fn, policy, warm_up=False)
+        reference = _run(model, tuning, loss_fn, policy, warm_up=False)  # 16 bits: nothing to warm up
         inputs = _inputs(model, list(candidates), tuning[0], policy)
         for name, fits in candidates.items():
+            if objective == "time":
+                linear: nn.Linear = model.get_submodule(name)  # type: ignore[assignment]
+                ms = _layer_ms({base: linear, **{f: lowered(linear, f) for f in fits}}, inputs[name], policy)
             for format in fits:
                 with _swapped(model, {name: format}):
                     run = _run(model, tuning, loss_fn, policy, warm_up=True)
@@ -240,8 +257,8 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
                     "gradient_change": statistics.fmean(((g - r).norm() / r.norm().clamp(min=1e-30)).item()
                                                         for g, r in zip(run.gradients, reference.gradients)),
                     "saturation": saturation, "underflow": underflow,
-                    "saving": reference.ms - run.ms if objective == "time" else reference.saved_bytes - run.saved_bytes}
-        chosen, order, predicted, why = _choose(evidence, tolerance, gradient_tolerance)
+                    "saving": ms[base] - ms[format] if objective == "time" else reference.saved_bytes - run.saved_bytes}
+        chosen, order, why = _choose(evidence, tolerance, gradient_tolerance)
         held_reference = _run(model, held_out, loss_fn, policy, warm_up=False)
 
         def held_out_change(names: list[str]) -> float:
@@ -293,11 +310,11 @@ def _back_off(order: list[str], change: Callable[[list[str]], float],
 
 
 def _choose(evidence: dict[tuple[str, str], dict[str, Any]], tolerance: float,
-            gradient_tolerance: float) -> tuple[dict[str, str], list[str], float, dict[str, str]]:
+            gradient_tolerance: float) -> tuple[dict[str, str], list[str], dict[str, str]]:
     """Lower layers by saving per unit of sensitivity (the larger of the loss change and the gradient change,
     each over its tolerance) while the summed loss changes stay within ``tolerance``; a layer whose gradient
     change exceeds ``gradient_tolerance`` is not lowered. Returns the chosen formats, the order they were
-    chosen in, the summed change, and every layer's why."""
+    chosen in, and every layer's why."""
     def sensitivity(e: dict[str, Any]) -> float:
         return max(e["loss_change"] / tolerance, e["gradient_change"] / gradient_tolerance, 1e-9)
 
@@ -327,4 +344,4 @@ def _choose(evidence: dict[tuple[str, str], dict[str, Any]], tolerance: float,
                 for f, e in tried.items()) + f"; tolerances {tolerance:.2%}, {gradient_tolerance:.0%})"
         else:
             why[name] = "kept: the tolerance went to layers that save more per unit of loss change"
-    return chosen, order, spent, why
+    return chosen, order, why
