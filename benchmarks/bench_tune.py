@@ -33,6 +33,31 @@ def _ampkit(*args: str) -> float:
     return time.perf_counter() - start
 
 
+def _planted_at(factor: float) -> dict:
+    """The planted layer's figures in a memory plan of the GPT planted at ``factor`` (the API, as tune runs)."""
+    import warnings
+
+    import torch
+
+    import ampkit
+    from ampkit.experiment.data import load
+    from ampkit.experiment.models import gpt_with_outlier
+    from ampkit.experiment.tuning import tuning_batches
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = ampkit.tune(gpt_with_outlier(factor=factor), tuning_batches(load("text"), 32, 8, 0, torch.device("cpu")),
+                           objective="memory")
+    layers = {layer.name: layer for layer in plan.layers}
+    others = sorted(layer.gradient_change["fp8"] for name, layer in layers.items()
+                    if "fp8" in layer.gradient_change and name != "blocks.0.mlp.3")
+    planted = layers["blocks.0.mlp.3"]
+    return {"factor": factor, "format": planted.format, "underflow": planted.underflow["fp8"],
+            "gradient_change": planted.gradient_change["fp8"], "loss_change": planted.loss_change["fp8"],
+            "others_gradient_change_median": others[len(others) // 2], "outlier": planted.outlier}
+
+
 def main() -> None:
     RESULTS.mkdir(exist_ok=True)
     with tempfile.TemporaryDirectory(dir=RESULTS, prefix=".staging-") as staging:
@@ -45,6 +70,7 @@ def main() -> None:
         compare_s = _ampkit("compare", "--model", MODEL, "--plan", str(Path(staging) / "plan-memory.json"),
                             "--no-probe", "--out", str(run), "--quiet")
         runs = json.loads((run / "results.json").read_text())["runs"]
+    weak = _planted_at(1e4)
     rows = {r["label"]: {key: r[key] for key in ("final_train_loss", "ms_per_step", "saved_for_backward_bytes",
                                                   "skipped_steps")} for r in runs}
     bf16 = next(label for label in rows if label.startswith("bf16 O1") and "tuned" not in label)
@@ -57,7 +83,7 @@ def main() -> None:
     measured = {"bytes": rows[bf16]["saved_for_backward_bytes"] - rows[tuned]["saved_for_backward_bytes"],
                 "ms": rows[bf16]["ms_per_step"] - rows[tuned]["ms_per_step"]}
     path = save("tune", {"model": MODEL, "plans": summary, "runs": rows, "bf16": bf16, "tuned": tuned,
-                         "measured_saving": measured, "compare_s": compare_s})
+                         "measured_saving": measured, "compare_s": compare_s, "planted_at_1e4": weak})
     for label, row in rows.items():
         print(f"{label}: final loss {row['final_train_loss']:.4f}, {row['ms_per_step']:.1f} ms/step, saved "
               f"{row['saved_for_backward_bytes'] / 2**20:.2f} MiB")

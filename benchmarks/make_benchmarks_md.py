@@ -310,6 +310,12 @@ def tune_table(results: dict[str, Any]) -> str:
         rows.append(f"| {label} | {row['final_train_loss']:.4f} | {row['final_train_loss'] / bf16 - 1:+.2%} | "
                     f"{row['ms_per_step']:.1f} | {row['saved_for_backward_bytes'] / 2**20:.2f} | "
                     f"{row['skipped_steps']} |")
+    weak = results.get("planted_at_1e4")
+    if weak:
+        rows += ["", f"Planted at {weak['factor']:.0e} instead (the API, memory objective): the planted layer is "
+                 f"{weak['format']}; lowered alone to fp8 its input underflow is {weak['underflow']:.1%}, its "
+                 f"gradient change {weak['gradient_change']:.2%} (the other candidates' median "
+                 f"{weak['others_gradient_change_median']:.2%}), its loss change {weak['loss_change']:.4%}."]
     rows += ["", "The memory plan, per linear (fp8 alone: loss change, gradient change, input underflow, saved "
              "bytes):", "", "| linear | format | loss | gradients | underflow | saving | why |", "|---|---|---|---|---|---|---|"]
     for layer in plans["memory"]["layers"]:
