@@ -135,3 +135,17 @@ def test_ampkit_tune_writes_a_plan_that_compare_runs_beside_its_references(tmp_p
     assert type(model.get_submodule(PLANTED)) is nn.Linear
     assert main(["tune", "--model", "gpt", "--tolerance", "0", "--out", str(tmp_path / "x.json")]) == 2
     assert "--tolerance 0 is invalid" in capsys.readouterr().err or not (tmp_path / "x.json").exists()
+
+
+def test_a_user_factory_is_tuned_as_compare_builds_it() -> None:
+    from ampkit.experiment.tuning import run_tune
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tuned, model = run_tune("ampkit.experiment.models:MLP", "digits", ["fp8", "bf16"], 0.05, "memory", 4, 16, [],
+                                0, "cpu")
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert [layer.name for layer in tuned.layers] == names and tuned.model == "MLP"
+    assert all(layer.why for layer in tuned.layers)
+    with pytest.raises(ValueError, match="batches=1 is invalid"):
+        run_tune("mlp", "digits", ["fp8", "bf16"], 0.05, "memory", 1, 16, [], 0, "cpu")

@@ -9,10 +9,14 @@ saved-for-backward fits the budget at the least recompute time. The prediction i
 storages: a storage is freed when every op that saved it is inside a recomputed block, and a recomputed
 block keeps its inputs instead.
 
+Each block can also be recomputed selectively, keeping its GEMM and attention outputs (``selective.py``);
+its recompute costs, whole and selective, are timed on the block itself (``measure.py``).
+
 Strategies: ``"auto"`` (the planner: blocks by bytes freed per millisecond of recompute, neighbours merged
 into longer segments where the budget asks for it, the unneeded ones dropped again; where no plan of blocks
 fits, the whole model as one segment, which keeps only its inputs: Chen's one extra forward, reaching below
-what the stem and head outside the blocks save), ``"blocks"`` (every block, the usual ``gradient_checkpointing``) and
+what the stem and head outside the blocks save; a baseline's plan where it fits and times faster),
+``"blocks"`` (every block, the usual ``gradient_checkpointing``) and
 ``"sqrt"`` (Chen's: about sqrt(n) segments of consecutive blocks per nn.Sequential, each recomputed as one
 and keeping only its first input). ``plan.apply(model)`` installs the plan with torch.utils.checkpoint
 (non-reentrant), which ampkit makes recompute under the forward's policy and compute mode; batch norms
