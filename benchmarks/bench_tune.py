@@ -4,7 +4,7 @@
 Both objectives are tuned (each timed from start to exit, as a user waits for it); the compare trains the
 ``memory`` plan (on a CPU every lowered format is emulated, slower than bf16, so the ``time`` plan lowers
 nothing: its record says so). Per run: final train loss, ms per step, saved-for-backward; the plan's
-predicted saving beside the measured one (the tuned run against bf16 O1).
+predicted savings (bytes and ms per step) beside the measured ones (the tuned run against bf16 O1).
 
     python benchmarks/bench_tune.py   # writes benchmarks/results/tune.json
 """
@@ -78,6 +78,7 @@ def main() -> None:
     summary = {objective: {"tune_s": tune_s[objective], "lowered": {l["name"]: l["format"] for l in plan["layers"]
                                                                      if l["format"] != plan["base"]},
                            "linears": len(plan["layers"]), "predicted_saving": plan["predicted_saving"],
+                           "predicted_ms": plan["predicted_ms"], "predicted_bytes": plan["predicted_bytes"],
                            "measured_loss_change": plan["measured_loss_change"], "tuned_s_inside": plan["tune_s"],
                            "layers": plan["layers"]} for objective, plan in plans.items()}
     measured = {"bytes": rows[bf16]["saved_for_backward_bytes"] - rows[tuned]["saved_for_backward_bytes"],

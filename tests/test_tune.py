@@ -55,6 +55,9 @@ def test_the_planted_outlier_layer_stays_in_bf16_and_its_evidence_names_the_chan
     assert layers["lm_head"].why.startswith("not a candidate: the last linear")
     assert planted_plan.measured_loss_change <= planted_plan.tolerance
     assert all(layers[name].saving["fp8"] > 0 for name in lowered)  # memory: measured saved-for-backward bytes
+    assert planted_plan.predicted_bytes == planted_plan.predicted_saving == sum(
+        layers[name].saving_bytes["fp8"] for name in lowered)
+    assert planted_plan.predicted_ms == sum(layers[name].saving_ms["fp8"] for name in lowered)  # timed as well
 
 
 def test_a_plan_is_a_file_for_its_own_model(planted_plan, tmp_path) -> None:  # type: ignore[no-untyped-def]

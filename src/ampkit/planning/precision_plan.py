@@ -67,11 +67,13 @@ class LayerChoice:
         saturation: per format tried, the fraction of the input's nonzero values clamped at the format's
             largest value (None: block formats scale each block to fit).
         underflow: per format tried, the fraction of the input's nonzero values flushed to zero.
-        saving: per format tried, what lowering this layer alone saves: milliseconds per step (objective
-            ``"time"``, measured) or saved-for-backward bytes (``"memory"``, measured); negative where it
-            costs (an emulated format is slower than the 16-bit kernel).
+        saving: per format tried, what lowering this layer alone saves in the plan's objective: ``saving_ms``
+            or ``saving_bytes``; negative where it costs (an emulated format is slower than the 16-bit kernel).
         outlier: the input channel that sets the scale, where one channel's largest magnitude is 100x or
             more the median channel's (as LLM.int8() found): ``"channel 7: 9.8e+03x the median channel"``.
+        saving_ms: per format tried, milliseconds per step saved (the layer's own forward and backward,
+            measured against the 16-bit layer's).
+        saving_bytes: per format tried, saved-for-backward bytes saved (the model's step, measured).
     """
 
     name: str
@@ -84,6 +86,8 @@ class LayerChoice:
     underflow: dict[str, float] = dataclasses.field(default_factory=dict)
     saving: dict[str, float] = dataclasses.field(default_factory=dict)
     outlier: str | None = None
+    saving_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    saving_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,10 +103,13 @@ class PrecisionPlan:
         predicted_loss_change: the sum of the chosen layers' loss changes.
         measured_loss_change: the combined plan's relative loss change on the held-out batches.
         backed_off: layers lowered first and put back, as the combined check asked.
-        predicted_saving: the chosen layers' savings summed (ms per step, or bytes).
+        predicted_saving: the chosen layers' savings in the objective, summed (ms per step, or bytes).
         emulated: whether the lowered formats run emulated on the device tuned on (their cost is
             emulation's there: a slower step, the bytes of the emulation).
         tune_s: how long tuning took.
+        predicted_ms: the chosen layers' ``saving_ms`` summed, whatever the objective (what the step should
+            gain: negative, what it should lose).
+        predicted_bytes: the chosen layers' ``saving_bytes`` summed.
         version: the file format's.
     """
 
@@ -118,6 +125,8 @@ class PrecisionPlan:
     predicted_saving: float
     emulated: bool
     tune_s: float
+    predicted_ms: float = 0.0
+    predicted_bytes: float = 0.0
     version: int = VERSION
 
     def lowered(self) -> dict[str, str]:

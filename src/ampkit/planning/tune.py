@@ -9,9 +9,10 @@ than the rest sets a per-tensor scale that flushes everything else to zero. tune
    gradients, saved-for-backward bytes, step time; and each candidate linear's input, for its cast figures
    (saturation and underflow in each format, and the channel that sets the scale).
 2. Each candidate linear alone lowered to each format (swapped in on its own Parameters, a warm-up pass,
-   then the measured pass): the loss's relative change, the gradients' relative L2 change, and what it saves
-   (objective ``"time"``: milliseconds per step; ``"memory"``: saved-for-backward bytes; both measured, so
-   an emulated format costs what emulation costs here).
+   then the measured pass): the loss's relative change, the gradients' relative L2 change, and what it saves,
+   both measured (so an emulated format costs what emulation costs here): milliseconds per step (the
+   layer's own forward and backward, against the 16-bit layer's) and saved-for-backward bytes; the
+   objective (``"time"`` or ``"memory"``) says which one the choice maximises.
 3. Layers lowered in order of saving per unit of loss change while the summed loss changes stay within
    ``tolerance``; then the combined plan checked once on held-out batches, and the last layers backed off
    while its loss change exceeds the tolerance.
@@ -42,6 +43,7 @@ from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 
 OBJECTIVES = ("time", "memory")
+UNITS = {"time": "ms", "memory": "bytes"}  # what each objective's saving counts
 OUTLIER_RATIO = 100.0  # a channel this many times the median channel's largest magnitude sets the scale
 
 
@@ -245,9 +247,8 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
         reference = _run(model, tuning, loss_fn, policy, warm_up=False)  # 16 bits: nothing to warm up
         inputs = _inputs(model, list(candidates), tuning[0], policy)
         for name, fits in candidates.items():
-            if objective == "time":
-                linear: nn.Linear = model.get_submodule(name)  # type: ignore[assignment]
-                ms = _layer_ms({base: linear, **{f: lowered(linear, f) for f in fits}}, inputs[name], policy)
+            linear: nn.Linear = model.get_submodule(name)  # type: ignore[assignment]
+            ms = _layer_ms({base: linear, **{f: lowered(linear, f) for f in fits}}, inputs[name], policy)
             for format in fits:
                 with _swapped(model, {name: format}):
                     run = _run(model, tuning, loss_fn, policy, warm_up=True)
@@ -257,7 +258,8 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
                     "gradient_change": statistics.fmean(((g - r).norm() / r.norm().clamp(min=1e-30)).item()
                                                         for g, r in zip(run.gradients, reference.gradients)),
                     "saturation": saturation, "underflow": underflow,
-                    "saving": ms[base] - ms[format] if objective == "time" else reference.saved_bytes - run.saved_bytes}
+                    "saving_ms": ms[base] - ms[format], "saving_bytes": reference.saved_bytes - run.saved_bytes}
+                evidence[name, format]["saving"] = evidence[name, format][f"saving_{UNITS[objective]}"]
         chosen, order, why = _choose(evidence, tolerance, gradient_tolerance)
         held_reference = _run(model, held_out, loss_fn, policy, warm_up=False)
 
@@ -285,13 +287,16 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
             name, (m.in_features, m.out_features), chosen.get(name, base), reason,
             {f: e["loss_change"] for f, e in tried.items()}, {f: e["gradient_change"] for f, e in tried.items()},
             {f: e["saturation"] for f, e in tried.items()}, {f: e["underflow"] for f, e in tried.items()},
-            {f: e["saving"] for f, e in tried.items()}, outlier))
+            {f: e["saving"] for f, e in tried.items()}, outlier, {f: e["saving_ms"] for f, e in tried.items()},
+            {f: e["saving_bytes"] for f, e in tried.items()}))
     emulated = any(isinstance(LOWER[f], BlockScaledRecipe) or not native_fp8(device) for f in lows)
     return PrecisionPlan(type(model).__name__, fingerprint(model), base, objective, float(tolerance), tuple(layers),
                          sum(evidence[n, chosen[n]]["loss_change"] for n in order), measured,
                          tuple(name for name, _ in backed_off),
                          sum(evidence[n, chosen[n]]["saving"] for n in order), emulated,
-                         time.perf_counter() - started)
+                         time.perf_counter() - started,
+                         sum(evidence[n, chosen[n]]["saving_ms"] for n in order),
+                         sum(evidence[n, chosen[n]]["saving_bytes"] for n in order))
 
 
 def _back_off(order: list[str], change: Callable[[list[str]], float],
