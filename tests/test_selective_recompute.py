@@ -193,3 +193,20 @@ def test_a_plan_installed_for_timing_leaves_every_forward_as_it_was() -> None:
         assert all("forward" in m.__dict__ for m in (model, model.blocks[0], model.blocks[1]))
         assert torch.equal(model(x), out)
     assert {name: m.__dict__.get("forward") for name, m in model.named_modules()} == own
+
+
+def test_a_planned_model_compiles_and_gives_the_unplanned_gradients() -> None:
+    """Under torch.compile (aot_eager) a plan's checkpoints, whole and selective, recompute as in eager code;
+    under float32 compute the selective blocks' single ops trace through their fake kernels."""
+    model, x = _model("gpt", compute="float32")
+    whole, partial, plain = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    plan = plan_recompute(whole, x, 1.0, _loss, strategy="blocks")
+    plan.apply(whole)
+    _every_block_selective(partial, x).apply(partial)
+    grads = []
+    for m in (plain, whole, partial):
+        torch.compiler.reset()
+        _loss(torch.compile(m, backend="aot_eager")(x)).backward()
+        grads.append([p.grad for p in m.parameters()])
+    for planned in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(planned, grads[0]))
