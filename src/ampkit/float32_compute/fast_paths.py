@@ -39,9 +39,7 @@ class _Linear(torch.autograd.Function):
         gelu = gelu_input(x)
         ctx.gelu = None if gelu is None else gelu[1]
         ctx.save_for_backward(x if gelu is None else gelu[0], w)
-        if single_ops.active():
-            return single_ops.linear(x, w, b)
-        return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
+        return single_ops.linear(x, w, b)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -70,10 +68,7 @@ class _Convolution(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *params: Any) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(x, w)
         ctx.params, ctx.bias_sizes = params, None if b is None else list(b.shape)
-        if single_ops.active():
-            return single_ops.convolution(x, w, b, *params)
-        out = torch.ops.aten.convolution(x.float(), w.float(), None if b is None else b.float(), *params)
-        return out.to(x.dtype)
+        return single_ops.convolution(x, w, b, *params)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -97,12 +92,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,  # type: ignore[override]
                 scale: float | None) -> torch.Tensor:
-        if single_ops.active():
-            out, logsumexp = single_ops.flash_attention(q, k, v, is_causal, scale)
-        else:
-            up = Upcasts()  # q, k and v are often views of one tensor: one conversion
-            out, logsumexp = _torch.flash_attention_cpu(up(q), up(k), up(v), 0.0, is_causal, scale=scale)
-            out = out.to(q.dtype)
+        out, logsumexp = single_ops.flash_attention(q, k, v, is_causal, scale)
         ctx.save_for_backward(q, k, v, out, logsumexp)
         ctx.is_causal, ctx.scale = is_causal, scale
         return out

@@ -7,7 +7,8 @@ ATen op what to keep: keeping the GEMM's output would keep a float32 tensor, twi
 recomputed block (``planning/selective.py`` turns ``single_ops`` on, in its forward and its recompute)
 the fast paths call these custom ops instead, each the same expression as the fast path's, so the
 checkpoint sees one GEMM whose output is the 16-bit tensor a native kernel returns. Outside such a
-block nothing changes (torch.compile, for one, still sees and fuses the conversions).
+block the same functions run as plain ops (torch.compile, for one, still sees and fuses the conversions).
+The fast paths call ``linear``, ``convolution`` and ``flash_attention`` here either way: one expression each.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,43 +43,60 @@ def single_ops() -> Iterator[None]:
         _state.on = before
 
 
-@torch.library.custom_op("ampkit::linear_in_float32", mutates_args=())
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` in float32 on 16-bit tensors, rounded to ``x``'s dtype (``fast_paths._Linear``'s)."""
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return F.linear(x.float(), w.float(), None if b is None else b.float()).to(x.dtype)
 
 
-@torch.library.custom_op("ampkit::convolution_in_float32", mutates_args=())
-def convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: list[int], padding: list[int],
-                dilation: list[int], transposed: bool, output_padding: list[int], groups: int) -> torch.Tensor:
-    """``aten.convolution`` in float32 on 16-bit tensors, rounded (``fast_paths._Convolution``'s)."""
+def _convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: list[int], padding: list[int],
+                 dilation: list[int], transposed: bool, output_padding: list[int], groups: int) -> torch.Tensor:
     out = torch.ops.aten.convolution(x.float(), w.float(), None if b is None else b.float(), stride, padding,
                                      dilation, transposed, output_padding, groups)
     return out.to(x.dtype)
 
 
-@torch.library.custom_op("ampkit::flash_attention_in_float32", mutates_args=())
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU flash attention in float32 on 16-bit q, k, v: (the output rounded to q's dtype, the float32
-    log-sum-exp), as ``fast_paths._Attention`` computes them."""
+def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                     scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     up = Upcasts()  # q, k and v are often views of one tensor: one conversion
     out, logsumexp = _torch.flash_attention_cpu(up(q), up(k), up(v), 0.0, is_causal, scale=scale)
     return out.to(q.dtype), logsumexp
 
 
-@linear.register_fake
+# The same three as custom ops (the names planning/selective.py classifies), each calling the plain one.
+_linear_op = torch.library.custom_op("ampkit::linear_in_float32", _linear, mutates_args=())
+_convolution_op = torch.library.custom_op("ampkit::convolution_in_float32", _convolution, mutates_args=())
+_flash_attention_op = torch.library.custom_op("ampkit::flash_attention_in_float32", _flash_attention,
+                                              mutates_args=())
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` in float32 on 16-bit tensors, rounded to ``x``'s dtype: one op inside ``single_ops()``."""
+    return (_linear_op if active() else _linear)(x, w, b)
+
+
+def convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *params: Any) -> torch.Tensor:
+    """``aten.convolution`` in float32 on 16-bit tensors, rounded: one op inside ``single_ops()``."""
+    return (_convolution_op if active() else _convolution)(x, w, b, *params)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """CPU flash attention in float32 on 16-bit q, k, v: (the output rounded to q's dtype, the float32
+    log-sum-exp); one op inside ``single_ops()``."""
+    return (_flash_attention_op if active() else _flash_attention)(q, k, v, is_causal, scale)
+
+
+@_linear_op.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
-@convolution.register_fake
+@_convolution_op.register_fake
 def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: list[int], padding: list[int],
       dilation: list[int], transposed: bool, output_padding: list[int], groups: int) -> torch.Tensor:
     return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups)
 
 
-@flash_attention.register_fake
+@_flash_attention_op.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
       scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     out, logsumexp = _torch.flash_attention_cpu(q.float(), k.float(), v.float(), 0.0, is_causal, scale=scale)

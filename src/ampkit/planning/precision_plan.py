@@ -37,7 +37,7 @@ def block_of(format: str) -> int:
     return recipe.block if isinstance(recipe, BlockScaledRecipe) else 16
 
 
-def lowered(linear: nn.Linear, format: str) -> nn.Linear:
+def lower_linear(linear: nn.Linear, format: str) -> nn.Linear:
     """``linear`` in ``format``, on its own Parameters (an optimizer built on them keeps working)."""
     recipe = LOWER[format]
     if isinstance(recipe, Fp8Recipe):
@@ -152,7 +152,7 @@ class PrecisionPlan:
             if type(current) is not nn.Linear:
                 raise ValueError(f"{name} is a {type(current).__name__} already: apply a plan to the model as "
                                  "built, before convert_to_fp8 or convert_to_block_scaled.")
-            setattr(owner, child, lowered(current, format))
+            setattr(owner, child, lower_linear(current, format))
         return model
 
     def to_dict(self) -> dict[str, Any]:

@@ -37,7 +37,8 @@ from ampkit.formats.block_scaled import fake_quantize
 from ampkit.formats.fp8 import E4M3, cast_numerics, native_fp8
 from ampkit.formats.recipes import BlockScaledRecipe
 from ampkit.planning.measure import untouched
-from ampkit.planning.precision_plan import BASES, LOWER, LayerChoice, PrecisionPlan, block_of, fingerprint, lowered
+from ampkit.planning.precision_plan import (BASES, LOWER, LayerChoice, PrecisionPlan, block_of, fingerprint,
+                                           lower_linear)
 from ampkit.precision.modes import resolve_dtype
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
@@ -116,7 +117,7 @@ def _swapped(model: nn.Module, formats: dict[str, str]) -> Iterator[None]:
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         originals[name] = (owner, child, getattr(owner, child))
-        setattr(owner, child, lowered(getattr(owner, child), format))
+        setattr(owner, child, lower_linear(getattr(owner, child), format))
     try:
         yield
     finally:
@@ -248,7 +249,7 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
         inputs = _inputs(model, list(candidates), tuning[0], policy)
         for name, fits in candidates.items():
             linear: nn.Linear = model.get_submodule(name)  # type: ignore[assignment]
-            ms = _layer_ms({base: linear, **{f: lowered(linear, f) for f in fits}}, inputs[name], policy)
+            ms = _layer_ms({base: linear, **{f: lower_linear(linear, f) for f in fits}}, inputs[name], policy)
             for format in fits:
                 with _swapped(model, {name: format}):
                     run = _run(model, tuning, loss_fn, policy, warm_up=True)
