@@ -3,7 +3,8 @@
 The generic path (``generic.py``) costs a millisecond or more of Python per op and step (a
 dispatch mode, a nested graph, its replay); these compute the same kernels on the same
 values for a fraction of that: linear, convolutions and CPU flash attention. Inside a selectively
-recomputed block each forward runs as one custom op (``single_ops.py``), the same expression.
+recomputed block, and while torch.compile traces, each forward runs as one custom op (``single_ops.py``),
+the same expression.
 """
 
 from __future__ import annotations
