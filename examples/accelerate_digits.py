@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     # the other still runs, then Accelerate lets go of the model (and DDP's reducer with it), then the
     # process group. Left to the interpreter's exit, and with end_training() alone, a rank aborted
     # (SIGABRT, "terminate called without an active exception") after training had finished, in about
-    # 1 of 3 full test runs here and 1 of 35 runs alone.
+    # 1 of 3 full test runs here and about 1 in 50 runs alone.
     accelerator.wait_for_everyone()
     model, optimizer, batches, scheduler = accelerator.free_memory(model, optimizer, batches, scheduler)
     accelerator.end_training()
