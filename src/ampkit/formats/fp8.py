@@ -38,6 +38,7 @@ from ampkit.formats.recipes import (
     Fp8Recipe,
 )
 from ampkit.formats.torchao import convert_current
+from ampkit.precision.modes import without_autocast
 
 
 def fp8_max(dtype: torch.dtype) -> float:
@@ -124,10 +125,23 @@ def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
 
 # -- delayed scaling ------------------------------------------------------------------------------
 
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone()
+
+
+# A copy AOTAutograd cannot see through. Compiled, a plain clone of the scale buffer that the forward then
+# updates in place was saved for backward as the buffer itself, read after the update: wrong input
+# gradients, silently, on every step whose scales changed (torch 2.13, aot_eager and inductor; a buffer
+# cloned, mutated and its clone used in backward reproduces it without ampkit). An opaque op's output is a
+# tensor of its own.
+_snapshot = torch.library.custom_op("ampkit::fp8_scale_snapshot", _copy, mutates_args=())
+_snapshot.register_fake(lambda t: torch.empty_like(t))
+
+
 class _DelayedFp8Matmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: Fp8Linear) -> torch.Tensor:
-        recipe, scale = module.recipe, module.scale.clone()  # this step's scales, from earlier steps' amaxes
+        recipe, scale = module.recipe, _snapshot(module.scale)  # this step's scales, from earlier steps' amaxes
         x2 = x.reshape(-1, x.shape[-1])
         xq = quantize(x2, scale[INPUT], recipe.dtype(INPUT))
         wq = quantize(weight, scale[WEIGHT], recipe.dtype(WEIGHT))
@@ -145,6 +159,7 @@ class _DelayedFp8Matmul(torch.autograd.Function):
         return out.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
+    @without_autocast  # compiled, the backward is traced under the forward's autocast state
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         xq, wq, scale = ctx.saved_tensors
         module: Fp8Linear = ctx.module
@@ -189,14 +204,16 @@ class Fp8Linear(nn.Linear):
         self.register_buffer("amax_history", torch.zeros(3, recipe.amax_history_len, device=device))
         self.register_buffer("scale", torch.ones(3, device=device))
 
-    # Under torch.compile each delayed-scaling linear runs eagerly (a graph break on either side): compiled,
-    # its forward's in-place scale updates reached the backward, which read the updated scales where it
-    # needs this step's (AOTAutograd saved the mutated buffer, not its copy: wrong input gradients on
-    # every step whose scales changed; aot_eager and inductor, torch 2.13). Current scaling compiles.
-    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self._forward if self.process_group is None else self._forward_eagerly)(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _DelayedFp8Matmul.apply(x, self.weight, self)
         return out + self.bias.to(out.dtype) if self.bias is not None else out
+
+    # With a process group, each step's amax is all-reduced in forward and backward: under torch.compile
+    # that linear runs eagerly (a graph break on either side), untried as a traced collective.
+    _forward_eagerly = torch.compiler.disable(_forward)
 
     @torch.no_grad()
     def record_(self, role: int, tensor: torch.Tensor) -> None:
