@@ -4,6 +4,7 @@ refusals; `ampkit tune` and `ampkit compare --plan`."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -74,6 +75,16 @@ def test_a_plan_is_a_file_for_its_own_model(planted_plan, tmp_path) -> None:  # 
             assert type(module) is nn.Linear, name
     with pytest.raises(ValueError, match="is a Fp8Linear already"):
         planted_plan.apply(model)
+    # every candidate lowered, the last already converted: refused before any other is converted
+    every = dataclasses.replace(planted_plan, layers=tuple(
+        dataclasses.replace(layer, format="fp8") if "fp8" in layer.loss_change else layer
+        for layer in planted_plan.layers))
+    *first, last = every.lowered()
+    partly = _gpt()
+    ampkit.convert_to_fp8(partly, ampkit.Fp8Recipe(), include=(last,), keep=tuple(first))
+    with pytest.raises(ValueError, match=f"{last} is a Fp8Linear already"):
+        every.apply(partly)
+    assert first and all(type(partly.get_submodule(name)) is nn.Linear for name in first)
     with pytest.raises(ValueError, match="This plan was made for another model"):
         planted_plan.apply(_gpt(d_model=64))
     data = json.loads(path.read_text())

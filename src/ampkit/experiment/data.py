@@ -219,3 +219,9 @@ def windows(stream: torch.Tensor, starts: torch.Tensor, context: int) -> tuple[t
     offsets = starts[:, None] + torch.arange(context + 1)
     chunk = stream[offsets]
     return chunk[:, :-1], chunk[:, 1:]
+
+
+def pair(data: Dataset, index: torch.Tensor, context: int, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+    """The (input, target) batch at ``index`` (from ``batches``) of the ``split`` set."""
+    xs, ys = (data.train_x, data.train_y) if split == "train" else (data.test_x, data.test_y)
+    return windows(xs, index, context) if data.kind == "text" else (xs[index], ys[index])

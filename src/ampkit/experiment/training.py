@@ -65,12 +65,7 @@ def execute(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, config.steps))
 
     def batch(index: torch.Tensor, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
-        xs = dataset.train_x if split == "train" else dataset.test_x
-        ys = dataset.train_y if split == "train" else dataset.test_y
-        if dataset.kind == "text":
-            x, y = data_mod.windows(xs, index, CONTEXT)
-        else:
-            x, y = xs[index], ys[index]
+        x, y = data_mod.pair(dataset, index, CONTEXT, split)
         return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
     def loss_of(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

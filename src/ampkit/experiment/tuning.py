@@ -16,14 +16,9 @@ from ampkit.planning.tune import tune
 def tuning_batches(dataset: data_mod.Dataset, batch_size: int, count: int, seed: int,
                    device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` training batches as (input, target) pairs, drawn as `ampkit compare` draws them."""
-    pairs = []
-    for index in data_mod.batches(dataset, batch_size, count, seed, CONTEXT):
-        if dataset.kind == "text":
-            x, y = data_mod.windows(dataset.train_x, index, CONTEXT)
-        else:
-            x, y = dataset.train_x[index], dataset.train_y[index]
-        pairs.append((x.to(device), y.to(device)))
-    return pairs
+    pairs = (data_mod.pair(dataset, index, CONTEXT) for index in data_mod.batches(dataset, batch_size, count, seed,
+                                                                                   CONTEXT))
+    return [(x.to(device), y.to(device)) for x, y in pairs]
 
 
 def run_tune(model: str, data: str | None, formats: list[str], tolerance: float, objective: str, batches: int,

@@ -145,14 +145,13 @@ class PrecisionPlan:
             raise ValueError(f"This plan was made for another model ({self.model}, linears fingerprint "
                              f"{self.fingerprint}; this {type(model).__name__} has {len(names)} linears, fingerprint "
                              f"{fingerprint(model)}): run ampkit.tune on this model.")
-        for name, format in self.lowered().items():
-            parent, _, child = name.rpartition(".")
-            owner = model.get_submodule(parent) if parent else model
-            current = getattr(owner, child)
+        lowered = {name: (model.get_submodule(name), format) for name, format in self.lowered().items()}
+        for name, (current, _) in lowered.items():  # all checked before any is converted
             if type(current) is not nn.Linear:
                 raise ValueError(f"{name} is a {type(current).__name__} already: apply a plan to the model as "
                                  "built, before convert_to_fp8 or convert_to_block_scaled.")
-            setattr(owner, child, lower_linear(current, format))
+        for name, (current, format) in lowered.items():
+            model.set_submodule(name, lower_linear(current, format))  # type: ignore[arg-type]  # checked above
         return model
 
     def to_dict(self) -> dict[str, Any]:

@@ -112,17 +112,14 @@ def _candidates(model: nn.Module, lows: list[str], include: Sequence[str]) -> tu
 @contextlib.contextmanager
 def _swapped(model: nn.Module, formats: dict[str, str]) -> Iterator[None]:
     """The named linears lowered (on their own Parameters) inside; the originals back after."""
-    originals = {}
+    originals = {name: model.get_submodule(name) for name in formats}
     for name, format in formats.items():
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        originals[name] = (owner, child, getattr(owner, child))
-        setattr(owner, child, lower_linear(getattr(owner, child), format))
+        model.set_submodule(name, lower_linear(originals[name], format))  # type: ignore[arg-type]
     try:
         yield
     finally:
-        for owner, child, original in originals.values():
-            setattr(owner, child, original)
+        for name, original in originals.items():
+            model.set_submodule(name, original)
 
 
 def _run(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.Tensor], policy: Policy,
@@ -284,20 +281,18 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
         if outlier and name not in chosen:  # the evidence, in the words of the failure
             reason += f"; {outlier} sets the per-tensor scale: " + ", ".join(
                 f"{e['underflow']:.1%} of the input flushes to zero in {f}" for f, e in tried.items())
-        layers.append(LayerChoice(
-            name, (m.in_features, m.out_features), chosen.get(name, base), reason,
-            {f: e["loss_change"] for f, e in tried.items()}, {f: e["gradient_change"] for f, e in tried.items()},
-            {f: e["saturation"] for f, e in tried.items()}, {f: e["underflow"] for f, e in tried.items()},
-            {f: e["saving"] for f, e in tried.items()}, outlier, {f: e["saving_ms"] for f, e in tried.items()},
-            {f: e["saving_bytes"] for f, e in tried.items()}))
+        figures = {key: {f: e[key] for f, e in tried.items()} for key in (
+            "loss_change", "gradient_change", "saturation", "underflow", "saving", "saving_ms", "saving_bytes")}
+        layers.append(LayerChoice(name, (m.in_features, m.out_features), chosen.get(name, base), reason,
+                                  outlier=outlier, **figures))
+
+    def total(key: str) -> float:  # over the chosen layers
+        return sum(evidence[n, chosen[n]][key] for n in order)
+
     emulated = any(isinstance(LOWER[f], BlockScaledRecipe) or not native_fp8(device) for f in lows)
     return PrecisionPlan(type(model).__name__, fingerprint(model), base, objective, float(tolerance), tuple(layers),
-                         sum(evidence[n, chosen[n]]["loss_change"] for n in order), measured,
-                         tuple(name for name, _ in backed_off),
-                         sum(evidence[n, chosen[n]]["saving"] for n in order), emulated,
-                         time.perf_counter() - started,
-                         sum(evidence[n, chosen[n]]["saving_ms"] for n in order),
-                         sum(evidence[n, chosen[n]]["saving_bytes"] for n in order))
+                         total("loss_change"), measured, tuple(name for name, _ in backed_off), total("saving"),
+                         emulated, time.perf_counter() - started, total("saving_ms"), total("saving_bytes"))
 
 
 def _back_off(order: list[str], change: Callable[[list[str]], float],
