@@ -32,6 +32,9 @@ from ampkit.experiment.models import GPT
 
 CPU = Policy.default("cpu", torch.bfloat16, compute="native")
 EDITED = CPU.with_ops(allow=["layer_norm"], deny=["gelu"])
+# the head and every layer norm in float32; the MLP (and its GELU, which the rest of the model denies) in bfloat16
+OVERRIDES = (CPU.with_ops(deny=["gelu"]).with_modules("lm_head", nn.LayerNorm, dtype=torch.float32)
+             .with_modules("blocks.*.mlp", dtype=torch.bfloat16))
 
 
 def _mm_and_norm(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,6 +161,8 @@ FEATURES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], int | tupl
     "edited and float32 compute": (_gpt, _region(EDITED.with_compute("float32")), 1),
     "decorated forward": (_decorated, contextlib.nullcontext, 1),
     "checkpoint inside a region": (_Checkpointed, _region(EDITED), 1),
+    "module overrides": (_gpt, _region(OVERRIDES), 1),
+    "module overrides under float32 compute": (_gpt, _region(OVERRIDES.with_compute("float32")), 1),
     "O1 float32 compute": (_initialized("O1", "float32"), contextlib.nullcontext, 1),
     # O2/O3: the output cast is a forward hook of the model, which torch.compile(model) compiles apart
     "O2 native": (_initialized("O2", "native"), contextlib.nullcontext, 2),
@@ -210,34 +215,108 @@ def test_an_edited_policy_breaks_the_graph_no_more_often_than_torch_autocast() -
     model, idx = _gpt(), torch.randint(0, 256, (2, 16))
     counts = {}
     for name, region in (("torch.autocast", lambda: torch.autocast("cpu", torch.bfloat16)),
-                         ("edited", _region(EDITED)), ("float32 compute", _region(CPU.with_compute("float32")))):
+                         ("edited", _region(EDITED)), ("float32 compute", _region(CPU.with_compute("float32"))),
+                         ("module overrides", _region(OVERRIDES))):
         torch._dynamo.reset()
         with region():
             explained = torch._dynamo.explain(model)(idx)
         counts[name] = (explained.graph_count, explained.graph_break_count)
-    assert counts == {"torch.autocast": (1, 0), "edited": (1, 0), "float32 compute": (1, 0)}
+    assert counts == {"torch.autocast": (1, 0), "edited": (1, 0), "float32 compute": (1, 0),
+                      "module overrides": (1, 0)}
 
 
-def test_module_overrides_compile_to_the_eager_result_with_a_break_at_each_module() -> None:
-    """Overrides are module hooks that open a region: under torch.compile each hook runs eagerly (a graph
-    break at each module call while the override policy is open). Names are the model's own also when the
-    compiled wrapper is called (``_orig_mod.lm_head`` would match no pattern)."""
-    make = _gpt
-    policy = CPU.with_modules("lm_head", dtype=torch.float32)
+def test_module_overrides_compile_into_one_graph_with_each_module_in_its_dtype() -> None:
+    """The hooks that open a region per matching module are traced (they broke the graph at every module call,
+    5 to 16 graphs): fullgraph, the head in float32 and the MLP's GELU in bfloat16, as eagerly. Names are the
+    model's own also when the compiled wrapper is called (``_orig_mod.lm_head`` would match no pattern)."""
+    torch._dynamo.reset()
+    idx = torch.randint(0, 256, (2, 16))
+    model = _gpt()
+    seen: list[tuple[str, torch.dtype]] = []
+    for name in ("lm_head", "blocks.0.mlp.1", "blocks.0.ln1"):
+        model.get_submodule(name).register_forward_hook(lambda m, a, out, name=name: seen.append((name, out.dtype)))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    with autocast(OVERRIDES):
+        eager, got = model(idx), compiled(idx)
+    assert torch.equal(eager, got)
+    expected = [("blocks.0.ln1", torch.float32), ("blocks.0.mlp.1", torch.bfloat16), ("lm_head", torch.float32)]
+    assert seen == expected * 2  # eager, then compiled (the hooks run while dynamo traces)
+
+
+class _BreakingHead(nn.Module):
+    """A head with a graph break inside its forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+class _BreakingModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.head, self.last = nn.Linear(8, 8), _BreakingHead(), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.head(self.first(x)).relu())
+
+
+def test_a_graph_break_inside_an_overridden_module_keeps_the_module_in_its_dtype() -> None:
+    """dynamo meets the break after it traced the module's hook into the graph, then traces again, breaking
+    before the module's call: the region the first trace opened is closed (dynamo's cleanup hooks), and the
+    module runs under its eager hooks. Eager dtypes and values; the thread's region stack is left as it was."""
+    from ampkit.precision.state import state
+
+    torch._dynamo.reset()
+    model, x = _BreakingModel(), torch.randn(3, 8)
+    seen: list[torch.dtype] = []
+    for module in (model.first, model.head.a, model.head.b, model.last):
+        module.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    with autocast(CPU.with_modules("head", dtype=torch.float32)):
+        eager = model(x)
+        got = torch.compile(model, backend="aot_eager")(x)
+        assert len(state.stack) == 1 and state.traced_modules == []
+    assert seen == [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16] * 2
+    assert torch.equal(eager, got)
+    assert state.stack == [] and not torch.is_autocast_enabled("cpu")
+
+
+def test_a_graph_ending_inside_an_overridden_module_is_refused_at_every_call() -> None:
+    """With ``nested_graph_breaks`` dynamo ends the graph inside the module: the rest of it would run outside
+    its override. A RuntimeError naming the way out, at every call (nothing is cached), the stack intact."""
+    from ampkit.precision.state import state
+
+    torch._dynamo.reset()
+    model, x = _BreakingModel(), torch.randn(3, 8)
+    compiled = torch.compile(model, backend="aot_eager")
+    with torch._dynamo.config.patch(nested_graph_breaks=True), autocast(CPU.with_modules("head", dtype=torch.float32)):
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match="inside a module that a per-module override.*nested_graph_breaks"):
+                compiled(x)
+            assert len(state.stack) == 1 and torch.get_autocast_dtype("cpu") == torch.bfloat16
+
+
+def test_without_the_dynamo_privates_overrides_break_the_graph_at_module_calls_with_eager_results(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where this torch lacks what tracing the hooks needs, they run eagerly inside compiled code, as before."""
+    from ampkit import _torch_compile
+    from ampkit.precision import overrides
+
+    monkeypatch.setattr(_torch_compile, "can_trace_module_regions", lambda: False)
+    monkeypatch.setattr(overrides, "_traceable", False)
     torch._dynamo.reset()
     idx, targets = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
-    eager_model, compiled_model = make(), make()
-    head_dtypes: list[torch.dtype] = []
-    for model in (eager_model, compiled_model):
-        model.lm_head.register_forward_hook(lambda m, a, out: head_dtypes.append(out.dtype))
+    eager_model, compiled_model = _gpt(), _gpt()
     counter = _counter()
-    eager = _step(eager_model, _region(policy), idx, targets)
-    compiled = _step(compiled_model, _region(policy), idx, targets, torch.compile(compiled_model, backend=counter))
-    assert head_dtypes == [torch.float32, torch.float32]
-    # a break at module calls: 5 graphs in a fresh process, up to 12 where other policies' kernels were registered
-    assert 5 <= counter.frame_count <= 12
-    assert torch.equal(eager[0], compiled[0])
-    assert all(torch.equal(eager[1][n], compiled[1][n]) for n in eager[1])
+    eager = _step(eager_model, _region(OVERRIDES), idx, targets)
+    compiled = _step(compiled_model, _region(OVERRIDES), idx, targets, torch.compile(compiled_model, backend=counter))
+    assert counter.frame_count > 1  # a break at module calls
+    assert torch.equal(eager[0], compiled[0]) and all(torch.equal(eager[1][n], compiled[1][n]) for n in eager[1])
 
 
 def test_a_region_opened_inside_compiled_code_gives_its_dtypes() -> None:
@@ -356,7 +435,8 @@ def test_compiled_float32_compute_saves_its_activations_in_16_bits_as_eager_does
 
 
 @pytest.mark.slow  # inductor compiles: about 30 s here
-@pytest.mark.parametrize("policy", [EDITED, CPU.with_compute("float32")], ids=["edited", "float32 compute"])
+@pytest.mark.parametrize("policy", [EDITED, CPU.with_compute("float32"), OVERRIDES],
+                         ids=["edited", "float32 compute", "module overrides"])
 def test_inductor_compiles_each_policy_to_its_dtypes_within_tolerance(policy: Policy) -> None:
     torch._dynamo.reset()
     model, idx = _gpt(), torch.randint(0, 256, (2, 16))
@@ -364,7 +444,7 @@ def test_inductor_compiles_each_policy_to_its_dtypes_within_tolerance(policy: Po
     for region in (policy, CPU, policy):
         with autocast(region):
             got, eager = compiled(idx), model(idx)
-        assert got.dtype == eager.dtype == torch.bfloat16
+        assert got.dtype == eager.dtype == (torch.float32 if region is OVERRIDES else torch.bfloat16)  # the head
         torch.testing.assert_close(got.float(), eager.float(), atol=0.05, rtol=0.05)
 
 

@@ -11,7 +11,8 @@ moves one fails a test instead of switching a feature off silently.
 
 Checked on torch 2.13.0 (CPU); ``benchmarks/device_check.sh`` runs the suite on the
 GPU image's torch 2.11. The names below exist unchanged since 2.4.
-This module imports nothing of ampkit.
+This module imports nothing of ampkit. dynamo's and inductor's privates are wrapped in
+``_torch_compile.py`` (ampkit's hooks into torch.compile) and checked here, in ``missing()``.
 """
 
 from __future__ import annotations
@@ -90,8 +91,7 @@ __all__ = [
     "saved_tensors_hooks_now", "forward_class", "gelu_saved", "fused_sdp_choice", "flash_attention_cpu",
     "flash_attention_cpu_backward", "scaled_mm", "has_scaled_mm", "require", "DISPATCHER_KERNELS", "amp_unscale_",
     "OpOverload", "foreach_copy_", "foreach_norm", "flatten_dense_tensors", "unflatten_dense_tensors", "NORM_BASE",
-    "CustomGraphPass", "add_inductor_key_pass", "compiled_original", "skip_as_frame", "missing",
-    "TorchVersionWarning"
+    "missing", "TorchVersionWarning"
 ]
 
 
@@ -302,46 +302,6 @@ NORM_BASE: Any = getattr(nn.modules.batchnorm, "_NormBase", None) or (
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
-# inductor's custom pass base (``torch._inductor.custom_graph_pass.CustomGraphPass``, 2.6-2.13): its ``uuid()``
-# enters inductor's and AOTAutograd's cache keys, which is how compiled graphs are keyed by policy.
-CustomGraphPass: Any = getattr(_module("torch._inductor.custom_graph_pass"), "CustomGraphPass", object)
-
-
-def add_inductor_key_pass(key_pass: Any) -> None:
-    """Add ``key_pass`` to ``torch._inductor.config.post_grad_custom_pre_pass`` beside any pass the user set, once.
-    Missing: AOTAutograd's and inductor's on-disk graph caches are turned off instead (said once)."""
-    config: Any = _module("torch._inductor.config")
-    if CustomGraphPass is object or not hasattr(config, "post_grad_custom_pre_pass"):
-        _fallback("torch._inductor.custom_graph_pass.CustomGraphPass", "the on-disk caches of compiled graphs are "
-                  "turned off (they could not tell two ampkit policies apart)")
-        for name, flag in (("torch._functorch.config", "enable_autograd_cache"),
-                           ("torch._inductor.config", "fx_graph_cache")):
-            setattr(_module(name) or types.SimpleNamespace(), flag, False)
-        return
-    current = config.post_grad_custom_pre_pass
-    passes = list(current) if isinstance(current, (list, tuple)) else [] if current is None else [current]
-    if key_pass not in passes:
-        config.post_grad_custom_pre_pass = [*passes, key_pass]
-
-
-def compiled_original(module: nn.Module) -> nn.Module:
-    """The module a ``torch.compile(module)`` wrapper holds (``OptimizedModule._orig_mod``, 2.0-2.13), else
-    ``module`` itself: module names are the model's own."""
-    wrapper = getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", ())
-    return module._orig_mod if isinstance(module, wrapper) else module  # type: ignore[return-value]
-
-
-def skip_as_frame(fn: Callable[..., Any]) -> None:
-    """Never compile ``fn`` as a frame of its own, yet inline it where dynamo traces a caller (``torch._dynamo.
-    eval_frame.skip_code``, 2.4-2.13; ``torch._dynamo.skip`` would make callers break). Missing: dynamo may
-    compile it alone (recompiles to its limit, then eager: slower, never wrong)."""
-    skip_code = getattr(_module("torch._dynamo.eval_frame"), "skip_code", None)
-    if skip_code is None:
-        _fallback("torch._dynamo.eval_frame.skip_code", "dynamo may compile ampkit's policy guard on its own")
-    else:
-        skip_code(fn.__code__)
-
-
 _NEEDED: dict[str, Callable[[], object]] = {
     "torch.utils._pytree": lambda: None if isinstance(pytree, _Absent) else pytree,
     "torch.utils._python_dispatch": lambda: None if isinstance(_dispatch, _Absent) else _dispatch,
@@ -364,12 +324,19 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "torch._foreach_norm": lambda: torch._foreach_norm,
     "torch._utils._flatten_dense_tensors": lambda: __import__("torch._utils")._utils._flatten_dense_tensors,
     "nn.modules.batchnorm._NormBase": lambda: nn.modules.batchnorm._NormBase,
-    "torch._inductor.custom_graph_pass.CustomGraphPass": lambda: None if CustomGraphPass is object else CustomGraphPass,
+    "torch._inductor.custom_graph_pass.CustomGraphPass":
+        lambda: getattr(_module("torch._inductor.custom_graph_pass"), "CustomGraphPass", None),
     "torch._inductor.config.post_grad_custom_pre_pass": lambda: hasattr(_module("torch._inductor.config"),
                                                                         "post_grad_custom_pre_pass") or None,
     "torch._dynamo.eval_frame.OptimizedModule":
         lambda: getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", None),
     "torch._dynamo.eval_frame.skip_code": lambda: getattr(_module("torch._dynamo.eval_frame"), "skip_code", None),
+    "InstructionTranslator.current_tx": lambda: __import__("torch._dynamo.symbolic_convert").
+        _dynamo.symbolic_convert.InstructionTranslator.current_tx,
+    "OutputGraph.add_cleanup_hook, compile_and_call_fx_graph": lambda: __import__("torch._dynamo.output_graph").
+        _dynamo.output_graph.OutputGraph.add_cleanup_hook and torch._dynamo.output_graph.OutputGraph.compile_and_call_fx_graph,
+    "torch._functorch.config.backward_pass_autocast": lambda: hasattr(_module("torch._functorch.config"),
+                                                                      "backward_pass_autocast") or None,
 }
 
 

@@ -2,6 +2,18 @@
 
 Installed only while a region with overrides is open (counted, so nested and concurrent
 regions share one pair of hooks).
+
+Under torch.compile the hooks are traced, not run: which modules match is a constant of the trace
+(the policy is guarded, ``compiling.py``), the float32 cast of a module's inputs is traced as any
+cast, and the region itself is opened and closed by two ops that dynamo puts in the graph
+(``_enter_traced`` / ``_exit_traced``). Those run wherever the graph is run as Python: in dynamo's
+own pass over the code, in AOTAutograd's passes over the graph (so the Autocast kernels, torch's and
+ampkit's, see the module's region, as dynamo's own ``_enter_autocast`` works), and with the
+``eager`` backend at every call; inductor's compiled code holds only the casts they led to. A trace
+that stops part-way (a graph break, a restart) closes what it opened through dynamo's cleanup hooks.
+One thing differs from eager: AOTAutograd traces the backward under the forward's autocast state,
+which would cast a float32 module's backward GEMMs to 16 bits; a graph with a float32 module traces
+its backward with autocast off, as eager runs ``loss.backward()`` outside the region.
 """
 
 from __future__ import annotations
@@ -14,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import _torch
+from ampkit import _torch_compile
 from ampkit.precision import compiling
 from ampkit.precision.kernels import cast_tree, caster
 from ampkit.precision.policy import Policy
@@ -24,6 +36,7 @@ _module_names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictio
 _hooks_lock = threading.Lock()
 _hooks_count = 0
 _hook_handles: list[Any] = []
+_traceable = False  # whether torch.compile can trace the hooks (_torch_compile.can_trace_module_regions)
 
 
 def _override_for(module: nn.Module, policy: Policy) -> torch.dtype | None:
@@ -41,14 +54,27 @@ def _override_for(module: nn.Module, policy: Policy) -> torch.dtype | None:
 def name_modules(root: nn.Module) -> None:
     """Record qualified names relative to ``root``, the first module seen of its tree (the model itself
     where ``root`` is its ``torch.compile`` wrapper)."""
-    root = _torch.compiled_original(root)
+    root = _torch_compile.compiled_original(root)
     if root not in _module_names:
         for name, sub in root.named_modules():
             _module_names[sub] = name
 
 
-@torch.compiler.disable  # compiled code breaks its graph here while an override region is open (docs/compile.md)
 def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
+    if torch.compiler.is_compiling() and _traceable:
+        return _traced_pre_hook(module, args)
+    return _eager_pre_hook(module, args)
+
+
+def _post_hook(module: nn.Module, args: tuple, output: Any) -> None:
+    if not (torch.compiler.is_compiling() and _traceable):
+        _eager_post_hook(module)
+    elif _leaves_at_trace(module):
+        _exit_traced()
+
+
+@torch.compiler.disable  # never compiled as frames; called from a trace only where it cannot trace the hooks
+def _eager_pre_hook(module: nn.Module, args: tuple) -> tuple | None:
     top = state.stack[-1] if state.stack else None
     if top is None or top.policy is None or not top.policy.overrides:
         return None
@@ -76,7 +102,7 @@ def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
 
 
 @torch.compiler.disable
-def _post_hook(module: nn.Module, args: tuple, output: Any) -> None:
+def _eager_post_hook(module: nn.Module) -> None:
     if state.module_stack and state.module_stack[-1][0] is module:
         _, ctx = state.module_stack.pop()
         region = state.stack.pop()
@@ -85,10 +111,103 @@ def _post_hook(module: nn.Module, args: tuple, output: Any) -> None:
         ctx.__exit__(None, None, None)
 
 
+# ---------------------------------------------------------------------------
+# While torch.compile traces
+
+_FLOAT32, _LOW = 1, 2  # what a module's override opens: a float32 region, or the policy's 16-bit dtype for all
+
+
+@torch.compiler.assume_constant_result  # the policy is guarded by its mode's type, the module by dynamo
+def _enters_at_trace(module: nn.Module) -> tuple[str, int]:
+    """(device type, _FLOAT32 or _LOW) where ``module`` opens an override region, else ("", 0)."""
+    top = state.stack[-1] if state.stack else None
+    if top is None or top.policy is None or not top.policy.overrides:
+        return "", 0
+    name_modules(module)
+    dtype = _override_for(module, top.policy)
+    if dtype is None:
+        return "", 0
+    state.traced_modules.append(module)
+    _torch_compile.on_trace_end(lambda: _forget(state.traced_modules, module))
+    return top.policy.device_type, _FLOAT32 if dtype == torch.float32 else _LOW
+
+
+@torch.compiler.assume_constant_result
+def _leaves_at_trace(module: nn.Module) -> bool:
+    if state.traced_modules and state.traced_modules[-1] is module:
+        state.traced_modules.pop()
+        return True
+    return False
+
+
+def _traced_pre_hook(module: nn.Module, args: tuple) -> tuple | None:
+    device_type, kind = _enters_at_trace(module)
+    if not kind:
+        return None
+    if kind == _FLOAT32:
+        args = cast_tree(args, caster(device_type, torch.float32))
+    _enter_traced(kind)
+    return args
+
+
+@_torch_compile.graph_op_with_side_effects
+def _enter_traced(kind: int) -> None:
+    """Open ``kind``'s region inside the innermost one, as ``_pre_hook`` does (no mode to guard by: nothing
+    is compiled inside a graph)."""
+    top = state.stack[-1]
+    policy = top.policy
+    assert policy is not None
+    if kind == _FLOAT32:
+        ctx, pushed = torch.autocast(policy.device_type, enabled=False), None
+        _torch_compile.trace_backward_without_autocast()
+    else:
+        ctx, pushed = torch.autocast(policy.device_type, dtype=policy.dtype), policy.all_low
+    ctx.__enter__()
+    region = Region(policy.device_type, pushed, ctx, top.float32_ops, torch_nesting())
+    state.stack.append(region)
+    _torch_compile.on_trace_end(lambda: _close_from(region))
+
+
+def _close_from(region: Region) -> None:
+    """Close ``region`` and every region opened after it, where a trace stopped before closing them (a restart:
+    dynamo traces again, breaking its graph before the module's call)."""
+    if not any(r is region for r in state.stack):
+        return
+    while True:
+        closing = state.stack.pop()
+        closing.ctx.__exit__(None, None, None)
+        if closing is region:
+            break
+    if _torch_compile.trace_ends_in_a_graph():  # a graph with the region open: its rest would run without it
+        raise RuntimeError(
+            "ampkit: torch.compile ended a graph inside a module that a per-module override of the policy "
+            "matches, so the rest of the module would run outside its override. A graph break inside a module "
+            "that dynamo inlines ends the graph before the module's call unless torch._dynamo.config."
+            "nested_graph_breaks is set: unset it, or remove the graph break from the module "
+            "(torch._dynamo.explain names it).")
+
+
+@_torch_compile.graph_op_with_side_effects
+def _exit_traced() -> None:
+    state.stack.pop().ctx.__exit__(None, None, None)
+
+
+def _forget(stack: list, item: object) -> None:
+    while item in stack:
+        stack.pop()
+
+
+# Where dynamo breaks a graph at a module's call, the call runs eagerly and dynamo would compile the hooks as
+# frames of their own (a graph ending with the region open); they are traced only inline, in a caller's graph.
+for _hook in (_pre_hook, _post_hook, _traced_pre_hook):
+    _torch_compile.skip_as_frame(_hook)
+
+
 def acquire_hooks() -> None:
-    global _hooks_count
+    global _hooks_count, _traceable
     with _hooks_lock:
         if _hooks_count == 0:
+            _traceable = _torch_compile.can_trace_module_regions()
             from torch.nn.modules import module as module_mod
 
             _hook_handles.append(module_mod.register_module_forward_pre_hook(_pre_hook))  # type: ignore[arg-type]

@@ -42,6 +42,8 @@ class ThreadState(threading.local):
         self.stack: list[Region] = []
         # Modules whose forward entered an override: (module, torch.autocast ctx).
         self.module_stack: list[tuple[nn.Module, torch.autocast]] = []
+        # Modules whose override region a torch.compile trace has opened and not yet closed (overrides.py).
+        self.traced_modules: list[nn.Module] = []
         # Leaf float32 tensor id -> (tensor, cast copy), dropped when the outermost region exits.
         self.weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
