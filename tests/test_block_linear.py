@@ -13,7 +13,7 @@ from torch import nn
 import ampkit
 from ampkit import BlockScaledRecipe, fake_quantize
 from ampkit.formats.block_linear import BlockScaledLinear, convert_to_block_scaled, hadamard_16
-from ampkit.formats.block_scaled import round_e2m1
+from ampkit.formats.block_scaled import _hash32, counter_draws, round_e2m1
 
 
 def _layer(recipe: BlockScaledRecipe, seed: int = 0) -> tuple[BlockScaledLinear, torch.Tensor, torch.Tensor]:
@@ -72,6 +72,65 @@ def test_stochastic_rounding_is_unbiased_and_reproducible() -> None:
     assert rounded.mean().item() == pytest.approx(2.3, abs=0.01)
     assert torch.equal(rounded, round_e2m1(value, g2, stochastic=True))
     assert round_e2m1(value).unique().tolist() == [2.0]  # nearest: biased
+
+
+def _lowbias32(x: int) -> int:
+    """The hash from its published formula (C. Wellons, hash-prospector), in Python's exact integers."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_the_counter_hash_is_lowbias32_bit_for_bit_up_to_the_largest_32_bit_value() -> None:
+    """The tensor version multiplies in 16-bit halves (a plain int64 product of two 32-bit values overflows)."""
+    values = [0, 1, 2, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFE, 0xFFFFFFFF,
+              *torch.randint(0, 2**32, (1000,), generator=torch.Generator().manual_seed(0)).tolist()]
+    assert _hash32(torch.tensor(values, dtype=torch.int64)).tolist() == [_lowbias32(v) for v in values]
+
+
+def test_counter_draws_are_uniform_reproducible_and_new_for_each_step_stream_and_seed() -> None:
+    n = 200_000
+    draws = counter_draws(0, torch.tensor(0), 0)((n,))
+    assert draws.dtype == torch.float32 and 0 <= draws.min().item() and draws.max().item() < 1
+    assert draws.mean().item() == pytest.approx(0.5, abs=0.005)
+    assert draws.var().item() == pytest.approx(1 / 12, abs=0.002)
+    counts = torch.histc(draws, bins=16, min=0.0, max=1.0)
+    assert ((counts - n / 16).abs() < 0.03 * n / 16).all()
+    assert torch.equal(draws, counter_draws(0, torch.tensor(0), 0)((n,)))
+    for other in (counter_draws(0, torch.tensor(1), 0), counter_draws(0, torch.tensor(0), 1),
+                  counter_draws(1, torch.tensor(0), 0)):
+        assert abs(torch.corrcoef(torch.stack([draws, other((n,))]))[0, 1].item()) < 0.01
+
+
+def test_stochastic_rounding_on_counter_draws_is_unbiased() -> None:
+    value = torch.full((200_000,), 2.3)
+    rounded = round_e2m1(value, counter_draws(3, torch.tensor(7), 0), stochastic=True)
+    assert set(rounded.unique().tolist()) == {2.0, 3.0}
+    assert rounded.mean().item() == pytest.approx(2.3, abs=0.01)
+
+
+def test_nvfp4_draws_advance_with_each_training_forward_and_repeat_from_the_seed() -> None:
+    """Two steps on one input round the gradients differently; a fresh layer of the same seed repeats them.
+    The count is not part of the state dict (as the generator before it was not)."""
+    def two_steps(layer: BlockScaledLinear, x: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+        grads = []
+        for _ in range(2):
+            layer.weight.grad = None
+            layer(x).backward(g)
+            grads.append(layer.weight.grad.clone())
+        return grads
+
+    recipe = BlockScaledRecipe("nvfp4")
+    first = two_steps(*_layer(recipe))
+    assert not torch.equal(first[0], first[1])
+    again = two_steps(*_layer(recipe))
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    layer, x, _ = _layer(recipe)
+    with torch.no_grad():
+        layer(x)
+    assert layer.draws_step.item() == 0 and "draws_step" not in layer.state_dict()
 
 
 def test_conversion_keeps_first_last_named_and_ragged_linears_with_the_reason() -> None:

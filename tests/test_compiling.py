@@ -178,9 +178,9 @@ FEATURES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], int | tupl
         m, ampkit.BlockScaledRecipe("nvfp4", stochastic_gradients=False))), _region(CPU), 1),
     "fp8 delayed scaling": (_converted(lambda m: ampkit.convert_to_fp8(m, ampkit.Fp8Recipe(scaling="delayed"))),
                             _region(CPU), 1),
-    # each linear's seeded random draws run eagerly (dynamo cannot trace a torch.Generator): one graph apiece
+    # stochastic rounding's draws are hashed from a step count (a torch.Generator broke the graph at each linear)
     "nvfp4": (_converted(lambda m: ampkit.convert_to_block_scaled(m, ampkit.BlockScaledRecipe("nvfp4"))),
-              _region(CPU), (12, 13)),
+              _region(CPU), 1),
 }
 
 
@@ -355,6 +355,30 @@ def test_compiled_delayed_fp8_gives_the_eager_gradients_on_a_step_whose_scales_c
             found[-1] += [x.grad, model[0].weight.grad.clone(), model[0].scale.clone(),
                           model[0].amax_history.clone()]
             model[0].weight.grad = None
+    assert all(torch.equal(a, b) for a, b in zip(*found))
+
+
+def test_compiled_nvfp4_rounds_each_step_s_gradients_as_eagerly() -> None:
+    """NVFP4's stochastic rounding draws from a hash of the layer's step count, which the graph advances: three
+    compiled steps (one graph, ``fullgraph=True``) give the eager gradients bit for bit, each step's its own."""
+    torch.manual_seed(0)
+    layer, x0 = nn.Linear(32, 32), torch.randn(16, 32)
+    found: list[list[torch.Tensor]] = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = nn.Sequential(copy.deepcopy(layer))
+        ampkit.convert_to_block_scaled(model, ampkit.BlockScaledRecipe("nvfp4", keep_first_last=False))
+        counter = _counter()
+        run = torch.compile(model, backend=counter, fullgraph=True) if compiled else model
+        found.append([])
+        for _ in range(3):
+            x = x0.clone().requires_grad_()
+            run(x).square().sum().backward()
+            found[-1] += [x.grad, model[0].weight.grad.clone()]
+            model[0].weight.grad = None
+        assert model[0].draws_step.item() == 3
+    assert counter.frame_count == 1
+    assert not torch.equal(found[0][1], found[0][3])  # each step rounds anew
     assert all(torch.equal(a, b) for a, b in zip(*found))
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit.formats.block_scaled import MX_ELEMENTS, Quantized, quantize_mx, quantize_nvfp4
+from ampkit.formats.block_scaled import MX_ELEMENTS, Draws, Quantized, counter_draws, quantize_mx, quantize_nvfp4
 from ampkit.formats.recipes import BlockScaledRecipe
 from ampkit.precision.modes import without_autocast
 
@@ -47,7 +47,7 @@ def _hadamard_rows(t: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
     return torch.matmul(transform.to(t.device), blocks).reshape(-1, t.shape[1])
 
 
-def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, generator: torch.Generator | None = None,
+def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, generator: torch.Generator | Draws | None = None,
                      stochastic: bool = False, tiles: bool = False) -> Quantized:
     """A GEMM operand in ``recipe``'s format, in blocks along its last axis (16x16 tiles with ``tiles``)."""
     if recipe.format == "nvfp4":
@@ -65,39 +65,53 @@ def _gemm(a: Quantized, b: Quantized, recipe: BlockScaledRecipe) -> torch.Tensor
 
 class _BlockScaledMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: BlockScaledLinear) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, module: BlockScaledLinear,
+                step: torch.Tensor | None) -> torch.Tensor:
         recipe = module.recipe
         x2 = x.reshape(-1, x.shape[-1]).float()
         tiles = recipe.format == "nvfp4" and recipe.weight_tiles
         w = quantize_operand(weight.float(), recipe, tiles=bool(tiles))
         out = _gemm(quantize_operand(x2, recipe), w, recipe)
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(x, weight, step)
         ctx.module, ctx.tiled = module, (w if tiles else None)
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
     @staticmethod
     @without_autocast  # float32 GEMMs, also where torch.compile traces this under the forward's autocast state
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        x, weight = ctx.saved_tensors
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        x, weight, step = ctx.saved_tensors
         module = ctx.module
-        recipe, generator = module.recipe, module.generator
+        recipe = module.recipe
         x2 = x.reshape(-1, x.shape[-1]).float()
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()
-        stochastic = recipe.format == "nvfp4" and recipe.stochastic_gradients
+        stochastic = step is not None
+        draws_x, draws_w = ((counter_draws(module.seed, step, 0), counter_draws(module.seed, step, 1)) if stochastic
+                            else (None, None))
         # Input gradient: reduction over the output features. The tiled weight's transpose is its tiles'.
         wt = _transposed(ctx.tiled) if ctx.tiled is not None else quantize_operand(weight.float().T, recipe)
-        grad_x = _gemm(quantize_operand(g2, recipe, generator, stochastic), wt, recipe)
+        grad_x = _gemm(quantize_operand(g2, recipe, draws_x, stochastic), wt, recipe)
         # Weight gradient: reduction over the tokens.
         if recipe.format == "nvfp4" and recipe.hadamard:
             g2, x2 = _hadamard_rows(g2, module.transform), _hadamard_rows(x2, module.transform)
-        grad_w = _gemm(quantize_operand(g2.T.contiguous(), recipe, generator, stochastic),
+        grad_w = _gemm(quantize_operand(g2.T.contiguous(), recipe, draws_w, stochastic),
                        quantize_operand(x2.T.contiguous(), recipe), recipe)
-        return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(weight.dtype), None
+        return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(weight.dtype), None, None
 
 
 def _transposed(q: Quantized) -> Quantized:
     """A 16x16-tiled operand's transpose: the same tiles, so the same quantized values, transposed."""
     return dataclasses.replace(q, values=q.values.T, elements=q.elements.T, flushed=q.flushed.T)
+
+
+def _plus_one(t: torch.Tensor) -> torch.Tensor:
+    return t + 1
+
+
+# The count as an op AOTAutograd's partitioner never recomputes (it recomputes builtin pointwise ops in backward):
+# as ``draws_step + 1``, the backward recomputed it from the buffer after the forward's update and drew the next
+# step's numbers (torch 2.13; a saved copy of the buffer taken before an in-place ``add_`` was the buffer itself).
+_next_count = torch.library.custom_op("ampkit::next_draws_count", _plus_one, mutates_args=())
+_next_count.register_fake(lambda t: torch.empty_like(t))
 
 
 class BlockScaledLinear(nn.Linear):
@@ -108,10 +122,13 @@ class BlockScaledLinear(nn.Linear):
         out_features: as ``nn.Linear``'s.
         bias: as ``nn.Linear``'s.
         recipe: the ``BlockScaledRecipe`` (default: MXFP8).
-        seed: stochastic rounding's seed (default 0).
+        seed: stochastic rounding's seed (default 0): NVFP4's gradient draws are hashed from it and the layer's
+            count of training forwards (``block_scaled.counter_draws``), the same eagerly and compiled.
         device: as ``nn.Linear``'s.
         dtype: as ``nn.Linear``'s.
     """
+
+    draws_step: torch.Tensor
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
                  recipe: BlockScaledRecipe = BlockScaledRecipe(), seed: int = 0, device: Any = None,
@@ -130,12 +147,18 @@ class BlockScaledLinear(nn.Linear):
         return new
 
     def _init_recipe(self, recipe: BlockScaledRecipe, seed: int) -> None:
-        self.recipe = recipe
-        self.generator = torch.Generator(device=self.weight.device).manual_seed(seed)
+        self.recipe, self.seed = recipe, seed
         self.transform = hadamard_16(recipe.hadamard_seed)
+        # Training forwards so far: which draws this step's stochastic rounding takes (not saved with the model).
+        self.register_buffer("draws_step", torch.zeros((), dtype=torch.int64, device=self.weight.device),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _BlockScaledMatmul.apply(x, self.weight, self)
+        step = None
+        if self.recipe.format == "nvfp4" and self.recipe.stochastic_gradients and torch.is_grad_enabled():
+            step = _next_count(self.draws_step)  # this forward's count, then the buffer's
+            self.draws_step.copy_(step)
+        out = _BlockScaledMatmul.apply(x, self.weight, self, step)
         return out + self.bias.to(out.dtype) if self.bias is not None else out
 
     def extra_repr(self) -> str:

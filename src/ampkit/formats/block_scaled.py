@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -71,12 +72,47 @@ def _block_range(blocks: torch.Tensor) -> torch.Tensor:
     return torch.where(largest > 0, largest / smallest, torch.ones_like(largest))
 
 
-def round_e2m1(x: torch.Tensor, generator: torch.Generator | None = None, stochastic: bool = False) -> torch.Tensor:
+# Uniform [0, 1) float32 draws of a shape: stochastic rounding's source of randomness, beside a torch.Generator.
+Draws = Callable[[torch.Size], torch.Tensor]
+_MASK = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2**32`` for int64 ``x`` in [0, 2**32), exactly and without int64 overflow (which inductor's
+    C++ would leave undefined): the product in two 16-bit halves of ``c``."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _MASK
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 (C. Wellons, hash-prospector): a 32-bit integer hash, on int64 tensors holding 32-bit values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_draws(seed: int, counter: torch.Tensor, stream: int) -> Draws:
+    """Uniform [0, 1) draws hashed from (``seed``, ``counter``, ``stream``, each element's index): a pure function
+    of tensors, so torch.compile traces it (it cannot trace a draw from a ``torch.Generator``) and a compiled
+    step draws exactly what the eager step draws. ``counter`` is an int64 scalar tensor (a layer's step count);
+    ``stream`` tells apart the draws of one step (0, 1, ...). 24-bit draws, exact in float32."""
+    def draws(shape: torch.Size) -> torch.Tensor:
+        key = _hash32((_hash32((counter * 8 + stream) & _MASK) + (seed & _MASK)) & _MASK)
+        index = torch.arange(math.prod(shape), dtype=torch.int64, device=counter.device)
+        bits = _hash32(_hash32((index + key) & _MASK) ^ key)
+        return ((bits >> 8).to(torch.float32) * 2.0 ** -24).reshape(shape)
+
+    return draws
+
+
+def round_e2m1(x: torch.Tensor, generator: torch.Generator | Draws | None = None,
+               stochastic: bool = False) -> torch.Tensor:
     """Round float32 ``x`` to E2M1: to nearest, ties to even (or stochastically, unbiased), saturated at +-6.
 
     Args:
         x: float32 values.
-        generator: the random draws' generator (stochastic rounding).
+        generator: stochastic rounding's random draws: a ``torch.Generator``, or ``Draws`` (``counter_draws``).
         stochastic: round up with probability (x - lower) / (upper - lower) instead of to nearest.
 
     Returns:
@@ -89,7 +125,8 @@ def round_e2m1(x: torch.Tensor, generator: torch.Generator | None = None, stocha
     upper, lower = grid[upper_index], grid[lower_index]
     if stochastic:
         gap = (upper - lower).clamp(min=torch.finfo(torch.float32).tiny)
-        draw = torch.rand(x.shape, generator=generator, device=x.device)
+        draw = (generator(x.shape).to(x.device) if callable(generator)
+                else torch.rand(x.shape, generator=generator, device=x.device))
         rounded = torch.where(draw < (magnitude - lower) / gap, upper, lower)
     else:
         # Nearest; a tie goes to the even code (codes 0..7 in grid order: 0, 1, 2, 4 have an even mantissa).
@@ -100,7 +137,7 @@ def round_e2m1(x: torch.Tensor, generator: torch.Generator | None = None, stocha
     return torch.where(torch.isnan(x), x, torch.copysign(rounded, x))
 
 
-def round_element(x: torch.Tensor, element: str, generator: torch.Generator | None = None,
+def round_element(x: torch.Tensor, element: str, generator: torch.Generator | Draws | None = None,
                   stochastic: bool = False) -> torch.Tensor:
     """``x`` (float32, already scaled) on ``element``'s grid, saturated at its maximum: nearest even, or
     stochastic rounding for E2M1. Returns float32 values."""
@@ -144,7 +181,7 @@ def mx_scale_exponent(amax: torch.Tensor, element: str, mode: str) -> torch.Tens
 
 
 def quantize_mx(x: torch.Tensor, element: str = "e4m3", axis: int = -1, block: int = 32, mode: str = "floor",
-                generator: torch.Generator | None = None, stochastic: bool = False) -> Quantized:
+                generator: torch.Generator | Draws | None = None, stochastic: bool = False) -> Quantized:
     """MX-quantize ``x`` in blocks of ``block`` along ``axis`` (see the module docstring).
 
     Args:
@@ -153,7 +190,7 @@ def quantize_mx(x: torch.Tensor, element: str = "e4m3", axis: int = -1, block: i
         axis: the blocks' axis (a GEMM's reduction dimension).
         block: elements per block (the spec's 32).
         mode: ``"floor"`` (the spec's) or ``"rceil"``.
-        generator: stochastic rounding's random draws.
+        generator: stochastic rounding's random draws (a ``torch.Generator`` or ``Draws``).
         stochastic: stochastic rounding of E2M1 elements.
 
     Returns:
@@ -173,7 +210,7 @@ def quantize_mx(x: torch.Tensor, element: str = "e4m3", axis: int = -1, block: i
 
 
 def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
-                   generator: torch.Generator | None = None, stochastic: bool = False) -> Quantized:
+                   generator: torch.Generator | Draws | None = None, stochastic: bool = False) -> Quantized:
     """NVFP4-quantize ``x``: E2M1 elements in blocks of 16 along ``axis`` (or, with ``tile=16``, in 16x16
     tiles of a 2-D tensor), E4M3 block scales, a float32 per-tensor scale (see the module docstring).
 
@@ -181,7 +218,7 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
         x: any floating tensor (2-D with ``tile``).
         axis: the blocks' axis (ignored with ``tile``).
         tile: None (1-D blocks of 16) or 16 (16x16 tiles).
-        generator: stochastic rounding's random draws.
+        generator: stochastic rounding's random draws (a ``torch.Generator`` or ``Draws``).
         stochastic: stochastic rounding of the elements (the recipe's gradients).
 
     Returns:

@@ -205,12 +205,9 @@ def step_ms(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
 
 @contextlib.contextmanager
 def untouched(model: nn.Module) -> Iterator[None]:
-    """Measuring is not training: the model's buffers (batch-norm statistics, FP8 amax histories) and the
-    random generators (torch's, and a module's own ``generator``: stochastic rounding) are put back as
-    they were."""
+    """Measuring is not training: the model's buffers (batch-norm statistics, FP8 amax histories, NVFP4's
+    counts of stochastic rounding draws) and torch's random generator are put back as they were."""
     buffers = {name: b.clone() for name, b in model.named_buffers()}
-    generators = [(g, g.get_state()) for m in model.modules() if isinstance(g := getattr(m, "generator", None),
-                                                                             torch.Generator)]
     rng = torch.get_rng_state()
     try:
         yield
@@ -218,8 +215,6 @@ def untouched(model: nn.Module) -> Iterator[None]:
         with torch.no_grad():
             for name, b in model.named_buffers():
                 b.copy_(buffers[name])
-        for g, state in generators:
-            g.set_state(state)
         torch.set_rng_state(rng)
 
 
