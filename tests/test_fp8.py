@@ -231,6 +231,39 @@ def test_amaxes_are_reduced_over_the_data_parallel_group() -> None:
     assert reduced[0][fp8.INPUT] == alone[1][fp8.INPUT]  # the group's scale is the widest rank's
 
 
+def _compiled_amax_worker(rank: int, world: int) -> tuple[list[bool], int, list[float]]:
+    """Three steps eagerly and compiled (aot_eager, fullgraph) on a fresh copy: each step's gradients and scales."""
+    import torch._dynamo.testing
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    inputs = [torch.randn(4, 16) * (rank + 1) * 4**step for step in range(3)]  # scales change on every step
+    found: list[list[torch.Tensor]] = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        convert_to_fp8(model, Fp8Recipe(scaling="delayed"), include=("0", "2"), process_group=dist.group.WORLD)
+        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        run = torch.compile(model, backend=counter, fullgraph=True) if compiled else model
+        found.append([])
+        for x0 in inputs:
+            x = x0.clone().requires_grad_()
+            run(x).square().sum().backward()
+            found[-1] += [x.grad, model[0].weight.grad.clone(), model[0].scale.clone(), model[2].scale.clone()]
+            model[0].weight.grad = model[2].weight.grad = None
+    return [torch.equal(a, b) for a, b in zip(*found)], counter.frame_count, found[1][-2].tolist()
+
+
+@pytest.mark.distributed
+def test_compiled_amax_reduction_is_one_graph_with_the_eager_scales_and_gradients() -> None:
+    """The amaxes are reduced by torch's functional collective, which dynamo traces: a process group no longer
+    keeps the linear eager (a graph break on either side of it)."""
+    equal, graphs, scales = zip(*run_ranks(_compiled_amax_worker, 2, timeout_s=240))
+    assert all(all(e) and len(e) == 12 for e in equal)
+    assert graphs == (1, 1)
+    assert scales[0] == scales[1]  # every rank scales as the group's widest
+
+
 @pytest.mark.parametrize("margin", [0, 1])
 def test_a_growing_activation_is_followed_with_the_history_lag(margin: int) -> None:
     """An input whose amax doubles every step: with ``most_recent`` the scale lags one step, so the

@@ -337,6 +337,8 @@ _NEEDED: dict[str, Callable[[], object]] = {
         _dynamo.output_graph.OutputGraph.add_cleanup_hook and torch._dynamo.output_graph.OutputGraph.compile_and_call_fx_graph,
     "torch._functorch.config.backward_pass_autocast": lambda: hasattr(_module("torch._functorch.config"),
                                                                       "backward_pass_autocast") or None,
+    "torch.distributed._functional_collectives.all_reduce":
+        lambda: getattr(_module("torch.distributed._functional_collectives"), "all_reduce", None),
 }
 
 

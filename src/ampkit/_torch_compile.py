@@ -112,3 +112,20 @@ def can_trace_module_regions() -> bool:
         _fallback("dynamo's InstructionTranslator.current_tx / OutputGraph.add_cleanup_hook / AOTAutograd's "
                   "backward_pass_autocast", "per-module overrides break compiled graphs at every module call")
     return found
+
+
+# Looked up once: dynamo cannot trace an import where the traced code calls the wrapper.
+_funcol: Any = _module("torch.distributed._functional_collectives")
+
+
+def all_reduce_max(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """The maximum of ``tensor`` over ``group``'s ranks, as a new tensor: torch's functional collective
+    (``torch.distributed._functional_collectives.all_reduce``, 2.2-2.13), which torch.compile traces into its
+    graph. Missing: ``torch.distributed.all_reduce`` in place (eager code only; dynamo breaks its graph there)."""
+    if _funcol is None or not hasattr(_funcol, "all_reduce"):
+        _fallback("torch.distributed._functional_collectives.all_reduce", "amaxes are reduced in place, and "
+                  "compiled code breaks its graph at each reduction")
+        out = tensor.clone()
+        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)
+        return out
+    return _funcol.wait_tensor(_funcol.all_reduce(tensor, "max", group))

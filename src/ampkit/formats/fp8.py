@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import _torch
+from ampkit import _torch, _torch_compile
 from ampkit.formats.recipes import (
     E4M3,
     E5M2,
@@ -205,15 +205,8 @@ class Fp8Linear(nn.Linear):
         self.register_buffer("scale", torch.ones(3, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self._forward if self.process_group is None else self._forward_eagerly)(x)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _DelayedFp8Matmul.apply(x, self.weight, self)
         return out + self.bias.to(out.dtype) if self.bias is not None else out
-
-    # With a process group, each step's amax is all-reduced in forward and backward: under torch.compile
-    # that linear runs eagerly (a graph break on either side), untried as a traced collective.
-    _forward_eagerly = torch.compiler.disable(_forward)
 
     @torch.no_grad()
     def record_(self, role: int, tensor: torch.Tensor) -> None:
@@ -226,7 +219,7 @@ class Fp8Linear(nn.Linear):
             return
         amax = tensor.detach().abs().amax().float()
         if self.process_group is not None:
-            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
+            amax = _torch_compile.all_reduce_max(amax, self.process_group)
         self.amax_history[role] = roll_in(self.amax_history[role], amax)
         self.scale[role] = scale_from_amax(history_amax(self.amax_history[role], self.recipe.amax_compute_algo),
                                            self.recipe.dtype(role), self.recipe.margin, self.scale[role])
