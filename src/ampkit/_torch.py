@@ -333,8 +333,10 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "torch._dynamo.eval_frame.skip_code": lambda: getattr(_module("torch._dynamo.eval_frame"), "skip_code", None),
     "InstructionTranslator.current_tx": lambda: __import__("torch._dynamo.symbolic_convert").
         _dynamo.symbolic_convert.InstructionTranslator.current_tx,
-    "OutputGraph.add_cleanup_hook, compile_and_call_fx_graph": lambda: __import__("torch._dynamo.output_graph").
-        _dynamo.output_graph.OutputGraph.add_cleanup_hook and torch._dynamo.output_graph.OutputGraph.compile_and_call_fx_graph,
+    "OutputGraph.add_cleanup_hook, compile_and_call_fx_graph": lambda: (
+        getattr(_module("torch._dynamo.output_graph"), "OutputGraph", None) and all(
+            hasattr(torch._dynamo.output_graph.OutputGraph, name)
+            for name in ("add_cleanup_hook", "compile_and_call_fx_graph")) or None),
     "torch._functorch.config.backward_pass_autocast": lambda: hasattr(_module("torch._functorch.config"),
                                                                       "backward_pass_autocast") or None,
     "torch.distributed._functional_collectives.all_reduce":

@@ -85,8 +85,11 @@ def on_trace_end(fn: Callable[[], None]) -> None:
 
 
 def graph_op_with_side_effects(fn: Callable[..., None]) -> Callable[..., None]:
-    """``fn`` as a node of dynamo's graph, kept though nothing uses its result (``torch.fx.node.has_side_effect``)."""
-    torch.fx.node.has_side_effect(fn)
+    """``fn`` as a node of dynamo's graph, kept though nothing uses its result (``torch.fx.node.has_side_effect``,
+    2.1-2.13). Missing: ``can_trace_module_regions()`` says False, and the function is never traced."""
+    mark = getattr(torch.fx.node, "has_side_effect", None)
+    if mark is not None:
+        mark(fn)
     return torch.compiler.allow_in_graph(fn)
 
 

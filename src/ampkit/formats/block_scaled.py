@@ -96,7 +96,7 @@ def counter_draws(seed: int, counter: torch.Tensor, stream: int) -> Draws:
     """Uniform [0, 1) draws hashed from (``seed``, ``counter``, ``stream``, each element's index): a pure function
     of tensors, so torch.compile traces it (it cannot trace a draw from a ``torch.Generator``) and a compiled
     step draws exactly what the eager step draws. ``counter`` is an int64 scalar tensor (a layer's step count);
-    ``stream`` tells apart the draws of one step (0, 1, ...). 24-bit draws, exact in float32."""
+    ``stream`` (0 to 7) tells apart the draws of one step. 24-bit draws, exact in float32."""
     def draws(shape: torch.Size) -> torch.Tensor:
         key = _hash32((_hash32((counter * 8 + stream) & _MASK) + (seed & _MASK)) & _MASK)
         index = torch.arange(math.prod(shape), dtype=torch.int64, device=counter.device)
