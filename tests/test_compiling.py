@@ -304,10 +304,10 @@ def test_a_graph_ending_inside_an_overridden_module_is_refused_at_every_call() -
 def test_without_the_dynamo_privates_overrides_break_the_graph_at_module_calls_with_eager_results(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Where this torch lacks what tracing the hooks needs, they run eagerly inside compiled code, as before."""
-    from ampkit import _torch_compile
+    from ampkit import _compile_torch
     from ampkit.precision import overrides
 
-    monkeypatch.setattr(_torch_compile, "can_trace_module_regions", lambda: False)
+    monkeypatch.setattr(_compile_torch, "can_trace_module_regions", lambda: False)
     monkeypatch.setattr(overrides, "_traceable", False)
     torch._dynamo.reset()
     idx, targets = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))

@@ -12,7 +12,7 @@ moves one fails a test instead of switching a feature off silently.
 Checked on torch 2.13.0 (CPU); ``benchmarks/device_check.sh`` runs the suite on the
 GPU image's torch 2.11. The names below exist unchanged since 2.4.
 This module imports nothing of ampkit. dynamo's and inductor's privates are wrapped in
-``_torch_compile.py`` (ampkit's hooks into torch.compile) and checked here, in ``missing()``.
+``_compile_torch.py`` (ampkit's hooks into torch.compile) and checked here, in ``missing()``.
 """
 
 from __future__ import annotations

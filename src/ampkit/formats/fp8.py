@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import _torch, _torch_compile
+from ampkit import _torch, _compile_torch
 from ampkit.formats.recipes import (
     E4M3,
     E5M2,
@@ -219,7 +219,7 @@ class Fp8Linear(nn.Linear):
             return
         amax = tensor.detach().abs().amax().float()
         if self.process_group is not None:
-            amax = _torch_compile.all_reduce_max(amax, self.process_group)
+            amax = _compile_torch.all_reduce_max(amax, self.process_group)
         self.amax_history[role] = roll_in(self.amax_history[role], amax)
         self.scale[role] = scale_from_amax(history_amax(self.amax_history[role], self.recipe.amax_compute_algo),
                                            self.recipe.dtype(role), self.recipe.margin, self.scale[role])

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ampkit import _torch_compile
+from ampkit import _compile_torch
 from ampkit.precision.policy import Policy
 from ampkit.precision.state import state
 
@@ -57,7 +57,7 @@ class PolicyGuard(TorchFunctionMode):
 
 # Where compiled code breaks its graph (a region opened inside it), torch calls run eagerly through this
 # mode; dynamo would compile its __torch_function__ as a frame of its own, once per signature.
-_torch_compile.skip_as_frame(PolicyGuard.__torch_function__)
+_compile_torch.skip_as_frame(PolicyGuard.__torch_function__)
 
 
 _lock = threading.Lock()
@@ -98,7 +98,7 @@ def open_guards() -> list[str]:
     return [region.guard.key for region in state.stack if region.guard is not None]
 
 
-class PolicyKey(_torch_compile.CustomGraphPass):  # type: ignore[misc]
+class PolicyKey(_compile_torch.CustomGraphPass):  # type: ignore[misc]
     """Adds the calling thread's open policies to inductor's and AOTAutograd's cache keys; changes no graph.
 
     Both caches hash the inductor config's custom passes by their ``uuid()``, evaluated in the thread that
@@ -134,4 +134,4 @@ _KEY = PolicyKey()
 
 def _install_cache_key() -> None:
     """Put ``PolicyKey`` among inductor's post-grad passes, beside any the user set (checked per policy)."""
-    _torch_compile.add_inductor_key_pass(_KEY)
+    _compile_torch.add_inductor_key_pass(_KEY)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import _torch_compile
+from ampkit import _compile_torch
 from ampkit.precision import compiling
 from ampkit.precision.kernels import cast_tree, caster
 from ampkit.precision.policy import Policy
@@ -36,7 +36,7 @@ _module_names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictio
 _hooks_lock = threading.Lock()
 _hooks_count = 0
 _hook_handles: list[Any] = []
-_traceable = False  # whether torch.compile can trace the hooks (_torch_compile.can_trace_module_regions)
+_traceable = False  # whether torch.compile can trace the hooks (_compile_torch.can_trace_module_regions)
 
 
 def _override_for(module: nn.Module, policy: Policy) -> torch.dtype | None:
@@ -54,7 +54,7 @@ def _override_for(module: nn.Module, policy: Policy) -> torch.dtype | None:
 def name_modules(root: nn.Module) -> None:
     """Record qualified names relative to ``root``, the first module seen of its tree (the model itself
     where ``root`` is its ``torch.compile`` wrapper)."""
-    root = _torch_compile.compiled_original(root)
+    root = _compile_torch.compiled_original(root)
     if root not in _module_names:
         for name, sub in root.named_modules():
             _module_names[sub] = name
@@ -128,7 +128,7 @@ def _enters_at_trace(module: nn.Module) -> tuple[str, int]:
     if dtype is None:
         return "", 0
     state.traced_modules.append(module)
-    _torch_compile.on_trace_end(lambda: _forget(state.traced_modules, module))
+    _compile_torch.on_trace_end(lambda: _forget(state.traced_modules, module))
     return top.policy.device_type, _FLOAT32 if dtype == torch.float32 else _LOW
 
 
@@ -150,7 +150,7 @@ def _traced_pre_hook(module: nn.Module, args: tuple) -> tuple | None:
     return args
 
 
-@_torch_compile.graph_op_with_side_effects
+@_compile_torch.graph_op_with_side_effects
 def _enter_traced(kind: int) -> None:
     """Open ``kind``'s region inside the innermost one, as ``_pre_hook`` does (no mode to guard by: nothing
     is compiled inside a graph)."""
@@ -159,13 +159,13 @@ def _enter_traced(kind: int) -> None:
     assert policy is not None
     if kind == _FLOAT32:
         ctx, pushed = torch.autocast(policy.device_type, enabled=False), None
-        _torch_compile.trace_backward_without_autocast()
+        _compile_torch.trace_backward_without_autocast()
     else:
         ctx, pushed = torch.autocast(policy.device_type, dtype=policy.dtype), policy.all_low
     ctx.__enter__()
     region = Region(policy.device_type, pushed, ctx, top.float32_ops, torch_nesting())
     state.stack.append(region)
-    _torch_compile.on_trace_end(lambda: _close_from(region))
+    _compile_torch.on_trace_end(lambda: _close_from(region))
 
 
 def _close_from(region: Region) -> None:
@@ -178,16 +178,15 @@ def _close_from(region: Region) -> None:
         closing.ctx.__exit__(None, None, None)
         if closing is region:
             break
-    if _torch_compile.trace_ends_in_a_graph():  # a graph with the region open: its rest would run without it
+    if _compile_torch.trace_ends_in_a_graph():  # a graph with the region open: its rest would run without it
         raise RuntimeError(
             "ampkit: torch.compile ended a graph inside a module that a per-module override of the policy "
             "matches, so the rest of the module would run outside its override. A graph break inside a module "
-            "that dynamo inlines ends the graph before the module's call unless torch._dynamo.config."
-            "nested_graph_breaks is set: unset it, or remove the graph break from the module "
-            "(torch._dynamo.explain names it).")
+            f"that dynamo inlines ends the graph before the module's call unless {_compile_torch.NESTED_GRAPH_BREAKS} "
+            f"is set: unset it, or remove the graph break from the module ({_compile_torch.EXPLAIN} names it).")
 
 
-@_torch_compile.graph_op_with_side_effects
+@_compile_torch.graph_op_with_side_effects
 def _exit_traced() -> None:
     state.stack.pop().ctx.__exit__(None, None, None)
 
@@ -200,14 +199,14 @@ def _forget(stack: list, item: object) -> None:
 # Where dynamo breaks a graph at a module's call, the call runs eagerly and dynamo would compile the hooks as
 # frames of their own (a graph ending with the region open); they are traced only inline, in a caller's graph.
 for _hook in (_pre_hook, _post_hook, _traced_pre_hook):
-    _torch_compile.skip_as_frame(_hook)
+    _compile_torch.skip_as_frame(_hook)
 
 
 def acquire_hooks() -> None:
     global _hooks_count, _traceable
     with _hooks_lock:
         if _hooks_count == 0:
-            _traceable = _torch_compile.can_trace_module_regions()
+            _traceable = _compile_torch.can_trace_module_regions()
             from torch.nn.modules import module as module_mod
 
             _hook_handles.append(module_mod.register_module_forward_pre_hook(_pre_hook))  # type: ignore[arg-type]
