@@ -25,8 +25,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
+from ampkit import Policy
 from ampkit.float32_compute import decide
+from ampkit import _torch
 from ampkit.precision import op_lists
+from ampkit.precision import policy as policy_module
 
 MkT = Callable[..., torch.Tensor]
 
@@ -146,6 +149,7 @@ CPU_SAMPLES: dict[str, Callable[[MkT], object]] = {
     "linalg_inv_ex": lambda mk: torch.linalg.inv_ex(_spd(mk)),
     "linalg_lstsq": lambda mk: torch.linalg.lstsq(mk(4, 3), mk(4, 2)),
     "linalg_matrix_rank": lambda mk: torch.linalg.matrix_rank(mk(3, 3)),
+    "linalg_matrix_sqrth": lambda mk: torch.linalg.matrix_sqrth(_spd(mk)),  # torch 2.14 on
     "linalg_qr": lambda mk: torch.linalg.qr(mk(4, 3)),
     "linalg_solve": lambda mk: torch.linalg.solve(_spd(mk), mk(3, 2)),
     "linalg_svd": lambda mk: torch.linalg.svd(mk(4, 3)),
@@ -177,8 +181,10 @@ CPU_SAMPLES: dict[str, Callable[[MkT], object]] = {
     ),
 }
 
-CPU_LISTS = op_lists.DEFAULT_LISTS["cpu"]
+# The running torch's defaults: the table's ops that this torch autocasts (a release drops and adds some).
+CPU_LISTS = Policy.default("cpu").lists
 CPU_OPS = sorted(op for ops in CPU_LISTS.values() for op in ops)
+TABLE_CPU_OPS = set().union(*op_lists.TABLE["cpu"].values())
 EXPECTED_OUT = {op_lists.ALLOW: torch.bfloat16, op_lists.DENY: torch.float32, op_lists.INFER: torch.float32}
 
 
@@ -259,18 +265,51 @@ def _dispatcher_ops(key: str) -> set[str]:
 
 
 @pytest.mark.parametrize("device_type, key", [("cpu", "AutocastCPU"), ("cuda", "AutocastCUDA")])
-def test_lists_cover_exactly_the_ops_torch_autocasts(device_type: str, key: str) -> None:
-    listed = set().union(*op_lists.TORCH_LISTS[device_type].values()) | set(op_lists.BANNED[device_type])
+def test_default_lists_are_exactly_the_ops_this_torch_autocasts(device_type: str, key: str) -> None:
+    """Read in a fresh process (this one may hold ampkit's kernels): every op torch autocasts has a
+    category in the table, and the default policy names exactly those ops, none that this torch lacks."""
+    table = set().union(*op_lists.TABLE[device_type].values()) | set(op_lists.BANNED[device_type])
     registered = _dispatcher_ops(key)
-    assert registered - listed == set(), "torch autocasts ops the lists do not name"
-    assert listed - registered == set(), "the lists name ops torch does not autocast"
+    assert registered - table == set(), "torch autocasts ops the table has no category for"
+    listed = set().union(*Policy.default(device_type).lists.values())
+    torch_listed = set().union(*policy_module.torch_lists(device_type).values())
+    banned = set(op_lists.BANNED[device_type]) & registered
+    assert listed == registered and torch_listed == registered - banned
+
+
+def _torch_autocasts(monkeypatch: pytest.MonkeyPatch, ops: set[str]) -> None:
+    """This test sees a torch that autocasts ``ops`` on every device; the process's own reading is kept
+    (its cache bypassed, not cleared: a reading taken after ampkit registered kernels would hold them)."""
+    monkeypatch.setattr(_torch, "autocast_ops", lambda device_type: frozenset(ops))
+    monkeypatch.setattr(policy_module, "autocast_ops", policy_module.autocast_ops.__wrapped__)
+
+
+def test_a_default_policy_leaves_out_the_ops_the_running_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on torch 2.14, which removed cholesky and qr (the table names both), and on a CPU build, which
+    has no cuDNN RNN."""
+    _torch_autocasts(monkeypatch, {"mm", "inverse", "cat", "_cudnn_rnn"})
+    cpu = Policy.default("cpu")
+    assert (cpu.allow, cpu.deny, cpu.infer) == ({"mm"}, {"inverse"}, {"cat"})
+    assert policy_module.torch_category("cpu", "cholesky") is None and cpu.edits == set()
+    cuda = Policy.default("cuda")  # binary_cross_entropy is banned, and absent here: not in deny either
+    assert (cuda.allow, cuda.deny, cuda.infer) == ({"mm", "_cudnn_rnn"}, set(), set())
+    with pytest.raises(ValueError, match="Unknown op 'not_an_op' in deny="):
+        cpu.with_ops(deny=["not_an_op"])  # an edited list still names an unknown op
+
+
+def test_an_op_torch_autocasts_that_the_table_lacks_is_left_to_torch_and_said(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _torch_autocasts(monkeypatch, {"mm", "gelu"})
+    with pytest.warns(_torch.TorchVersionWarning, match="no category for: gelu"):
+        policy = Policy.default("cpu")
+    assert policy.category("gelu") is None and policy.edits == set()  # torch's own kernel decides
 
 
 def test_lists_are_disjoint_and_every_cpu_op_has_a_sample() -> None:
-    for lists in op_lists.DEFAULT_LISTS.values():
-        assert not (lists["allow"] & lists["deny"]) and not (lists["deny"] & lists["infer"])
-        assert not (lists["allow"] & lists["infer"])
-    assert set(CPU_OPS) == set(CPU_SAMPLES)
+    for table in op_lists.TABLE.values():
+        assert not (table["allow"] & table["deny"]) and not (table["deny"] & table["infer"])
+        assert not (table["allow"] & table["infer"])
+    assert TABLE_CPU_OPS == set(CPU_SAMPLES)
 
 
 def _outcome(op: str, input_dtypes: list[torch.dtype], region: object, device: str = "cpu") -> torch.dtype | str:
@@ -287,7 +326,7 @@ def test_cpu_op_matches_torch_autocast(op: str) -> None:
     included (oneDNN has no bfloat16 LSTM on CPUs without AVX-512 BF16: torch.autocast
     raises for mkldnn_rnn_layer there); with float32 compute, GEMM-class ops run
     where native kernels are missing and give the dtype their list promises."""
-    category = op_lists.torch_category("cpu", op)
+    category = policy_module.torch_category("cpu", op)
     inputs = _inputs_for(category)
     expected = EXPECTED_OUT[category]
     torch_outcome = _outcome(op, inputs, torch.autocast("cpu", torch.bfloat16))
@@ -331,14 +370,14 @@ def test_op_moved_to_no_list_follows_its_inputs() -> None:
 # The CPU samples of ops that torch.autocast also lists for CUDA (PyTorch's CUDA autocast op lists, as
 # ampkit's own CUDA lists reproduce them): on a GPU, ampkit's default float16 policy must give each one
 # torch.autocast's dtype.
-CUDA_SHARED_OPS = sorted(set(CPU_SAMPLES) & set().union(*op_lists.TORCH_LISTS["cuda"].values()))
+CUDA_SHARED_OPS = sorted(set(CPU_SAMPLES) & set().union(*policy_module.torch_lists("cuda").values()))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("op", CUDA_SHARED_OPS)
 def test_cuda_op_matches_torch_autocast(op: str) -> None:
-    category = op_lists.torch_category("cuda", op)
+    category = policy_module.torch_category("cuda", op)
     inputs = {op_lists.ALLOW: [torch.float32], op_lists.DENY: [torch.float16]}.get(
         category or "", [torch.float16, torch.float32])
     torch_outcome = _outcome(op, inputs, torch.autocast("cuda", torch.float16), "cuda")

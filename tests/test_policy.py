@@ -8,14 +8,16 @@ from torch import nn
 
 from ampkit import Policy
 from ampkit.precision import op_lists
+from ampkit.precision.policy import autocast_ops, torch_lists
 
 
 def test_default_equals_torch_lists_except_banned_ops() -> None:
     for device in op_lists.DEVICE_TYPES:
-        policy = Policy.default(device)
-        assert policy.allow == op_lists.TORCH_LISTS[device]["allow"]
-        assert policy.deny == op_lists.TORCH_LISTS[device]["deny"] | set(op_lists.BANNED[device])
-        assert policy.edits == set(op_lists.BANNED[device])
+        policy, lists = Policy.default(device), torch_lists(device)
+        banned = set(op_lists.BANNED[device]) & autocast_ops(device)
+        assert policy.allow == lists["allow"] and policy.infer == lists["infer"]
+        assert policy.deny == lists["deny"] | banned
+        assert policy.edits == banned
 
 
 def test_default_dtypes_follow_torch_autocast() -> None:

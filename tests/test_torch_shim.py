@@ -132,3 +132,19 @@ def test_importing_on_a_torch_without_a_private_warns_once_naming_it() -> None:
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "imported", done.stderr[-2000:]
     assert done.stderr.count("TorchVersionWarning") == 1 and "lacks torch._fused_sdp_choice" in done.stderr
+
+
+def test_without_the_dispatcher_query_the_defaults_are_the_table_less_the_ops_torch_lacks(
+        monkeypatch: pytest.MonkeyPatch, fresh_warnings: None) -> None:
+    from ampkit.precision import op_lists, policy
+
+    read = _torch.autocast_ops("cpu")
+    assert read is not None and {"mm", "cat"} <= read  # this torch answers the query
+    monkeypatch.delattr(torch._C, "_dispatch_has_kernel_for_dispatch_key")
+    with pytest.warns(_torch.TorchVersionWarning, match="_dispatch_has_kernel_for_dispatch_key"):
+        assert _torch.autocast_ops.__wrapped__("cpu") is None  # uncached: the process's reading stays
+    # The policy's own cache bypassed too, so nothing this test reads outlives it.
+    monkeypatch.setattr(_torch, "autocast_ops", lambda device_type: None)
+    monkeypatch.setattr(policy, "autocast_ops", policy.autocast_ops.__wrapped__)
+    table = frozenset().union(*op_lists.TABLE["cpu"].values())
+    assert policy.autocast_ops("cpu") == table & _torch.aten_op_names()

@@ -86,7 +86,7 @@ else:
     TorchDispatchMode = _dispatch.TorchDispatchMode
 
 __all__ = [
-    "TorchDispatchMode", "disable_current_modes", "pytree", "aten_op_names", "autocast_key", "excluding_key",
+    "TorchDispatchMode", "disable_current_modes", "pytree", "aten_op_names", "autocast_ops", "autocast_key", "excluding_key",
     "is_mutable", "checkpoint_entry_points", "replace_checkpoint_entry_points", "forward_used_autocast",
     "saved_tensors_hooks_now", "forward_class", "gelu_saved", "fused_sdp_choice", "flash_attention_cpu",
     "flash_attention_cpu_backward", "scaled_mm", "has_scaled_mm", "require", "DISPATCHER_KERNELS", "amp_unscale_",
@@ -117,6 +117,23 @@ def aten_op_names() -> frozenset[str]:
                   "has loaded so far, so a valid but unloaded op may be refused")
         return frozenset(n for n in dir(torch.ops.aten) if not n.startswith("_"))
     return frozenset(n[len("aten::") :].split(".")[0] for n in getter() if n.startswith("aten::"))
+
+
+@functools.cache
+def autocast_ops(device_type: str) -> frozenset[str] | None:
+    """The ATen operator names with an autocast kernel for ``device_type`` in the running torch
+    (``torch._C._dispatch_has_kernel_for_dispatch_key``, 2.11-2.14.1): what torch.autocast casts.
+    Read once, before ampkit registers kernels of its own at that key (``precision/kernels.py``
+    asks first). None where missing: the policy falls back on its table, less the ops this torch lacks."""
+    has_kernel = _lookup("torch._C._dispatch_has_kernel_for_dispatch_key")
+    getter = _lookup("torch._C._dispatch_get_all_op_names")
+    if has_kernel is None or getter is None:
+        _fallback("torch._C._dispatch_has_kernel_for_dispatch_key", "the default op lists are ampkit's table for "
+                  "torch 2.11-2.14.1, less the ops this torch lacks, not read from this torch")
+        return None
+    key = autocast_key(device_type).name
+    return frozenset(name[len("aten::"):].split(".")[0] for name in getter()
+                     if name.startswith("aten::") and has_kernel(name, key))
 
 
 # What ampkit's dispatcher kernels (edited policies, float32 compute, module overrides) need.
@@ -150,16 +167,21 @@ def is_mutable(overload: Any) -> bool:
     return bool(overload._schema.is_mutable)
 
 
+# The non-reentrant generator torch.utils.checkpoint calls: 2.14 split out ``_impl`` (args and kwargs as a tuple
+# and a dict) and calls it directly; the old name stays as a shim that only out-of-tree callers use.
+_GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+
+
 def checkpoint_entry_points() -> tuple[Any, Any] | None:
-    """torch.utils.checkpoint's two places where a segment's function is handed over:
-    the reentrant ``CheckpointFunction`` and the non-reentrant
-    ``_checkpoint_without_reentrant_generator`` (2.4-2.13). None where either is missing:
-    then ampkit warns once that checkpointed segments inside an edited region recompute
-    without its policy (``precision/checkpointing.py``)."""
+    """torch.utils.checkpoint's two places where a segment's function is handed over, its first argument in
+    each: the reentrant ``CheckpointFunction`` (2.4-2.14.1) and the non-reentrant generator torch calls
+    (``_checkpoint_without_reentrant_generator``, 2.4-2.13; its ``_impl``, 2.14-2.14.1). None where either is
+    missing: then ampkit warns once that checkpointed segments inside an edited region recompute without its
+    policy (``precision/checkpointing.py``)."""
     from torch.utils import checkpoint as cp
 
     function = getattr(cp, "CheckpointFunction", None)
-    generator = getattr(cp, "_checkpoint_without_reentrant_generator", None)
+    generator = next((getattr(cp, name) for name in _GENERATORS if hasattr(cp, name)), None)
     return None if function is None or generator is None else (function, generator)
 
 
@@ -169,7 +191,7 @@ def replace_checkpoint_entry_points(function: Any, generator: Any) -> None:
     from torch.utils import checkpoint as cp
 
     setattr(cp, "CheckpointFunction", function)
-    setattr(cp, "_checkpoint_without_reentrant_generator", generator)
+    setattr(cp, next(name for name in _GENERATORS if hasattr(cp, name)), generator)
 
 
 def forward_used_autocast(ctx: Any) -> bool:
@@ -306,6 +328,7 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "torch.utils._pytree": lambda: None if isinstance(pytree, _Absent) else pytree,
     "torch.utils._python_dispatch": lambda: None if isinstance(_dispatch, _Absent) else _dispatch,
     "torch._C._dispatch_get_all_op_names": lambda: torch._C._dispatch_get_all_op_names,
+    "torch._C._dispatch_has_kernel_for_dispatch_key": lambda: torch._C._dispatch_has_kernel_for_dispatch_key,
     "torch._C.DispatchKey.AutocastCPU": lambda: torch._C.DispatchKey.AutocastCPU,
     "torch._C.DispatchKey.AutocastCUDA": lambda: torch._C.DispatchKey.AutocastCUDA,
     "torch._C._ExcludeDispatchKeyGuard": lambda: torch._C._ExcludeDispatchKeyGuard,

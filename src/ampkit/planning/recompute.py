@@ -37,7 +37,6 @@ import torch
 from torch import nn
 
 from ampkit.distributed.units import shard_blocks
-from ampkit.planning import selective as selective_recompute
 from ampkit.planning.measure import WHOLE, BlockCost, Measured, measure, step_ms
 from ampkit.planning.segments import install
 from ampkit.precision.policy import Policy
@@ -180,7 +179,7 @@ def plan_recompute(model: nn.Module, sample_inputs: Any, budget: int | float | s
     else:
         segments, partial = _against_baselines(
             measured, budget_bytes, model, chosen,
-            _knapsack(measured, budget_bytes, model, selective and selective_recompute.SUPPORTED),
+            _knapsack(measured, budget_bytes, model, selective),
             lambda plans: step_ms(model, sample_inputs, loss_fn, policy, plans, repeats))
     planned = measured.predict(segments, partial)
     if planned > budget_bytes:

@@ -11,13 +11,13 @@ run as one op each inside such a block (``float32_compute/single_ops.py``), so w
 
 The kept outputs are held by the checkpoint, not through autograd's saved-tensor hooks, where ampkit's
 memory accounting counts saved tensors: ``observing_kept`` hands them to it (``saved_bytes_of_step``, the
-planner's measurement).
+planner's measurement), through a dispatch mode inside torch's caching one that sees each kept op's output
+(torch hands the policy that output only from 2.13 on, as ``ctx.op_output``: this works on 2.11 too).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,11 +45,6 @@ _CLASSES = {
     **dict.fromkeys(_overloads(torch.ops.aten, _ATTENTION_NAMES), "attention"),
     **dict.fromkeys(_overloads(torch.ops.ampkit, ("flash_attention_in_float32",)), "attention"),
 }
-# torch.utils.checkpoint hands the policy the op's output from torch 2.13 on; without it the kept bytes
-# cannot be counted, and the planner offers whole blocks only.
-SUPPORTED = "op_output" in inspect.signature(SelectiveCheckpointContext.__init__).parameters
-
-
 def op_class(op: Any) -> str:
     """``"gemm"``, ``"attention"`` or ``"other"`` (elementwise, normalization, conversions, views)."""
     return _CLASSES.get(op, "other")
@@ -81,25 +76,33 @@ def tensors(value: Any) -> list[torch.Tensor]:
 
 
 def _policy(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if op_class(op) not in KEPT:
-        return CheckpointPolicy.PREFER_RECOMPUTE
-    if not ctx.is_recompute:
-        for tensor in tensors(ctx.op_output):
-            for observe in _observers():
-                observe(tensor)
-    return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_SAVE if op_class(op) in KEPT else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _KeptObserver(TorchDispatchMode):
+    """Entered inside torch's caching mode, so it sees each op first and its output last: hands the outputs
+    of the ops the policy keeps to this thread's observers."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if op_class(func) in KEPT:
+            for tensor in tensors(out):
+                for observe in _observers():
+                    observe(tensor)
+        return out
 
 
 @contextlib.contextmanager
-def _with_single_ops(mode: Any) -> Iterator[None]:
-    with single_ops.single_ops(), mode:
+def _with_single_ops(mode: Any, observed: bool = False) -> Iterator[None]:
+    with single_ops.single_ops(), mode, _KeptObserver() if observed else contextlib.nullcontext():
         yield
 
 
 def contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
-    """``context_fn`` for ``torch.utils.checkpoint``: the forward's and the recompute's contexts."""
+    """``context_fn`` for ``torch.utils.checkpoint``: the forward's and the recompute's contexts (the forward
+    observed only while someone counts the kept bytes: the observer costs a Python call per op)."""
     forward, recompute = create_selective_checkpoint_contexts(_policy)
-    return _with_single_ops(forward), _with_single_ops(recompute)
+    return _with_single_ops(forward, observed=bool(_observers())), _with_single_ops(recompute)
 
 
 class OpRecorder(TorchDispatchMode):

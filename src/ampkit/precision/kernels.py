@@ -27,7 +27,7 @@ from ampkit import _torch
 from ampkit.float32_compute import run_in_float32
 from ampkit.precision import op_lists
 from ampkit.precision.op_lists import ALLOW, DENY, INFER
-from ampkit.precision.policy import Policy
+from ampkit.precision.policy import Policy, autocast_ops, torch_category
 from ampkit.precision.state import current_region, state, torch_nesting, warn_once
 
 # ---------------------------------------------------------------------------
@@ -98,8 +98,8 @@ def caster(device_type: str, dtype: torch.dtype) -> Callable[[torch.Tensor], tor
 def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Callable[..., Any]:
     banned_message = op_lists.BANNED[device_type].get(op)
     casters = {dtype: caster(device_type, dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)}
-    torch_category = op_lists.torch_category(device_type, op)
-    torch_category = DENY if torch_category == "banned" else torch_category
+    torch_default = torch_category(device_type, op)
+    torch_default = DENY if torch_default == "banned" else torch_default
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         region = current_region(device_type)
@@ -109,7 +109,7 @@ def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Call
             category = region.policy.category(op)  # type: ignore[union-attr]
             in_float32 = op in region.float32_ops
         else:  # a thread using plain torch.autocast, or a region that treats this op as torch does
-            category, in_float32 = torch_category, False
+            category, in_float32 = torch_default, False
         if category == ALLOW:
             cast: Callable[[torch.Tensor], torch.Tensor] | None = casters[torch.get_autocast_dtype(device_type)]
         elif category == DENY:
@@ -167,6 +167,7 @@ class _Registry:
 
     @staticmethod
     def _register(device_type: str, op: str) -> torch.library.Library:
+        autocast_ops(device_type)  # read torch's own autocast kernels before ampkit adds one
         lib = torch.library.Library("aten", "IMPL")
         packet = getattr(torch.ops.aten, op)
         with warnings.catch_warnings():

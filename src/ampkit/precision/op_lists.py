@@ -1,11 +1,16 @@
 """The default allow / deny / infer op lists, per device, as data.
 
 Names are ATen operator names without overload (``"softmax"`` covers
-``aten::softmax.int`` and ``aten::softmax.Dimname``). The lists reproduce
-torch.autocast's own decisions (``aten/src/ATen/autocast_mode.{h,cpp}``) for
-torch 2.4 to 2.13; ``tests/test_op_lists.py`` checks them against the installed
-torch's dispatcher, and runs every CPU op under torch.autocast, so a torch
-release that changes its lists fails a test instead of drifting silently.
+``aten::softmax.int`` and ``aten::softmax.Dimname``). The table holds torch.autocast's
+own category for every op it has listed in a release ampkit is tested on
+(``aten/src/ATen/autocast_mode.{h,cpp}``, 2.11 to 2.14.1): the union over releases,
+since releases add and drop ops (2.14 removed ``cholesky`` and ``qr``, added
+``linalg_matrix_sqrth``; ``rms_norm`` joined CUDA's list in 2.13). Which of them the
+running torch autocasts is read from its dispatcher, not from here (``torch_lists``
+takes that set): a default policy never names an op the running torch lacks.
+``tests/test_op_lists.py`` checks the table against the installed torch's dispatcher and
+runs every CPU op under torch.autocast, so a release that changes its lists fails a test
+on the CI matrix instead of drifting silently.
 
 This module imports nothing of ampkit.
 """
@@ -35,8 +40,8 @@ _CPU_DENY = frozenset(
     pinverse geqrf qr svd triangular_solve
     linalg_cholesky linalg_cholesky_ex linalg_cond linalg_eig linalg_eigh linalg_eigvals
     linalg_eigvalsh linalg_householder_product linalg_inv linalg_inv_ex linalg_lstsq
-    linalg_matrix_rank linalg_qr linalg_solve linalg_svd linalg_svdvals linalg_tensorinv
-    linalg_tensorsolve
+    linalg_matrix_rank linalg_matrix_sqrth linalg_qr linalg_solve linalg_svd linalg_svdvals
+    linalg_tensorinv linalg_tensorsolve
     fft_fft fft_fft2 fft_fftn fft_hfft fft_ifft fft_ifft2 fft_ifftn fft_ihfft fft_irfft
     fft_irfft2 fft_irfftn fft_rfft fft_rfft2 fft_rfftn
     binary_cross_entropy binary_cross_entropy_with_logits cross_entropy_loss nll_loss
@@ -55,7 +60,7 @@ _CUDA_ALLOW = frozenset(
     matmul einsum mm mv linalg_vecdot linear addbmm baddbmm bmm chain_matmul
     linalg_multi_dot _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell
     rnn_tanh_cell rnn_relu_cell _scaled_dot_product_flash_attention
-    scaled_dot_product_attention
+    scaled_dot_product_attention _cudnn_rnn
     """.split()
 )
 _CUDA_DENY_TORCH = frozenset(
@@ -70,6 +75,7 @@ _CUDA_DENY_TORCH = frozenset(
     upsample_nearest3d _upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d
     _upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d _upsample_bicubic2d_aa
     prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum norm
+    linalg_matrix_sqrth
     """.split()
 )
 _CUDA_INFER = frozenset(
@@ -90,35 +96,45 @@ BANNED: dict[str, dict[str, str]] = {
     "cpu": {},
 }
 
-# What torch.autocast does, per device: category -> op names. Banned ops are absent.
-TORCH_LISTS: dict[str, dict[str, frozenset[str]]] = {
+# What torch.autocast does, per device, in any release it lists the op in: category -> op names.
+# Banned ops are absent. ``_cudnn_rnn`` (cudnn/AutocastRNN.cpp) casts to the 16-bit dtype like the allow list.
+TABLE: dict[str, dict[str, frozenset[str]]] = {
     "cpu": {ALLOW: _CPU_ALLOW, DENY: _CPU_DENY, INFER: _CPU_INFER},
     "cuda": {ALLOW: _CUDA_ALLOW, DENY: _CUDA_DENY_TORCH, INFER: _CUDA_INFER},
 }
 
-# ampkit's defaults: torch's decisions, with banned ops run in float32.
-DEFAULT_LISTS: dict[str, dict[str, frozenset[str]]] = {
-    device: {
-        ALLOW: lists[ALLOW],
-        DENY: lists[DENY] | frozenset(BANNED[device]),
-        INFER: lists[INFER],
-    }
-    for device, lists in TORCH_LISTS.items()
-}
-
-DEVICE_TYPES = tuple(DEFAULT_LISTS)
+DEVICE_TYPES = tuple(TABLE)
 
 
-def torch_category(device_type: str, op: str) -> str | None:
-    """What torch.autocast does with ``op`` on ``device_type``.
+def torch_lists(device_type: str, autocast_ops: frozenset[str]) -> dict[str, frozenset[str]]:
+    """torch.autocast's lists on a torch that has autocast kernels for ``autocast_ops``:
+    the table less the ops that torch does not autocast (or lacks)."""
+    return {category: ops & autocast_ops for category, ops in TABLE[device_type].items()}
+
+
+def default_lists(device_type: str, autocast_ops: frozenset[str]) -> dict[str, frozenset[str]]:
+    """ampkit's defaults on that torch: its decisions, with the banned ops it has run in float32."""
+    lists = torch_lists(device_type, autocast_ops)
+    return {**lists, DENY: lists[DENY] | (frozenset(BANNED[device_type]) & autocast_ops)}
+
+
+def unknown_ops(device_type: str, autocast_ops: frozenset[str]) -> frozenset[str]:
+    """Ops that torch autocasts and the table has no category for (a release newer than the table)."""
+    return autocast_ops - frozenset().union(*TABLE[device_type].values()) - frozenset(BANNED[device_type])
+
+
+def torch_category(device_type: str, op: str, autocast_ops: frozenset[str]) -> str | None:
+    """What torch.autocast does with ``op`` on ``device_type``, on a torch that autocasts ``autocast_ops``.
 
     Returns:
         ``"allow"``, ``"deny"``, ``"infer"``, ``"banned"``, or None when torch
         leaves the op alone (it runs in its inputs' dtype).
     """
+    if op not in autocast_ops:
+        return None
     if op in BANNED[device_type]:
         return "banned"
-    for category, ops in TORCH_LISTS[device_type].items():
+    for category, ops in TABLE[device_type].items():
         if op in ops:
             return category
     return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import warnings
 from collections.abc import Iterable
 
 import torch
@@ -36,6 +37,34 @@ def check_device_type(device_type: str) -> str:
 def known_ops() -> frozenset[str]:
     """Every ATen operator name (without overload) the installed torch defines."""
     return _torch.aten_op_names()
+
+
+@functools.cache
+def autocast_ops(device_type: str) -> frozenset[str]:
+    """The ops the running torch autocasts on ``device_type``, read from its dispatcher once.
+
+    Ops it autocasts that ampkit's table has no category for (a torch newer than the table)
+    are left to torch.autocast, said once with a TorchVersionWarning.
+    """
+    ops = _torch.autocast_ops(device_type)
+    if ops is None:  # no dispatcher query: the table, less the ops this torch lacks
+        ops = frozenset().union(*op_lists.TABLE[device_type].values(), op_lists.BANNED[device_type]) & known_ops()
+    if unknown := op_lists.unknown_ops(device_type, ops):
+        warnings.warn(f"torch {torch.__version__} autocasts ops on {device_type} that ampkit's op table has no "
+                      f"category for: {', '.join(sorted(unknown))}. They run as torch.autocast runs them, and "
+                      "`ampkit ops` does not show them; name one in with_ops() to decide it yourself.",
+                      _torch.TorchVersionWarning, stacklevel=3)
+    return ops
+
+
+def torch_lists(device_type: str) -> dict[str, frozenset[str]]:
+    """torch.autocast's allow / deny / infer lists on the running torch (banned ops absent)."""
+    return op_lists.torch_lists(device_type, autocast_ops(device_type))
+
+
+def torch_category(device_type: str, op: str) -> str | None:
+    """What the running torch's autocast does with ``op``: a list, ``"banned"``, or None."""
+    return op_lists.torch_category(device_type, op, autocast_ops(device_type))
 
 
 def _check_ops(ops: Iterable[str], argument: str) -> frozenset[str]:
@@ -146,7 +175,7 @@ class Policy:
         and where this machine computes 16-bit GEMMs slower than float32 (measured),
         ``"auto"`` computes them in float32 on the 16-bit values.
         """
-        lists = op_lists.DEFAULT_LISTS[check_device_type(device_type)]
+        lists = op_lists.default_lists(check_device_type(device_type), autocast_ops(device_type))
         if dtype is None:
             dtype = torch.bfloat16 if device_type == "cpu" else torch.float16
         return cls(device_type, resolve_dtype(dtype), lists[ALLOW], lists[DENY], lists[INFER], compute=compute)
@@ -157,6 +186,11 @@ class Policy:
         GEMMs and convolutions compute: for models already in 16 bits (O2, O3)."""
         empty: frozenset[str] = frozenset()
         return cls(check_device_type(device_type), resolve_dtype(dtype), empty, empty, empty, compute=compute)
+
+    @property
+    def lists(self) -> dict[str, frozenset[str]]:
+        """The three op lists by name: ``{"allow": ..., "deny": ..., "infer": ...}``."""
+        return {ALLOW: self.allow, DENY: self.deny, INFER: self.infer}
 
     def category(self, op: str) -> str | None:
         """``"allow"``, ``"deny"``, ``"infer"`` or None (the op follows its inputs)."""
@@ -233,10 +267,9 @@ class Policy:
     @functools.cached_property
     def edits(self) -> frozenset[str]:
         """Ops whose handling differs from torch.autocast's on this device."""
-        torch_lists = op_lists.TORCH_LISTS[self.device_type]
         ops = self._table.keys() | op_lists.BANNED[self.device_type].keys()
-        ops |= torch_lists[ALLOW] | torch_lists[DENY] | torch_lists[INFER]
-        return frozenset(op for op in ops if self.category(op) != op_lists.torch_category(self.device_type, op))
+        ops |= frozenset().union(*torch_lists(self.device_type).values())
+        return frozenset(op for op in ops if self.category(op) != torch_category(self.device_type, op))
 
     @functools.cached_property
     def all_low(self) -> Policy:

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The suite on the other torch releases ampkit supports: for each release after the first in pyproject.toml's
+# [tool.ampkit] tested-torch, a plain venv with that torch from the registry (a CUDA build; it runs on a CPU), then
+# the README's test command in it, verbatim: it keeps the torch it finds, as it does for a user who has one.
+# A release the registry does not serve is a SKIPPED line, never a silent pass; any other failure fails the run.
+# AMPKIT_TORCH_VERSIONS="2.14.1 2.11.0" picks releases by hand; --list prints the releases and stops.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+versions=${AMPKIT_TORCH_VERSIONS:-$(python -c '
+import tomllib
+print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["ampkit"]["tested-torch"][1:]))')}
+if [ "${1:-}" = --list ]; then echo "$versions"; exit 0; fi
+readme_test=$(grep -m1 -F "python -m pytest -q" README.md)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+served=$(python -m pip index versions torch 2>/dev/null | sed -n 's/^Available versions: //p' | tr -d ' ')
+failed=()
+for version in $versions; do
+  start=$SECONDS
+  if [[ ",$served," != *",$version,"* ]]; then
+    echo "SKIPPED torch $version: the package registry does not serve it (the newest it serves: ${served%%,*})"
+    continue
+  fi
+  echo "=== torch $version: a fresh venv, then the README's test command"
+  python -m venv "$work/$version"
+  if ! "$work/$version/bin/python" -m pip install -q "torch==$version"; then
+    failed+=("$version (its install)")
+    continue
+  fi
+  if (source "$work/$version/bin/activate" && cd "$PWD" && eval "$readme_test"); then
+    echo "torch $version: the README's test command passed in $((SECONDS - start)) s"
+  else
+    failed+=("$version")
+  fi
+  rm -rf "${work:?}/$version"
+done
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "FAILED on torch ${failed[*]}"
+  exit 1
+fi
