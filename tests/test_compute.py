@@ -429,3 +429,28 @@ def test_the_gelu_recompute_stays_out_of_activation_checkpointing() -> None:
     checkpointed.backward()
     assert torch.equal(plain, checkpointed)
     assert all(torch.equal(a, p.grad) for a, p in zip(want, mlp.parameters()))
+
+
+def test_an_op_without_a_meta_kernel_computes_in_float32_and_rounds_to_its_inputs_dtype(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generic path reads an op's native output dtypes off a meta run; torch 2.11 has no meta kernel for
+    ``aten::_convolution`` (NotImplementedError). Without one, floating outputs take the inputs' 16-bit dtype."""
+    from ampkit.float32_compute import generic
+
+    x, w = torch.randn(1, 2, 6, 6), torch.randn(3, 2, 3, 3)
+    policy = ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")
+
+    def convolve() -> torch.Tensor:
+        with warnings.catch_warnings(), ampkit.autocast(policy):
+            warnings.simplefilter("ignore")
+            return torch.ops.aten._convolution.deprecated(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+                                                          False, False, False)
+
+    read = convolve()
+
+    def no_meta_kernel(*args: Any) -> Any:
+        raise NotImplementedError("convolution_overrideable not implemented")
+
+    monkeypatch.setattr(generic, "_native_out_dtypes", no_meta_kernel)
+    without = convolve()
+    assert read.dtype == without.dtype == torch.bfloat16 and torch.equal(read, without)

@@ -42,6 +42,12 @@ def test_the_lower_bound_is_the_oldest_release_ci_tests() -> None:
     assert len(TESTED) == len(set(TESTED)) >= 3
 
 
+def test_the_shim_names_the_releases_ci_tests() -> None:
+    from ampkit import _torch
+
+    assert sorted(_torch.CHECKED, key=_version) == sorted(TESTED, key=_version)
+
+
 def test_the_readme_commands_install_the_first_release() -> None:
     readme = (ROOT / "README.md").read_text()
     for command in (line for line in readme.splitlines() if line.startswith("python -m pip show -q torch")):

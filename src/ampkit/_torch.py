@@ -9,8 +9,9 @@ fail: ``import ampkit`` works on any torch. ``missing()`` lists what the running
 torch lacks; ``tests/test_torch_shim.py`` fails on any, so a torch release that
 moves one fails a test instead of switching a feature off silently.
 
-Checked on torch 2.13.0 (CPU); ``benchmarks/device_check.sh`` runs the suite on the
-GPU image's torch 2.11. The names below exist unchanged since 2.4.
+Checked on the torch releases CI tests, ``CHECKED`` (pyproject.toml's ``[tool.ampkit] tested-torch``;
+``tests/test_torch_versions.py`` keeps the two equal): ``tests/test_torch_shim.py`` runs on each. A range
+in a docstring below is where the name was found; where releases differ, the wrapper says how.
 This module imports nothing of ampkit. dynamo's and inductor's privates are wrapped in
 ``_compile_torch.py`` (ampkit's hooks into torch.compile) and checked here, in ``missing()``.
 """
@@ -29,6 +30,11 @@ import torch
 from torch import nn
 
 
+# The torch releases every private below was checked on (each CI run tests all three).
+CHECKED = ("2.11.0", "2.13.0", "2.14.1")
+_CHECKED_ON = f"torch {', '.join(CHECKED[:-1])} and {CHECKED[-1]}"
+
+
 class TorchVersionWarning(RuntimeWarning):
     """A torch private that ampkit uses is missing from this torch: the feature falls back."""
 
@@ -36,11 +42,17 @@ class TorchVersionWarning(RuntimeWarning):
 _warned: set[str] = set()
 
 
-def _fallback(name: str, what_happens: str) -> None:
+def fallback_once(name: str, what_happens: str) -> None:
+    """Say once (``TorchVersionWarning``) that this torch lacks ``name`` and what ampkit does instead."""
     if name not in _warned:
         _warned.add(name)
-        warnings.warn(f"torch {torch.__version__} lacks {name}, which ampkit was checked with (2.13): "
+        warnings.warn(f"torch {torch.__version__} lacks {name}, which ampkit was checked with ({_CHECKED_ON}): "
                       f"{what_happens}.", TorchVersionWarning, stacklevel=3)
+
+
+def at_least(major: int, minor: int) -> bool:
+    """Whether the running torch is release ``major.minor`` or later (a local build's suffix ignored)."""
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
 
 
 def _lookup(path: str) -> Any:
@@ -65,14 +77,14 @@ class _Absent(types.ModuleType):
 
     def __getattr__(self, attribute: str) -> Any:
         raise RuntimeError(f"ampkit needs {self.__name__}.{attribute}, which torch {torch.__version__} lacks "
-                           "(ampkit was checked on torch 2.13): float32 compute's generic path and "
+                           f"(ampkit was checked on {_CHECKED_ON}): float32 compute's generic path and "
                            "find_nonfinite cannot run here; compute='native' and the rest of ampkit can.")
 
 
 # The tensor-tree helpers and the dispatch-mode machinery: torch.utils._pytree and
 # torch.utils._python_dispatch are private modules that torch's own public APIs
 # (torch.compile, torch.func) are built on; TorchDispatchMode is documented, its
-# module is not (2.4-2.13). Without them float32 compute's generic path and
+# module is not (2.4-2.14.1). Without them float32 compute's generic path and
 # find_nonfinite refuse at their first call, naming the module.
 pytree: Any = _module("torch.utils._pytree") or _Absent("torch.utils._pytree")
 _dispatch = _module("torch.utils._python_dispatch") or _Absent("torch.utils._python_dispatch")
@@ -86,7 +98,7 @@ else:
     TorchDispatchMode = _dispatch.TorchDispatchMode
 
 __all__ = [
-    "TorchDispatchMode", "disable_current_modes", "pytree", "aten_op_names", "autocast_ops", "autocast_key", "excluding_key",
+    "TorchDispatchMode", "disable_current_modes", "pytree", "aten_op_names", "autocast_ops", "autocast_key", "is_compiling", "at_least", "fallback_once", "excluding_key",
     "is_mutable", "checkpoint_entry_points", "replace_checkpoint_entry_points", "forward_used_autocast",
     "saved_tensors_hooks_now", "forward_class", "gelu_saved", "fused_sdp_choice", "flash_attention_cpu",
     "flash_attention_cpu_backward", "scaled_mm", "has_scaled_mm", "require", "DISPATCHER_KERNELS", "amp_unscale_",
@@ -100,7 +112,7 @@ OpOverload: Any = getattr(getattr(torch, "_ops", None), "OpOverload", object)
 
 
 def disable_current_modes() -> contextlib.AbstractContextManager[Any]:
-    """Run the enclosed code below every active TorchDispatchMode (torch 2.4-2.13)."""
+    """Run the enclosed code below every active TorchDispatchMode (torch 2.4-2.14.1)."""
     return _dispatch._disable_current_modes()
 
 
@@ -108,12 +120,12 @@ def disable_current_modes() -> contextlib.AbstractContextManager[Any]:
 def aten_op_names() -> frozenset[str]:
     """Every ATen operator name, without overload, the running torch defines.
 
-    ``torch._C._dispatch_get_all_op_names`` (2.4-2.13). Missing: policies cannot check
+    ``torch._C._dispatch_get_all_op_names`` (2.4-2.14.1). Missing: policies cannot check
     op names and refuse every edit (``missing()`` names it).
     """
     getter = _lookup("torch._C._dispatch_get_all_op_names")
     if getter is None:
-        _fallback("torch._C._dispatch_get_all_op_names", "op names are checked against the ops torch.ops.aten "
+        fallback_once("torch._C._dispatch_get_all_op_names", "op names are checked against the ops torch.ops.aten "
                   "has loaded so far, so a valid but unloaded op may be refused")
         return frozenset(n for n in dir(torch.ops.aten) if not n.startswith("_"))
     return frozenset(n[len("aten::") :].split(".")[0] for n in getter() if n.startswith("aten::"))
@@ -128,7 +140,7 @@ def autocast_ops(device_type: str) -> frozenset[str] | None:
     has_kernel = _lookup("torch._C._dispatch_has_kernel_for_dispatch_key")
     getter = _lookup("torch._C._dispatch_get_all_op_names")
     if has_kernel is None or getter is None:
-        _fallback("torch._C._dispatch_has_kernel_for_dispatch_key", "the default op lists are ampkit's table for "
+        fallback_once("torch._C._dispatch_has_kernel_for_dispatch_key", "the default op lists are ampkit's table for "
                   "torch 2.11-2.14.1, less the ops this torch lacks, not read from this torch")
         return None
     key = autocast_key(device_type).name
@@ -146,24 +158,24 @@ def require(feature: str, names: tuple[str, ...], way_out: str) -> None:
     absent = [name for name in names if _lookup(name) is None]
     if absent:
         raise RuntimeError(f"{feature} needs {', '.join(absent)}, which torch {torch.__version__} lacks (ampkit was "
-                           f"checked on torch 2.13). {way_out}")
+                           f"checked on {_CHECKED_ON}). {way_out}")
 
 
 def autocast_key(device_type: str) -> Any:
     """The dispatcher's Autocast key for ``device_type`` (``torch._C.DispatchKey.AutocastCPU`` /
-    ``AutocastCUDA``, 2.4-2.13): where edited policies register their kernels."""
+    ``AutocastCUDA``, 2.4-2.14.1): where edited policies register their kernels."""
     return {"cpu": torch._C.DispatchKey.AutocastCPU, "cuda": torch._C.DispatchKey.AutocastCUDA}[device_type]
 
 
 def excluding_key(device_type: str) -> contextlib.AbstractContextManager[Any]:
     """Dispatch below the Autocast key of ``device_type`` (``torch._C._ExcludeDispatchKeyGuard``
-    with a ``DispatchKeySet``, 2.4-2.13), as torch's own autocast kernels do."""
+    with a ``DispatchKeySet``, 2.4-2.14.1), as torch's own autocast kernels do."""
     return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(autocast_key(device_type)))
 
 
 def is_mutable(overload: Any) -> bool:
     """Whether an op overload writes to an argument (``out=``, in-place): ``OpOverload._schema``
-    (2.4-2.13)."""
+    (2.4-2.14.1)."""
     return bool(overload._schema.is_mutable)
 
 
@@ -175,7 +187,7 @@ _GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_with
 def checkpoint_entry_points() -> tuple[Any, Any] | None:
     """torch.utils.checkpoint's two places where a segment's function is handed over, its first argument in
     each: the reentrant ``CheckpointFunction`` (2.4-2.14.1) and the non-reentrant generator torch calls
-    (``_checkpoint_without_reentrant_generator``, 2.4-2.13; its ``_impl``, 2.14-2.14.1). None where either is
+    (``_checkpoint_without_reentrant_generator``, 2.4-2.14.1; its ``_impl``, 2.14-2.14.1). None where either is
     missing: then ampkit warns once that checkpointed segments inside an edited region recompute without its
     policy (``precision/checkpointing.py``)."""
     from torch.utils import checkpoint as cp
@@ -196,13 +208,13 @@ def replace_checkpoint_entry_points(function: Any, generator: Any) -> None:
 
 def forward_used_autocast(ctx: Any) -> bool:
     """Whether a ``torch.amp.custom_fwd`` forward ran under autocast: ``ctx._fwd_used_autocast``,
-    set by torch (2.4-2.13). Missing: False, and ``custom_bwd`` runs as torch's alone."""
+    set by torch (2.4-2.14.1). Missing: False, and ``custom_bwd`` runs as torch's alone."""
     return bool(getattr(ctx, "_fwd_used_autocast", False))
 
 
 def saved_tensors_hooks_now() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """The innermost ``saved_tensors_hooks`` pair, or None (``torch._C._autograd.
-    _top_saved_tensors_default_hooks``, 2.4-2.13). Missing: the GELU recompute is skipped,
+    _top_saved_tensors_default_hooks``, 2.4-2.14.1). Missing: the GELU recompute is skipped,
     as it is under others' hooks."""
     getter = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if getter is None:
@@ -216,13 +228,13 @@ def _unknown_hook(value: Any) -> Any:
 
 def forward_class(node: Any) -> type | None:
     """The autograd Function class of a graph node (``BackwardCFunction._forward_cls``,
-    2.4-2.13); None for built-in ops."""
+    2.4-2.14.1); None for built-in ops."""
     return getattr(node, "_forward_cls", None)
 
 
 def gelu_saved(node: Any) -> tuple[torch.Tensor, str] | None:
     """What a ``GeluBackward0`` node saved: its input and approximation mode
-    (``_saved_self``, ``_saved_approximate``, 2.4-2.13). None where they are missing: then
+    (``_saved_self``, ``_saved_approximate``, 2.4-2.14.1). None where they are missing: then
     no GELU output is recomputed (it is saved, as without ampkit)."""
     try:
         return node._saved_self, node._saved_approximate
@@ -230,14 +242,25 @@ def gelu_saved(node: Any) -> tuple[torch.Tensor, str] | None:
         return None
 
 
+def is_compiling() -> bool:
+    """Whether torch.compile is at work in this call: dynamo's trace, or a backend's (AOTAutograd's) trace of
+    its graph. ``torch.compiler.is_compiling()`` says so for the whole session from 2.13 on; 2.11 sets it only in
+    dynamo's trace, so AOTAutograd's trace (which runs ampkit's Python kernels again) is known by the tracing
+    context dynamo holds open for the session (``torch._guards.TracingContext.try_get``, 2.11-2.14.1)."""
+    if torch.compiler.is_compiling():
+        return True
+    context = getattr(_module("torch._guards"), "TracingContext", None)
+    return context is not None and context.try_get() is not None
+
+
 def fused_sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                      scale: float | None) -> int | None:
     """The attention backend torch picks for these inputs (``torch._fused_sdp_choice``,
-    2.4-2.13); None where missing, and attention takes float32 compute's generic path."""
+    2.4-2.14.1); None where missing, and attention takes float32 compute's generic path."""
     choice = getattr(torch, "_fused_sdp_choice", None)
     if choice is None:
         return None
-    if torch.compiler.is_compiling():
+    if is_compiling():
         # Traced inputs are fake tensors, for which the choice answers MATH where the real kernel, and torch's
         # own trace of attention, take FLASH: ask with real, empty tensors of the same layout.
         with disable_current_modes():
@@ -248,46 +271,46 @@ def fused_sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
 
 
 def flash_attention_cpu(*args: Any, **kwargs: Any) -> Any:
-    """``aten._scaled_dot_product_flash_attention_for_cpu`` (2.4-2.13)."""
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` (2.4-2.14.1)."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)
 
 
 def flash_attention_cpu_backward(*args: Any, **kwargs: Any) -> Any:
-    """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` (2.4-2.13)."""
+    """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` (2.4-2.14.1)."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
 
 
 def has_scaled_mm() -> bool:
-    """Whether ``torch._scaled_mm`` exists (2.4-2.13). Missing: FP8 recipes emulate on every device."""
+    """Whether ``torch._scaled_mm`` exists (2.4-2.14.1). Missing: FP8 recipes emulate on every device."""
     if _lookup("torch._scaled_mm") is None:
-        _fallback("torch._scaled_mm", "FP8 matmuls are emulated (FP8's numerics, float32's speed)")
+        fallback_once("torch._scaled_mm", "FP8 matmuls are emulated (FP8's numerics, float32's speed)")
         return False
     return True
 
 
 def scaled_mm(*args: Any, **kwargs: Any) -> Any:
-    """``torch._scaled_mm``, the FP8 GEMM of compute capability >= 8.9 (2.4-2.13)."""
+    """``torch._scaled_mm``, the FP8 GEMM of compute capability >= 8.9 (2.4-2.14.1)."""
     return torch._scaled_mm(*args, **kwargs)
 
 
 def amp_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """``torch._amp_foreach_non_finite_check_and_unscale_``: GradScaler's fused unscale and
-    inf/NaN check (2.4-2.13)."""
+    inf/NaN check (2.4-2.14.1)."""
     fused = _lookup("torch._amp_foreach_non_finite_check_and_unscale_")
     if fused is not None:
         fused(tensors, found_inf, inv_scale)
         return
-    _fallback("torch._amp_foreach_non_finite_check_and_unscale_", "gradients are unscaled one tensor at a time")
+    fallback_once("torch._amp_foreach_non_finite_check_and_unscale_", "gradients are unscaled one tensor at a time")
     for t in tensors:  # the same arithmetic: multiply by the inverse scale, flag any inf/NaN
         found_inf.add_((~torch.isfinite(t)).any().to(found_inf.dtype)).clamp_(max=1.0)
         t.mul_(inv_scale.to(t.dtype))
 
 
 def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """``torch._foreach_copy_``: one fused, converting copy of many tensors (2.4-2.13)."""
+    """``torch._foreach_copy_``: one fused, converting copy of many tensors (2.4-2.14.1)."""
     fused = _lookup("torch._foreach_copy_")
     if fused is None:
-        _fallback("torch._foreach_copy_", "tensors are copied one at a time")
+        fallback_once("torch._foreach_copy_", "tensors are copied one at a time")
         for target, source in zip(targets, sources):
             target.copy_(source)
         return
@@ -295,22 +318,22 @@ def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> N
 
 
 def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
-    """``torch._foreach_norm``: one fused norm per tensor (2.4-2.13)."""
+    """``torch._foreach_norm``: one fused norm per tensor (2.4-2.14.1)."""
     fused = _lookup("torch._foreach_norm")
     if fused is None:
-        _fallback("torch._foreach_norm", "norms are taken one tensor at a time")
+        fallback_once("torch._foreach_norm", "norms are taken one tensor at a time")
         return [torch.linalg.vector_norm(t, ord) for t in tensors]
     return list(fused(tensors, ord))
 
 
 def flatten_dense_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch._utils._flatten_dense_tensors`` (DDP's own bucketing, 2.4-2.13)."""
+    """``torch._utils._flatten_dense_tensors`` (DDP's own bucketing, 2.4-2.14.1)."""
     flatten = getattr(_module("torch._utils"), "_flatten_dense_tensors", None)
     return flatten(tensors) if flatten is not None else torch.cat([t.reshape(-1) for t in tensors])
 
 
 def unflatten_dense_tensors(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``torch._utils._unflatten_dense_tensors`` (2.4-2.13)."""
+    """``torch._utils._unflatten_dense_tensors`` (2.4-2.14.1)."""
     unflatten = getattr(_module("torch._utils"), "_unflatten_dense_tensors", None)
     if unflatten is not None:
         return list(unflatten(flat, tensors))
@@ -318,7 +341,7 @@ def unflatten_dense_tensors(flat: torch.Tensor, tensors: list[torch.Tensor]) -> 
     return [part.view_as(t) for part, t in zip(flat.split(sizes), tensors)]
 
 
-# BatchNorm's base class (nn.modules.batchnorm._NormBase, 2.4-2.13): O2 keeps every
+# BatchNorm's base class (nn.modules.batchnorm._NormBase, 2.4-2.14.1): O2 keeps every
 # batch norm in float32, SyncBatchNorm and the lazy ones included.
 NORM_BASE: Any = getattr(nn.modules.batchnorm, "_NormBase", None) or (
     nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
@@ -341,6 +364,7 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "aten._scaled_dot_product_flash_attention_for_cpu_backward":
         lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
     "torch._scaled_mm": lambda: torch._scaled_mm,
+    "torch._guards.TracingContext.try_get": lambda: getattr(_module("torch._guards"), "TracingContext").try_get,
     "torch._amp_foreach_non_finite_check_and_unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_,
     "torch._ops.OpOverload": lambda: torch._ops.OpOverload,
     "torch._foreach_copy_": lambda: torch._foreach_copy_,
@@ -383,6 +407,6 @@ def missing() -> list[str]:
 # Checked once, at import, against the running torch: one warning naming what is missing (each feature
 # then says what it does without it, at its first call).
 if absent := missing():
-    warnings.warn(f"torch {torch.__version__} lacks {', '.join(absent)}, which ampkit was checked with (torch "
-                  "2.13); the features that need them fall back or refuse at their first call, saying so.",
+    warnings.warn(f"torch {torch.__version__} lacks {', '.join(absent)}, which ampkit was checked with "
+                  f"({_CHECKED_ON}); the features that need them fall back or refuse at their first call, saying so.",
                   TorchVersionWarning, stacklevel=2)

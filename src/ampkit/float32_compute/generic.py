@@ -113,7 +113,7 @@ class Upcasts:
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
         if t.dtype not in LOW_DTYPES:
             return t
-        if torch.compiler.is_compiling():
+        if _torch.is_compiling():
             return t.float()  # traced tensors have no storage to share; the compiler fuses the conversions
         storage = t.untyped_storage()
         if storage.nbytes() > 4 * max(t.numel() * t.element_size(), 1) or storage.nbytes() % t.element_size():
@@ -146,12 +146,18 @@ class UpcastGemms(TorchDispatchMode):
         mixed = len(dtypes) > 1 and (len(low) > 1 or func.overloadpacket.__name__ in ONE_DTYPE_OPS)
         if not low or mixed:
             return func(*args, **kwargs)
-        out_dtypes = _native_out_dtypes(func, args, kwargs)
+        try:
+            out_dtypes: tuple[torch.dtype | None, ...] | None = _native_out_dtypes(func, args, kwargs)
+        except NotImplementedError:  # no meta kernel (torch 2.11's aten::_convolution): read off the float32 run
+            out_dtypes = None
         with disable_current_modes():  # the conversions are ours: modes below see the float32 kernel
             args = _map_tensors(self._upcast, args)
             kwargs = {k: _map_tensors(self._upcast, v) for k, v in kwargs.items()}
         out = func(*args, **kwargs)
         flat, spec = pytree.tree_flatten(out)
+        if out_dtypes is None:  # inputs of one 16-bit dtype: its floating outputs in that dtype, as natively
+            (only,) = low
+            out_dtypes = tuple(only if isinstance(t, torch.Tensor) and t.is_floating_point() else None for t in flat)
         rounded = [
             t.to(dtype) if isinstance(t, torch.Tensor) and dtype is not None and t.dtype != dtype else t
             for t, dtype in zip(flat, out_dtypes)

@@ -77,7 +77,7 @@ _flash_attention_op = torch.library.custom_op("ampkit::flash_attention_in_float3
 
 def _single() -> bool:
     """One op each: inside a selectively recomputed block, and while torch.compile traces."""
-    return active() or torch.compiler.is_compiling()
+    return active() or _torch.is_compiling()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -143,8 +143,8 @@ def plan_recompute(model: nn.Module, sample_inputs: Any, budget: int | float | s
         policy: run the measurement under this ampkit policy (default: whatever region the call is in).
         blocks: module types to treat as blocks (default: the children of the model's containers).
         repeats: forward passes timed (default 3; the median counts).
-        selective: the planner may recompute a block but for its GEMMs and attention (default; torch 2.13
-            and later). False: whole blocks only. The baselines always recompute whole blocks.
+        selective: the planner may recompute a block but for its GEMMs and attention (default). False:
+            whole blocks only. The baselines always recompute whole blocks.
 
     Returns:
         A ``RecomputePlan``; ``plan.apply(model)`` installs it.
