@@ -582,9 +582,10 @@ def torch_versions_blocks() -> dict[str, str]:
     def listed(names: list[str]) -> str:
         return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
 
+    others = listed([v for v in ordered if v != versions[0]])
     tested = (f"Every CI run tests torch {listed(ordered)} (`.ci/run`): {versions[0]}, the CPU wheel the commands "
-              f"above install where no torch is, then {listed([v for v in ordered if v != versions[0]])} from the package registry (CUDA builds, which run on a CPU too), each in a "
-              "venv of its own, with the same test command less the slow tier (`-m \"not slow\"`: the three "
+              f"above install where no torch is, then {others} from the package registry (CUDA builds, which run on "
+              "a CPU too), each in a venv of its own, with the same test command less the slow tier (`-m \"not slow\"`: the three "
               "whole suites would not fit CI's 45 minutes on 2 cores); a release the registry does not serve is a "
               "SKIPPED line there, never a silent pass.")
     return {"torch-versions": f"Both keep a torch you already have (a CUDA build). {tested}",

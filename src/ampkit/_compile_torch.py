@@ -27,7 +27,7 @@ def add_inductor_key_pass(key_pass: Any) -> None:
     config: Any = _module("torch._inductor.config")
     if CustomGraphPass is object or not hasattr(config, "post_grad_custom_pre_pass"):
         fallback_once("torch._inductor.custom_graph_pass.CustomGraphPass", "the on-disk caches of compiled graphs are "
-                  "turned off (they could not tell two ampkit policies apart)")
+                      "turned off (they could not tell two ampkit policies apart)")
         for name, flag in (("torch._functorch.config", "enable_autograd_cache"),
                            ("torch._inductor.config", "fx_graph_cache")):
             setattr(_module(name) or types.SimpleNamespace(), flag, False)
@@ -137,7 +137,7 @@ def all_reduce_max(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     graph. Missing: ``torch.distributed.all_reduce`` in place (eager code only; dynamo breaks its graph there)."""
     if _funcol is None or not hasattr(_funcol, "all_reduce"):
         fallback_once("torch.distributed._functional_collectives.all_reduce", "amaxes are reduced in place, and "
-                  "compiled code breaks its graph at each reduction")
+                      "compiled code breaks its graph at each reduction")
         out = tensor.clone()
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)
         return out

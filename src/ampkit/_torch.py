@@ -29,9 +29,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-
-# The torch releases every private below was checked on (each CI run tests all three).
-CHECKED = ("2.11.0", "2.13.0", "2.14.1")
+CHECKED = ("2.11.0", "2.13.0", "2.14.1")  # the torch releases every private below was checked on (CI tests each)
 _CHECKED_ON = f"torch {', '.join(CHECKED[:-1])} and {CHECKED[-1]}"
 
 
@@ -50,8 +48,7 @@ def fallback_once(name: str, what_happens: str) -> None:
                       f"{what_happens}.", TorchVersionWarning, stacklevel=3)
 
 
-def at_least(major: int, minor: int) -> bool:
-    """Whether the running torch is release ``major.minor`` or later (a local build's suffix ignored)."""
+def at_least(major: int, minor: int) -> bool:  # the running torch is release major.minor or later
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (major, minor)
 
 
@@ -97,16 +94,6 @@ elif isinstance(_dispatch, _Absent):
 else:
     TorchDispatchMode = _dispatch.TorchDispatchMode
 
-__all__ = [
-    "TorchDispatchMode", "disable_current_modes", "pytree", "aten_op_names", "autocast_ops", "autocast_key", "is_compiling", "at_least", "fallback_once", "excluding_key",
-    "is_mutable", "checkpoint_entry_points", "replace_checkpoint_entry_points", "forward_used_autocast",
-    "saved_tensors_hooks_now", "forward_class", "gelu_saved", "fused_sdp_choice", "flash_attention_cpu",
-    "flash_attention_cpu_backward", "scaled_mm", "has_scaled_mm", "require", "DISPATCHER_KERNELS", "amp_unscale_",
-    "OpOverload", "foreach_copy_", "foreach_norm", "flatten_dense_tensors", "unflatten_dense_tensors", "NORM_BASE",
-    "missing", "TorchVersionWarning"
-]
-
-
 # An ATen op overload, as the dispatcher hands kernels (the type of ``torch.ops.aten.mm.default``).
 OpOverload: Any = getattr(getattr(torch, "_ops", None), "OpOverload", object)
 
@@ -126,7 +113,7 @@ def aten_op_names() -> frozenset[str]:
     getter = _lookup("torch._C._dispatch_get_all_op_names")
     if getter is None:
         fallback_once("torch._C._dispatch_get_all_op_names", "op names are checked against the ops torch.ops.aten "
-                  "has loaded so far, so a valid but unloaded op may be refused")
+                      "has loaded so far, so a valid but unloaded op may be refused")
         return frozenset(n for n in dir(torch.ops.aten) if not n.startswith("_"))
     return frozenset(n[len("aten::") :].split(".")[0] for n in getter() if n.startswith("aten::"))
 
@@ -140,8 +127,8 @@ def autocast_ops(device_type: str) -> frozenset[str] | None:
     has_kernel = _lookup("torch._C._dispatch_has_kernel_for_dispatch_key")
     getter = _lookup("torch._C._dispatch_get_all_op_names")
     if has_kernel is None or getter is None:
-        fallback_once("torch._C._dispatch_has_kernel_for_dispatch_key", "the default op lists are ampkit's table for "
-                  "torch 2.11-2.14.1, less the ops this torch lacks, not read from this torch")
+        fallback_once("torch._C._dispatch_has_kernel_for_dispatch_key", "the default op lists are ampkit's "
+                      "table of the tested releases' lists, less the ops this torch lacks, not read from this torch")
         return None
     key = autocast_key(device_type).name
     return frozenset(name[len("aten::"):].split(".")[0] for name in getter()
