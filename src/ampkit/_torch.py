@@ -1,13 +1,11 @@
 """Every torch private that ampkit uses, one wrapper each.
 
-Private torch API is a loan: these names can move in any release. Each one is
-taken here, and nowhere else, with the torch versions it was checked on and
-what ampkit does where it is missing: a fallback (said once, with a
-``TorchVersionWarning``), or a clear RuntimeError from the feature that needs
-it, at its first call. Nothing is looked up at import in a way that could
-fail: ``import ampkit`` works on any torch. ``missing()`` lists what the running
-torch lacks; ``tests/test_torch_shim.py`` fails on any, so a torch release that
-moves one fails a test instead of switching a feature off silently.
+Private torch API is a loan: these names can move in any release. Each one is taken here, and nowhere else,
+with the torch versions it was checked on and what ampkit does where it is missing: a fallback (said once, with
+a ``TorchVersionWarning``), or a clear RuntimeError from the feature that needs it, at its first call. Nothing is
+looked up at import in a way that could fail: ``import ampkit`` works on any torch. ``missing()`` lists what the
+running torch lacks; ``tests/test_torch_shim.py`` fails on any, so a torch release that moves one fails a test
+instead of switching a feature off silently.
 
 Checked on the torch releases CI tests, ``CHECKED`` (pyproject.toml's ``[tool.ampkit] tested-torch``;
 ``tests/test_torch_versions.py`` keeps the two equal): ``tests/test_torch_shim.py`` runs on each. A range
@@ -120,10 +118,9 @@ def aten_op_names() -> frozenset[str]:
 
 @functools.cache
 def autocast_ops(device_type: str) -> frozenset[str] | None:
-    """The ATen operator names with an autocast kernel for ``device_type`` in the running torch
-    (``torch._C._dispatch_has_kernel_for_dispatch_key``, 2.11-2.14.1): what torch.autocast casts.
-    Read once, before ampkit registers kernels of its own at that key (``precision/kernels.py``
-    asks first). None where missing: the policy falls back on its table, less the ops this torch lacks."""
+    """The ATen ops with an autocast kernel for ``device_type`` in the running torch: what torch.autocast casts
+    (``torch._C._dispatch_has_kernel_for_dispatch_key``, 2.11-2.14.1), read before ampkit registers kernels of its
+    own (``precision/kernels.py`` asks first). None where missing: the policy takes its table, less unknown ops."""
     has_kernel = _lookup("torch._C._dispatch_has_kernel_for_dispatch_key")
     getter = _lookup("torch._C._dispatch_get_all_op_names")
     if has_kernel is None or getter is None:
@@ -166,8 +163,7 @@ def is_mutable(overload: Any) -> bool:
     return bool(overload._schema.is_mutable)
 
 
-# The non-reentrant generator torch.utils.checkpoint calls: 2.14 split out ``_impl`` (args and kwargs as a tuple
-# and a dict) and calls it directly; the old name stays as a shim that only out-of-tree callers use.
+# The non-reentrant generators torch.utils.checkpoint calls: 2.14 calls ``_impl`` (args, kwargs as a tuple, a dict).
 _GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
 
 
@@ -230,14 +226,18 @@ def gelu_saved(node: Any) -> tuple[torch.Tensor, str] | None:
 
 
 def is_compiling() -> bool:
-    """Whether torch.compile is at work in this call: dynamo's trace, or a backend's (AOTAutograd's) trace of
-    its graph. ``torch.compiler.is_compiling()`` says so for the whole session from 2.13 on; 2.11 sets it only in
-    dynamo's trace, so AOTAutograd's trace (which runs ampkit's Python kernels again) is known by the tracing
-    context dynamo holds open for the session (``torch._guards.TracingContext.try_get``, 2.11-2.14.1)."""
+    """Whether torch.compile is at work: dynamo's trace or AOTAutograd's. ``torch.compiler.is_compiling()`` says so
+    for the whole session from 2.13 on, 2.11 in dynamo's trace only: there AOTAutograd's is known by the session's
+    tracing context (``torch._guards.TracingContext.try_get``, 2.11-2.14.1)."""
     if torch.compiler.is_compiling():
         return True
-    context = getattr(_module("torch._guards"), "TracingContext", None)
+    context = _tracing_context()
     return context is not None and context.try_get() is not None
+
+
+@functools.cache  # looked up once: is_compiling() runs at every float32-computed GEMM
+def _tracing_context() -> Any:
+    return getattr(_module("torch._guards"), "TracingContext", None)
 
 
 def fused_sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
