@@ -277,17 +277,17 @@ def test_default_lists_are_exactly_the_ops_this_torch_autocasts(device_type: str
     assert listed == registered and torch_listed == registered - banned
 
 
-def _torch_autocasts(monkeypatch: pytest.MonkeyPatch, ops: set[str]) -> None:
-    """This test sees a torch that autocasts ``ops`` on every device; the process's own reading is kept
+def _torch_autocasts(monkeypatch: pytest.MonkeyPatch, ops: dict[str, set[str]]) -> None:
+    """This test sees a torch that autocasts ``ops[device_type]``; the process's own reading is kept
     (its cache bypassed, not cleared: a reading taken after ampkit registered kernels would hold them)."""
-    monkeypatch.setattr(_torch, "autocast_ops", lambda device_type: frozenset(ops))
+    monkeypatch.setattr(_torch, "autocast_ops", lambda device_type: frozenset(ops[device_type]))
     monkeypatch.setattr(policy_module, "autocast_ops", policy_module.autocast_ops.__wrapped__)
 
 
 def test_a_default_policy_leaves_out_the_ops_the_running_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:
     """As on torch 2.14, which removed cholesky and qr (the table names both), and on a CPU build, which
     has no cuDNN RNN."""
-    _torch_autocasts(monkeypatch, {"mm", "inverse", "cat", "_cudnn_rnn"})
+    _torch_autocasts(monkeypatch, {"cpu": {"mm", "inverse", "cat"}, "cuda": {"mm", "_cudnn_rnn"}})
     cpu = Policy.default("cpu")
     assert (cpu.allow, cpu.deny, cpu.infer) == ({"mm"}, {"inverse"}, {"cat"})
     assert policy_module.torch_category("cpu", "cholesky") is None and cpu.edits == set()
@@ -299,10 +299,10 @@ def test_a_default_policy_leaves_out_the_ops_the_running_torch_lacks(monkeypatch
 
 def test_an_op_torch_autocasts_that_the_table_lacks_is_left_to_torch_and_said(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    _torch_autocasts(monkeypatch, {"mm", "gelu"})
-    with pytest.warns(_torch.TorchVersionWarning, match="no category for: gelu"):
+    _torch_autocasts(monkeypatch, {"cpu": {"mm", "gelu"}, "cuda": set()})
+    with pytest.warns(_torch.TorchVersionWarning, match="no category for: gelu"):  # each read, here uncached
         policy = Policy.default("cpu")
-    assert policy.category("gelu") is None and policy.edits == set()  # torch's own kernel decides
+        assert policy.category("gelu") is None and policy.edits == set()  # torch's own kernel decides
 
 
 def test_lists_are_disjoint_and_every_cpu_op_has_a_sample() -> None:
