@@ -401,8 +401,8 @@ def test_compiled_nvfp4_rounds_each_step_s_gradients_as_eagerly() -> None:
 
 def test_where_dynamo_mistraces_block_scaled_linears_they_run_eagerly_said_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch 2.11's dynamo traced the linear's backward into other gradients (the input's off by up to 1.8 on a
-    64x64 MXFP8 linear): there each call runs eagerly, a graph break, eager's gradients bit for bit."""
+    """torch 2.11's dynamo traced the linear's backward into gradients far from eager's: there each call runs
+    eagerly, a graph break, eager's gradients bit for bit (forced here on every torch)."""
     monkeypatch.setattr(block_linear, "_TRACED", False)
     monkeypatch.setattr(_torch, "_warned", set())
     torch._dynamo.reset()

@@ -123,9 +123,9 @@ def _apply_eagerly(x: torch.Tensor, weight: torch.Tensor, module: BlockScaledLin
     return _BlockScaledMatmul.apply(x, weight, module, step)
 
 
-# dynamo before 2.13 traced this Function's backward into gradients far from eager's (2.11: the input gradient off by
-# up to 1.8 and the weight's by up to 12 on a 64x64 MXFP8 linear, also with backend="eager"); there each call inside
-# a compiled model runs eagerly, a graph break, and says so once.
+# dynamo before 2.13 traced this Function's backward into gradients far from eager's (2.11, also with
+# backend="eager"; tests/test_compiling.py): there each call inside a compiled model runs eagerly, a graph break,
+# and says so once.
 _TRACED = _torch.at_least(2, 13)
 
 
