@@ -120,6 +120,60 @@ def test_graphs_traced_in_threads_under_different_policies_stay_apart() -> None:
     assert found == {"default": [torch.bfloat16, torch.float32], "edited": [torch.float32, torch.bfloat16]}
 
 
+def test_six_threads_each_under_its_own_policy_share_one_compiled_model_with_eager_results() -> None:
+    """Issue 38's repro: six threads calling one compiled model, one with module overrides, raised
+    ``'_thread._local' object has no attribute 'current_tx'`` (torch.compiler.is_compiling() is one flag for the
+    process: another thread's compile made a thread's eager hooks take the traced path), and a thread that traced
+    while another removed the override hooks failed its compile (``KeyError``)."""
+    import threading
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    compiled, x = torch.compile(model, backend="aot_eager"), torch.randn(8, 16)
+    policies = [CPU, CPU.with_ops(deny=["linear"]), CPU.with_modules("0", dtype=torch.float32),
+                CPU.with_modules(nn.Linear, dtype=torch.float32), CPU.with_compute("float32"),
+                CPU.with_modules("2", dtype=torch.float32)]
+    found: dict[int, Any] = {}
+
+    def run(i: int) -> None:
+        try:
+            with autocast(policies[i]):
+                got = [compiled(x) for _ in range(3)]
+                eager = model(x)
+            found[i] = all(g.dtype == eager.dtype and torch.equal(g, eager) for g in got), eager.dtype
+        except Exception as error:  # noqa: BLE001 - the thread's failure is the test's finding
+            found[i] = repr(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(policies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert found == {0: (True, torch.bfloat16), 1: (True, torch.float32), 2: (True, torch.bfloat16),
+                     3: (True, torch.float32), 4: (True, torch.bfloat16), 5: (True, torch.float32)}
+
+
+def test_nested_regions_compiled_give_eager_dtypes_and_the_outer_region_alone_its_own_graph() -> None:
+    """Issue 38's repro: a graph traced under an edited region with the default policy's region inside (which
+    alone pushes no guard) passed the outer region's guard afterwards, and ran there: ``float32 bfloat16``."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = nn.Linear(16, 16), torch.randn(8, 16)
+    compiled = torch.compile(model, backend="aot_eager")
+    deny = CPU.with_ops(deny=["linear"])
+    cases = [((deny, CPU), torch.bfloat16), ((deny,), torch.float32), ((CPU, deny), torch.float32),
+             ((deny, CPU.disabled()), torch.float32), ((CPU,), torch.bfloat16)]
+    for _ in range(2):
+        for nesting, dtype in cases:
+            with contextlib.ExitStack() as stack:
+                for policy in nesting:
+                    stack.enter_context(autocast(policy))
+                got, eager = compiled(x), model(x)
+            assert got.dtype == eager.dtype == dtype, nesting
+            assert torch.equal(got, eager)
+
+
 # ---------------------------------------------------------------------------
 # Every feature, compiled against eager: one small GPT step (loss and every gradient)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit._torch import _module, at_least, fallback_once
+from ampkit._torch import _module, at_least, fallback_once, is_compiling
 
 # inductor's custom pass base (``torch._inductor.custom_graph_pass.CustomGraphPass``, 2.6-2.14.1): its ``uuid()``
 # enters inductor's and AOTAutograd's cache keys, which is how compiled graphs are keyed by policy.
@@ -60,7 +60,7 @@ def _translator() -> Any:
     """dynamo's translator of the frame it compiles in this thread, else None (``InstructionTranslator.current_tx``,
     2.1-2.14.1)."""
     translator = getattr(_module("torch._dynamo.symbolic_convert"), "InstructionTranslator", None)
-    return translator.current_tx() if translator is not None and torch.compiler.is_compiling() else None
+    return translator.current_tx() if translator is not None and is_compiling() else None
 
 
 def _tracer() -> Any:

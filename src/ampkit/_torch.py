@@ -226,10 +226,11 @@ def gelu_saved(node: Any) -> tuple[torch.Tensor, str] | None:
 
 
 def is_compiling() -> bool:
-    """Whether torch.compile is at work: dynamo's trace or AOTAutograd's. ``torch.compiler.is_compiling()`` says so
-    for the whole session from 2.13 on, 2.11 in dynamo's trace only: there AOTAutograd's is known by the session's
-    tracing context (``torch._guards.TracingContext.try_get``, 2.11-2.14.1)."""
-    if torch.compiler.is_compiling():
+    """Whether torch.compile is at work in the calling thread: dynamo's trace or AOTAutograd's. Not
+    ``torch.compiler.is_compiling()``: from 2.13 on it is one flag for the process, true in every thread while one
+    compiles. dynamo's trace folds ``is_dynamo_compiling()``; AOTAutograd's runs in the thread's tracing context
+    (``torch._guards.TracingContext.try_get``, 2.11-2.14.1, thread-local)."""
+    if torch.compiler.is_dynamo_compiling():
         return True
     context = _tracing_context()
     return context is not None and context.try_get() is not None

@@ -173,7 +173,7 @@ class BlockScaledLinear(nn.Linear):
         if self.recipe.format == "nvfp4" and self.recipe.stochastic_gradients and torch.is_grad_enabled():
             step = _next_count(self.draws_step)  # this forward's count, then the buffer's
             self.draws_step.copy_(step)
-        if not _TRACED and torch.compiler.is_compiling():
+        if not _TRACED and _torch.is_compiling():
             out = _apply_eagerly(x, self.weight, self, step)
         else:
             out = _BlockScaledMatmul.apply(x, self.weight, self, step)

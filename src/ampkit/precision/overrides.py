@@ -60,14 +60,16 @@ def name_modules(root: nn.Module) -> None:
             _module_names[sub] = name
 
 
+# dynamo's trace of the hooks folds is_dynamo_compiling() to True; run for real they take the eager path (in any
+# thread: torch.compiler.is_compiling() is true in every thread while one compiles, from 2.13 on).
 def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
-    if torch.compiler.is_compiling() and _traceable:
+    if torch.compiler.is_dynamo_compiling() and _traceable:
         return _traced_pre_hook(module, args)
     return _eager_pre_hook(module, args)
 
 
 def _post_hook(module: nn.Module, args: tuple, output: Any) -> None:
-    if not (torch.compiler.is_compiling() and _traceable):
+    if not (torch.compiler.is_dynamo_compiling() and _traceable):
         _eager_post_hook(module)
     elif _leaves_at_trace(module):
         _exit_traced()
@@ -205,7 +207,7 @@ for _hook in (_pre_hook, _post_hook, _traced_pre_hook):
 def acquire_hooks() -> None:
     global _hooks_count, _traceable
     with _hooks_lock:
-        if _hooks_count == 0:
+        if _hooks_count == 0 and not _hook_handles:
             _traceable = _compile_torch.can_trace_module_regions()
             from torch.nn.modules import module as module_mod
 
@@ -217,9 +219,12 @@ def acquire_hooks() -> None:
 
 
 def release_hooks() -> None:
+    """Remove the hooks after the last region that needs them, unless a thread compiles now: dynamo guards on
+    the global hooks it traced, and one removed between its trace and its guards fails that thread's compile
+    (``KeyError``). Left in place, they do nothing outside an override region; the next region removes them."""
     global _hooks_count
     with _hooks_lock:
         _hooks_count -= 1
-        if _hooks_count == 0:
+        if _hooks_count == 0 and not torch.compiler.is_compiling():  # the process's flag: any thread's compile
             while _hook_handles:
                 _hook_handles.pop().remove()

@@ -112,9 +112,14 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             registry.acquire(policy.device_type, self._kernel_ops)
             checkpointing.install(autocast)  # torch restores its own autocast state on recompute, not ampkit's
         ctx.__enter__()
+        guard_type = self._guard
+        if guard_type is None and any(region.guard is not None for region in state.stack):
+            # inside a guarded region, a region torch.autocast alone would serve is guarded too: else a graph
+            # traced under both would pass the outer region's guard alone, and run there
+            guard_type = compiling.guard_for(self.policy, self.float32_ops)
         guard = None
-        if self._guard is not None:
-            guard = self._guard()
+        if guard_type is not None:
+            guard = guard_type()
             guard.__enter__()
         state.stack.append(Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops,
                                     torch_nesting(), guard))
