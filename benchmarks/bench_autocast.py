@@ -25,7 +25,7 @@ from rich.table import Table
 
 import ampkit
 from ampkit import float32_compute
-from ampkit.float32_compute import decide
+from ampkit.precision import decide
 from ampkit.experiment.models import GPT, ResNet18
 from ampkit.diagnostics.memory import saved_bytes_of_step
 from common import interleaved_medians, paired_ratio_quartiles, save

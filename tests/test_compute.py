@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
 from ampkit import float32_compute
-from ampkit.float32_compute import decide, fast_paths
+from ampkit.precision import decide, fast_paths
 from ampkit.hardware import throughput
 from ampkit.diagnostics.memory import saved_bytes_of_step
 from ampkit.precision import state

@@ -1,6 +1,6 @@
-"""The package's shape: no import circle, no upward import, leaves import nothing of ampkit,
-no module over 400 lines, torch privates only in the shims (ampkit/_torch.py, ampkit/_compile_torch.py), the
-README's map matches the tree."""
+"""The package's shape: no import circle (of modules or of subpackages), no upward import, leaves import nothing
+of ampkit, no module over 400 lines, torch privates only in the shims (ampkit/_torch.py, ampkit/_compile_torch.py),
+the README's map matches the tree."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ PACKAGE = SRC / "ampkit"
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 # Modules of vocabulary: every other module may import them, they import nothing of ampkit.
-LEAVES = {"ampkit._torch", "ampkit.files", "ampkit.precision.modes", "ampkit.precision.op_lists",
+LEAVES = {"ampkit._torch", "ampkit.files", "ampkit.modes", "ampkit.precision.op_lists",
           "ampkit.formats.recipes", "ampkit.shards"}
 # The layers that use the library; the library never imports them (not even inside a function).
 USERS = ("ampkit.cli", "ampkit.experiment", "ampkit.integrations")
@@ -58,15 +58,30 @@ def _imports(name: str, path: Path) -> set[str]:
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
 
 
-def _cycle() -> list[str] | None:
-    """One import circle, as a path of module names, or None."""
+def _package(name: str) -> str:
+    """The subpackage (or top-level module) ``name`` belongs to: ``ampkit.precision`` for its modules."""
+    return ".".join(name.split(".")[:2])
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Which subpackages import which, from the modules' imports (a package's ``__init__`` counts as its own)."""
+    graph: dict[str, set[str]] = {}
+    for name, targets in GRAPH.items():
+        graph.setdefault(_package(name), set()).update(
+            _package(t) for t in targets if _package(t) not in (_package(name), "ampkit"))
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]] | None = None) -> list[str] | None:
+    """One import circle in ``graph`` (the modules' by default), as a path of names, or None."""
+    graph = GRAPH if graph is None else graph
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     path: list[str] = []
 
     def visit(node: str) -> list[str] | None:
         state[node] = 1
         path.append(node)
-        for nxt in sorted(GRAPH[node]):
+        for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
                 return path[path.index(nxt):] + [nxt]
             if nxt not in state and (found := visit(nxt)):
@@ -75,7 +90,7 @@ def _cycle() -> list[str] | None:
         state[node] = 2
         return None
 
-    for module in sorted(GRAPH):
+    for module in sorted(graph):
         if module not in state and (found := visit(module)):
             return found
     return None
@@ -94,8 +109,24 @@ def test_no_import_circle() -> None:
 
 
 def test_a_circle_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(GRAPH, "ampkit.precision.modes", GRAPH["ampkit.precision.modes"] | {"ampkit.precision.regions"})
+    monkeypatch.setitem(GRAPH, "ampkit.modes", GRAPH["ampkit.modes"] | {"ampkit.precision.regions"})
     assert _cycle() is not None
+
+
+def test_no_import_circle_between_subpackages() -> None:
+    """Modules without a circle can still make one of packages (precision and float32_compute imported each
+    other, as did planning and diagnostics): a package is a layer, and layers import one way."""
+    graph = _package_graph()
+    assert "ampkit.float32_compute" in graph["ampkit.precision"]  # the walk sees packages' imports
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_a_circle_of_subpackages_is_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a diagnostics module importing a planning module that imports no diagnostics
+    monkeypatch.setitem(GRAPH, "ampkit.diagnostics.nonfinite",
+                        GRAPH["ampkit.diagnostics.nonfinite"] | {"ampkit.planning.segments"})
+    assert _cycle() is None  # no circle of modules
+    assert _cycle(_package_graph()) is not None
 
 
 def test_the_library_never_imports_the_cli_the_experiment_or_the_integrations() -> None:

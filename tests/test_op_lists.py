@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
 from ampkit import Policy
-from ampkit.float32_compute import decide
+from ampkit.precision import decide
 from ampkit import _torch
 from ampkit.precision import op_lists
 from ampkit.precision import policy as policy_module

@@ -16,7 +16,7 @@ from torch import nn
 
 import ampkit
 from ampkit._torch import TorchDispatchMode
-from ampkit.diagnostics.memory import saved_bytes_of_step
+from ampkit.diagnostics.memory import observing_kept, saved_bytes_of_step
 from ampkit.experiment.models import GPT, ResNet18
 from ampkit.planning import selective
 from ampkit.planning.measure import BlockCost, Measured, measure
@@ -92,7 +92,7 @@ def test_under_float32_compute_the_kept_gemm_outputs_are_16_bit() -> None:
     planned, plain = copy.deepcopy(model), copy.deepcopy(model)
     _every_block_selective(planned, x).apply(planned)
     kept: list[torch.Tensor] = []
-    with selective.observing_kept(kept.append):
+    with observing_kept(kept.append):
         loss, _, grads, _ = _backward_ops(planned, x)
     loss0, _, grads0, _ = _backward_ops(plain, x)
     wide = [t for t in kept if t.dtype == torch.float32]

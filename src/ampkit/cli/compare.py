@@ -21,11 +21,11 @@ from ampkit.experiment.models import MODELS
 from ampkit.experiment.process import RunFailed
 from ampkit.experiment.settings import plan
 from ampkit.files import atomic_write
-from ampkit.float32_compute.decide import GEMM_OPS
+from ampkit.precision.decide import GEMM_OPS
 from ampkit.hardware import throughput
 from ampkit.optim.levels import OPT_LEVELS
 from ampkit.optim.pure16 import UPDATES
-from ampkit.precision.modes import COMPUTE_MODES
+from ampkit.modes import COMPUTE_MODES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -22,7 +22,7 @@ from ampkit.diagnostics.numerics import NumericsReport, inspect_numerics, write_
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import CONTEXT
 from ampkit.experiment.models import MODELS, build, check_output
-from ampkit.float32_compute.decide import compute_label
+from ampkit.precision.decide import compute_label
 from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe
 from ampkit.precision.policy import Policy
 

@@ -7,9 +7,11 @@ autograd saves for backward, counted with ``saved_tensors_hooks``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -17,13 +19,33 @@ from torch import nn
 
 from ampkit.float32_compute.gelu_recompute import passthrough
 from ampkit.float32_compute.weights import is_weight_copy, weight_storages
-from ampkit.planning.selective import observing_kept
-from ampkit.precision.modes import resolve_dtype
+from ampkit.modes import resolve_dtype
 from ampkit.shards import local_shard
 
 # Optimizer states per parameter, in the dtype of the parameters the optimizer updates.
 SHARDINGS = ("none", "fsdp")
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd-nomomentum": 0, "adagrad": 1, "rmsprop": 1}
+
+
+_kept = threading.local()
+
+
+def kept_observers() -> list[Callable[[torch.Tensor], Any]]:
+    """This thread's observers of the outputs a selectively recomputed block keeps (``planning/selective.py``
+    calls them: its checkpoint holds those outputs, not autograd, whose saved-tensor hooks count the rest)."""
+    if not hasattr(_kept, "observers"):
+        _kept.observers = []
+    return _kept.observers
+
+
+@contextlib.contextmanager
+def observing_kept(observe: Callable[[torch.Tensor], Any]) -> Iterator[None]:
+    """``observe(tensor)`` is called, on this thread, for each output a selectively recomputed block keeps."""
+    kept_observers().append(observe)
+    try:
+        yield
+    finally:
+        kept_observers().remove(observe)
 
 
 def saved_bytes_of_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:

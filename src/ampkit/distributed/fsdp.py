@@ -34,7 +34,7 @@ from torch import nn
 
 from ampkit.distributed.compression import PredividedReduceScatter, predivide, require_process_group
 from ampkit.distributed.units import plan_units
-from ampkit.float32_compute.decide import float32_ops
+from ampkit.precision.decide import float32_ops
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.optim import pure16
 from ampkit.optim.levels import (
@@ -44,7 +44,7 @@ from ampkit.optim.levels import (
     check_settings,
     wrap_forward,
 )
-from ampkit.precision.modes import resolve_dtype
+from ampkit.modes import resolve_dtype
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 

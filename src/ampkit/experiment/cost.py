@@ -21,7 +21,7 @@ from ampkit.experiment.config import (
     low_dtype,
 )
 from ampkit.experiment.models import ModelMistake, build, check_output
-from ampkit.float32_compute.decide import GEMM_OPS
+from ampkit.precision.decide import GEMM_OPS
 from ampkit.hardware import throughput
 
 ESTIMATE_STEPS = 3  # float32 steps the plan times (after a warm-up step): a median, as the runs report

@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 from ampkit.experiment.config import RunConfig, RunResult
 from ampkit.experiment.training import execute
 from ampkit.hardware.flags import SlowPrecisionWarning
-from ampkit.precision.modes import ComputeModeWarning
+from ampkit.modes import ComputeModeWarning
 
 
 class RunFailed(RuntimeError):

@@ -16,8 +16,8 @@ forward and backward:
   float16 overflow to inf and subnormals included;
 - elementwise ops stay in 16 bits, where halving the bytes makes them faster.
 
-The decision is ``decide.py``; the generic path (any op, through a dispatch mode) is
-``generic.py``; linear, convolutions and CPU attention take ``fast_paths.py``; a linear
+Which ops a policy computes so, ``precision/decide.py`` decides; the generic path (any op, through a dispatch
+mode) is ``generic.py``; linear, convolutions and CPU attention take ``fast_paths.py``; a linear
 after a GELU recomputes its input (``gelu_recompute.py``); ``weights.py`` tells memory
 accounting which nested-graph tensors are weights. ``run_in_float32`` below is the one
 entry point the autocast kernels call.
@@ -33,7 +33,7 @@ import torch
 from ampkit._torch import pytree
 from ampkit.float32_compute.fast_paths import FAST
 from ampkit.float32_compute.generic import Float32Compute, UpcastGemms
-from ampkit.precision.modes import LOW_DTYPES
+from ampkit.modes import LOW_DTYPES
 
 
 def run_in_float32(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

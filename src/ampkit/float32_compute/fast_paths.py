@@ -20,7 +20,7 @@ from ampkit import _torch
 from ampkit.float32_compute import single_ops
 from ampkit.float32_compute.gelu_recompute import gelu_input
 from ampkit.float32_compute.generic import Upcasts
-from ampkit.precision.modes import LOW_DTYPES, without_autocast
+from ampkit.modes import LOW_DTYPES, without_autocast
 
 
 def _rounded(grads: Sequence[torch.Tensor], dtype: torch.dtype, wanted: Sequence[bool]) -> list[torch.Tensor | None]:

@@ -20,7 +20,7 @@ from torch import nn
 from ampkit import _torch
 from ampkit._torch import TorchDispatchMode, disable_current_modes, pytree
 from ampkit.float32_compute.weights import is_weight, remember_weight_alias
-from ampkit.precision.modes import LOW_DTYPES, without_autocast
+from ampkit.modes import LOW_DTYPES, without_autocast
 
 # Kernels below autograd that do the arithmetic of those ops, forward and backward
 # (names as TorchDispatchMode sees them: torch.ops.aten.<name>). CUDA's flash and

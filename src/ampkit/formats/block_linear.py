@@ -27,7 +27,7 @@ from torch import nn
 from ampkit import _torch
 from ampkit.formats.block_scaled import MX_ELEMENTS, Draws, Quantized, counter_draws, quantize_mx, quantize_nvfp4
 from ampkit.formats.recipes import BlockScaledRecipe
-from ampkit.precision.modes import without_autocast
+from ampkit.modes import without_autocast
 
 
 def hadamard_16(seed: int) -> torch.Tensor:

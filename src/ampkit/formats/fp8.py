@@ -38,7 +38,7 @@ from ampkit.formats.recipes import (
     Fp8Recipe,
 )
 from ampkit.formats.torchao import convert_current
-from ampkit.precision.modes import without_autocast
+from ampkit.modes import without_autocast
 
 
 def fp8_max(dtype: torch.dtype) -> float:

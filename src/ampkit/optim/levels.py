@@ -15,11 +15,11 @@ import torch
 from torch import nn
 
 from ampkit import _torch
-from ampkit.float32_compute.decide import float32_ops
+from ampkit.precision.decide import float32_ops
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.optim import pure16
 from ampkit.optim.master import MasterWeightOptimizer
-from ampkit.precision.modes import LOW_DTYPES, check_compute, resolve_dtype
+from ampkit.modes import LOW_DTYPES, check_compute, resolve_dtype
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 from ampkit.shards import is_sharded

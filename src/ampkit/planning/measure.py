@@ -20,7 +20,8 @@ from ampkit.float32_compute.gelu_recompute import passthrough
 from ampkit.float32_compute.single_ops import single_ops
 from ampkit.float32_compute.weights import is_weight_copy, weight_storages
 from ampkit.planning.segments import installed
-from ampkit.planning.selective import OpRecorder, contexts, observing_kept, tensors
+from ampkit.diagnostics.memory import observing_kept
+from ampkit.planning.selective import OpRecorder, contexts, tensors
 from ampkit.precision.op_lists import DEVICE_TYPES
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast

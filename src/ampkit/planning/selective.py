@@ -10,15 +10,15 @@ run as one op each inside such a block (``float32_compute/single_ops.py``), so w
 16-bit output, not its float32 one.
 
 The kept outputs are held by the checkpoint, not through autograd's saved-tensor hooks, where ampkit's
-memory accounting counts saved tensors: ``observing_kept`` hands them to it (``saved_bytes_of_step``, the
-planner's measurement), through a dispatch mode inside torch's caching one that sees each kept op's output
-(torch hands the policy that output only from 2.13 on, as ``ctx.op_output``: this works on 2.11 too).
+memory accounting counts saved tensors: a dispatch mode inside torch's caching one sees each kept op's output
+and hands it to that accounting's observers (``diagnostics.memory.observing_kept``; ``saved_bytes_of_step`` is
+the planner's measurement). torch hands the policy that output only from 2.13 on (``ctx.op_output``): this works
+on 2.11 too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +26,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
 
 from ampkit._torch import TorchDispatchMode
+from ampkit.diagnostics.memory import kept_observers
 from ampkit.float32_compute import single_ops
 
 KEPT = ("gemm", "attention")  # the op classes a selectively recomputed block keeps the outputs of
@@ -50,25 +51,6 @@ def op_class(op: Any) -> str:
     return _CLASSES.get(op, "other")
 
 
-_state = threading.local()
-
-
-def _observers() -> list[Callable[[torch.Tensor], Any]]:
-    if not hasattr(_state, "observers"):
-        _state.observers = []
-    return _state.observers
-
-
-@contextlib.contextmanager
-def observing_kept(observe: Callable[[torch.Tensor], Any]) -> Iterator[None]:
-    """``observe(tensor)`` is called, on this thread, for each output a selectively recomputed block keeps."""
-    _observers().append(observe)
-    try:
-        yield
-    finally:
-        _observers().remove(observe)
-
-
 def tensors(value: Any) -> list[torch.Tensor]:
     """The tensors among an op's outputs."""
     values = value if isinstance(value, (tuple, list)) else (value,)
@@ -87,7 +69,7 @@ class _KeptObserver(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if op_class(func) in KEPT:
             for tensor in tensors(out):
-                for observe in _observers():
+                for observe in kept_observers():
                     observe(tensor)
         return out
 

@@ -39,7 +39,7 @@ from ampkit.formats.recipes import BlockScaledRecipe
 from ampkit.planning.measure import untouched
 from ampkit.planning.precision_plan import (BASES, LOWER, LayerChoice, PrecisionPlan, block_of, fingerprint,
                                            lower_linear)
-from ampkit.precision.modes import resolve_dtype
+from ampkit.modes import resolve_dtype
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from ampkit import _torch
 from ampkit.precision import op_lists
-from ampkit.precision.modes import check_compute, resolve_dtype
+from ampkit.modes import check_compute, resolve_dtype
 from ampkit.precision.op_lists import ALLOW, DENY, INFER
 
 ModulePattern = str | type[nn.Module]

@@ -13,7 +13,7 @@ import torch
 
 from ampkit import _torch
 from ampkit.hardware import throughput
-from ampkit.precision.modes import check_compute
+from ampkit.modes import check_compute
 from ampkit.precision.policy import Policy
 
 # The op classes a measurement distinguishes, and the autocast-level (ATen) ops of
