@@ -157,7 +157,8 @@ def estimate_memory(
             ``keep_float32`` below or above O2 or listing something that is not an nn.Module type, an
             unknown sharding, or a world size below 1 (or above 1 without sharding).
     """
-    from ampkit.optim.levels import NORM_TYPES, OPT_LEVELS, check_keep_float32, check_settings, initialize
+    from ampkit.optim.kept import kept_modules
+    from ampkit.optim.levels import OPT_LEVELS, check_keep_float32, check_settings, initialize
 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"Unknown optimizer {optimizer!r}. Choose one of {sorted(OPTIMIZER_STATES)}.")
@@ -173,7 +174,7 @@ def estimate_memory(
             or (sharding == "none" and world_size != 1):
         raise ValueError(f"world_size={world_size!r} is invalid: an integer >= 1, with sharding='fsdp' (without "
                          "sharding, every rank holds what one process holds: world_size=1).")
-    kept_types = (*NORM_TYPES, *keep_float32)
+    kept_ids = {id(m) for m in kept_modules(model, keep_float32)}
     dtype = resolve_dtype(dtype)
     states = OPTIMIZER_STATES[optimizer]
     args = inputs if isinstance(inputs, tuple) else (inputs,)
@@ -190,7 +191,7 @@ def estimate_memory(
     params: dict[int, tuple[torch.Tensor, bool]] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
-            kept = opt_level == "O2" and isinstance(module, kept_types)
+            kept = opt_level == "O2" and id(module) in kept_ids
             params[id(p)] = (p, kept or params.get(id(p), (p, False))[1])
     n = sum(p.numel() for p, _ in params.values())
     trained = [(p, kept) for p, kept in params.values() if p.requires_grad]  # frozen: no gradients or states

@@ -37,13 +37,8 @@ from ampkit.distributed.units import plan_units
 from ampkit.precision.decide import float32_ops
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.optim import pure16
-from ampkit.optim.levels import (
-    cast_inputs,
-    cast_model_,
-    check_keep_float32,
-    check_settings,
-    wrap_forward,
-)
+from ampkit.optim.kept import cast_inputs, needs_input_casts
+from ampkit.optim.levels import cast_model_, check_keep_float32, check_settings, wrap_forward
 from ampkit.modes import resolve_dtype
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
@@ -154,8 +149,8 @@ def fully_shard(
     if opt_level == "O3":
         cast_model_(model, "O3", dtype)  # uniform 16-bit shards; inputs cast in, outputs float32 out
     gathered = dtype if opt_level == "O2" else None
-    if opt_level == "O2" and keep_float32:
-        # float32 activations (from a float32 embedding) can reach 16-bit modules: each casts its inputs.
+    if opt_level == "O2" and needs_input_casts(model, [m for _, m in kept], keep_float32):
+        # float32 activations (a float32 embedding's, a custom norm's) can reach 16-bit modules: each casts its inputs.
         kept_ids = {id(p) for _, m in kept for p in m.parameters()}
         for module in model.modules():
             own = list(module.parameters(recurse=False))

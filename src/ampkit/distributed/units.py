@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from ampkit.optim.levels import NORM_TYPES
+from ampkit.optim.kept import kept_modules
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
 
@@ -49,9 +49,9 @@ def shard_blocks(model: nn.Module, types: Sequence[type[nn.Module]] | None) -> l
 def kept_units(model: nn.Module, opt_level: str, keep_float32: tuple[type[nn.Module], ...]) -> list[tuple[str, nn.Module]]:
     if opt_level != "O2":
         return []
-    types = (*NORM_TYPES, *keep_float32)
+    kept = {id(m) for m in kept_modules(model, keep_float32)}
     return [(n, m) for n, m in model.named_modules()
-            if isinstance(m, types) and m is not model and next(m.parameters(), None) is not None]
+            if id(m) in kept and m is not model and next(m.parameters(), None) is not None]
 
 
 def check_units(model: nn.Module, chosen: list[tuple[str, nn.Module]], kept: list[tuple[str, nn.Module]]) -> None:

@@ -14,37 +14,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import _torch
 from ampkit.precision.decide import float32_ops
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.optim import pure16
+from ampkit.optim.kept import cast_inputs, cast_output_to_float32, kept_modules, needs_input_casts
 from ampkit.optim.master import MasterWeightOptimizer
-from ampkit.modes import LOW_DTYPES, check_compute, resolve_dtype
+from ampkit.modes import check_compute, resolve_dtype
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 from ampkit.shards import is_sharded
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
-NORM_TYPES = (_torch.NORM_BASE, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
-
-
-def cast_inputs(dtype: torch.dtype) -> Any:
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        def cast(v: Any) -> Any:
-            if isinstance(v, torch.Tensor) and v.is_floating_point():
-                return v.to(dtype)
-            return v
-
-        return tuple([cast(a) for a in args]), {k: cast(v) for k, v in kwargs.items()}  # no generator: dynamo
-
-    return hook
-
-
-def cast_output_to_float32(module: nn.Module, args: tuple, output: Any) -> Any:
-    """A forward hook: a 16-bit tensor output becomes float32 (the O2/O3 model boundary)."""
-    if isinstance(output, torch.Tensor) and output.dtype in LOW_DTYPES:
-        return output.float()
-    return output
 
 
 def initialize(
@@ -63,8 +43,8 @@ def initialize(
         model: a float32 model, already on its device.
         optimizer: its optimizer (optional, for inference).
         opt_level: ``"O0"`` float32; ``"O1"`` autocast with the default policy,
-            float32 weights; ``"O2"`` model in ``dtype`` except normalization layers,
-            float32 master weights, inputs cast to ``dtype`` and outputs to float32 at
+            float32 weights; ``"O2"`` model in ``dtype`` except normalization layers (by
+            behaviour) and buffers, float32 master weights, inputs cast to ``dtype`` and outputs to float32 at
             the model boundary; ``"O3"`` everything in ``dtype`` (no masters).
         dtype: torch.float16 or torch.bfloat16; None picks bfloat16 on CPUs and on
             GPUs of compute capability >= 8.0, float16 on older GPUs.
@@ -179,23 +159,25 @@ def check_keep_float32(opt_level: str, keep_float32: Sequence[type[nn.Module]]) 
 
 def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype,
                 keep_float32: tuple[type[nn.Module], ...] = ()) -> None:
-    """The model half of O2 and O3: cast the weights to ``dtype`` (O2 keeps normalization layers
-    and ``keep_float32`` types in float32, with any weight tied to theirs), and cast floating inputs
-    to ``dtype`` and 16-bit outputs to float32 at ``model``'s forward. Parameter objects are kept,
-    so optimizers built on them still hold them.
+    """The model half of O2 and O3: cast the weights to ``dtype``, and cast floating inputs to ``dtype`` and
+    16-bit outputs to float32 at ``model``'s forward. Parameter objects are kept, so optimizers built on them
+    still hold them.
 
-    With ``keep_float32``, float32 activations can reach 16-bit layers (a transformer's residual
-    stream from a float32 embedding), so every module whose own weights are 16-bit casts its
-    floating inputs to ``dtype``. torch's norms take 16-bit inputs with float32 weights as they are.
+    O2 keeps in float32 what ``optim/kept.py`` says: normalization layers (by behaviour) and ``keep_float32``
+    types, with any weight tied to theirs, and every buffer. Where that lets float32 activations reach 16-bit
+    layers (anything but torch's norms kept), each module whose own weights are 16-bit casts its floating
+    inputs to ``dtype``. O3 casts every floating parameter and buffer.
     """
-    kept_types = (*NORM_TYPES, *keep_float32) if opt_level == "O2" else ()
-    kept = {id(p) for m in model.modules() if isinstance(m, kept_types) for p in m.parameters(recurse=False)}
+    kept = kept_modules(model, keep_float32) if opt_level == "O2" else []
+    kept_ids = {id(m) for m in kept}
+    kept_params = {id(p) for m in kept for p in m.parameters(recurse=False)}
+    cast_inputs_too = opt_level == "O2" and needs_input_casts(model, kept, keep_float32)
     for module in model.modules():
-        if isinstance(module, kept_types):
+        if id(module) in kept_ids:
             continue
-        _cast_own(module, dtype, kept)
+        _cast_own(module, dtype, kept_params, buffers=opt_level != "O2")
         own = list(module.parameters(recurse=False))
-        if keep_float32 and module is not model and own and all(p.dtype == dtype for p in own):
+        if cast_inputs_too and module is not model and own and all(p.dtype == dtype for p in own):
             module.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
     model.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
     model.register_forward_hook(cast_output_to_float32)
@@ -205,9 +187,10 @@ def wrap_forward(model: nn.Module, region: autocast) -> None:
     model.forward = types.MethodType(region(type(model).forward), model)  # type: ignore[method-assign]
 
 
-def _cast_own(module: nn.Module, dtype: torch.dtype, kept: frozenset[int] | set[int] = frozenset()) -> None:
-    """Cast a module's own parameters (but those in ``kept``, by id) and floating buffers,
-    not its children's.
+def _cast_own(module: nn.Module, dtype: torch.dtype, kept: frozenset[int] | set[int] = frozenset(),
+              buffers: bool = True) -> None:
+    """Cast a module's own parameters (but those in ``kept``, by id) and, with ``buffers``, its floating
+    buffers, not its children's.
 
     ``param.data`` is replaced, so the Parameter objects (which optimizers hold) stay.
     """
@@ -215,5 +198,5 @@ def _cast_own(module: nn.Module, dtype: torch.dtype, kept: frozenset[int] | set[
         if id(param) not in kept:
             param.data = param.data.to(dtype)
     for name, buf in module.named_buffers(recurse=False):
-        if buf.is_floating_point():
+        if buffers and buf.is_floating_point():
             setattr(module, name, buf.to(dtype))

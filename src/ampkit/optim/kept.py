@@ -1,0 +1,120 @@
+"""What O2 keeps in float32, by what a tensor is for, and the casts at a 16-bit model's boundary.
+
+- **Normalization layers, by behaviour.** torch's norm classes, and any module that normalizes: a leaf whose
+  parameters are vectors of one length ``d`` and whose forward, on a probe of ``d`` features (last dimension, or
+  channels first), gives the same output for ``x`` and ``8 * x``. transformers' ``LlamaRMSNorm``,
+  ``T5LayerNorm`` and ConvNeXt's channels-first LayerNorm pass; a learned scale or a PReLU (``f(8x) = 8 f(x)``)
+  does not. The probe calls ``forward`` itself (no hooks run) without grad, and puts back any buffer it changed.
+- **Buffers: never cast at O2.** A buffer is not trained: a rotary embedding's ``inv_freq``, FP8 amax histories,
+  running statistics. Cast to bfloat16, transformers' rotary angles drift from float32's in proportion to the
+  position (``tests/test_real_models.py`` measures it at position 4095).
+- Where anything but torch's own norms stays float32, float32 activations can reach 16-bit layers (a float32
+  RMSNorm's output, a sum with a float32 buffer): each module with 16-bit weights of its own then casts its
+  floating inputs to the 16-bit dtype (``cast_inputs``).
+- The model's outputs become float32 through any container: tensors, tuples, lists, dicts, dataclasses and
+  transformers' ``ModelOutput`` (a dict and a dataclass at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampkit import _torch
+from ampkit.modes import LOW_DTYPES
+
+NORM_TYPES = (_torch.NORM_BASE, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+def is_normalization(module: nn.Module) -> bool:
+    """Whether ``module`` is a normalization layer: one of torch's, or one that behaves as one (above)."""
+    return isinstance(module, NORM_TYPES) or _normalizes(module)
+
+
+def _normalizes(module: nn.Module) -> bool:
+    if next(module.children(), None) is not None:
+        return False
+    params = list(module.parameters(recurse=False))
+    if not params or any(p.dim() != 1 or not p.is_floating_point() or p.is_meta for p in params):
+        return False
+    features = params[0].numel()
+    if any(p.numel() != features for p in params):
+        return False
+    buffers = {name: b.clone() for name, b in module.named_buffers(recurse=False)}
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for shape in ((2, 3, features), (2, features, 3, 3)):  # features last, then channels first
+            x = torch.randn(shape, generator=generator).to(device=params[0].device, dtype=params[0].dtype)
+            try:
+                with torch.no_grad():
+                    out, scaled = module.forward(x), module.forward(8 * x)
+            except Exception:  # noqa: BLE001 - a forward that takes other inputs is no normalization layer
+                continue
+            if (isinstance(out, torch.Tensor) and isinstance(scaled, torch.Tensor) and out.shape == x.shape
+                    and torch.allclose(out, scaled, rtol=1e-3, atol=1e-4)):
+                return True
+        return False
+    finally:
+        for name, value in buffers.items():
+            getattr(module, name).copy_(value)
+
+
+def kept_modules(model: nn.Module, keep_float32: Sequence[type[nn.Module]] = ()) -> list[nn.Module]:
+    """The modules whose own parameters O2 keeps in float32: normalization layers and ``keep_float32`` types."""
+    types = tuple(keep_float32)
+    return [m for m in model.modules() if (types and isinstance(m, types)) or is_normalization(m)]
+
+
+def needs_input_casts(model: nn.Module, kept: Sequence[nn.Module], keep_float32: Sequence[type[nn.Module]]) -> bool:
+    """Whether float32 activations can reach O2's 16-bit layers: something besides torch's norms stays float32
+    (their outputs take the input's dtype), a kept type or a floating buffer outside them."""
+    kept_ids = {id(m) for m in kept}
+    return (bool(keep_float32) or any(not isinstance(m, NORM_TYPES) for m in kept)
+            or any(b.is_floating_point() for m in model.modules() if id(m) not in kept_ids
+                   for b in m.buffers(recurse=False)))
+
+
+def cast_inputs(dtype: torch.dtype) -> Any:
+    """A forward pre-hook (with kwargs) that casts floating tensor inputs to ``dtype``."""
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def cast(v: Any) -> Any:
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                return v.to(dtype)
+            return v
+
+        return tuple([cast(a) for a in args]), {k: cast(v) for k, v in kwargs.items()}  # no generator: dynamo
+
+    return hook
+
+
+def to_float32(value: Any) -> Any:
+    """``value`` with every 16-bit tensor in it float32: through tuples (named too), lists, dicts (transformers'
+    ``ModelOutput`` among them, which keeps its type) and dataclasses; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return value.float() if value.dtype in LOW_DTYPES else value
+    if isinstance(value, dict):
+        cast = {k: to_float32(v) for k, v in value.items()}
+        if type(value) is dict:
+            return cast
+        out = value.copy()  # the same dict type; ModelOutput's copy keeps its attributes in step with its items
+        for k, v in cast.items():
+            out[k] = v
+        return out
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*[to_float32(v) for v in value])
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_float32(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: to_float32(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})
+    return value
+
+
+def cast_output_to_float32(module: nn.Module, args: tuple, output: Any) -> Any:
+    """A forward hook: 16-bit tensors in the output become float32 (the O2/O3 model boundary)."""
+    return to_float32(output)

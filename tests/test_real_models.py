@@ -1,0 +1,165 @@
+"""ampkit on models its authors did not write: transformers' Llama and BERT, built from small configs with random
+weights (nothing downloaded), and the norm classes of transformers' T5 and ConvNeXt.
+
+O2 against what the model is for: a rotary embedding's frequencies, custom RMSNorms and the ``ModelOutput`` a
+model returns (issue 39's defects: each test fails on the main that cast them to bfloat16).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM
+from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
+from transformers.models.convnext.modeling_convnext import ConvNextLayerNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.t5.modeling_t5 import T5LayerNorm
+
+import ampkit
+from ampkit.optim.kept import is_normalization, to_float32
+
+POSITIONS = 4096
+
+
+def _llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=POSITIONS)
+    return LlamaForCausalLM(config)
+
+
+def _o2(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the slow-kernel advice on CPUs without native bfloat16
+        return ampkit.initialize(model, optimizer, "O2", dtype=torch.bfloat16, compute="native")
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_o2_keeps_the_llama_rotary_frequencies_and_rms_norms_in_float32_and_returns_float32_logits() -> None:
+    """On main, O2 cast ``inv_freq`` to bfloat16 (each rotary angle then off by the position times that
+    frequency's rounding), every ``LlamaRMSNorm`` to bfloat16 (not torch's class), and returned bfloat16 logits
+    inside the ``CausalLMOutputWithPast``. Now the angles are float32's to the last bit at every position."""
+    reference = _llama()
+    model, optimizer = _o2(copy.deepcopy(reference))
+    rotary, rotary32 = model.model.rotary_emb, reference.model.rotary_emb
+    assert rotary.inv_freq.dtype == torch.float32 and torch.equal(rotary.inv_freq, rotary32.inv_freq)
+    positions = torch.arange(POSITIONS)[None]
+    x = torch.zeros(1, POSITIONS, 64, dtype=torch.bfloat16)
+    cos, sin = rotary(x, positions)
+    cos32, sin32 = rotary32(x.float(), positions)
+    assert torch.equal(cos, cos32.bfloat16()) and torch.equal(sin, sin32.bfloat16())
+    # what a bfloat16 inv_freq does at the last position (the figure in the closing note)
+    turned = (POSITIONS - 1) * (rotary32.inv_freq.bfloat16().float() - rotary32.inv_freq).abs().max().item()
+    assert turned > 0.1
+
+    norms = [m for m in model.modules() if isinstance(m, LlamaRMSNorm)]
+    assert len(norms) == 5 and all(p.dtype == torch.float32 for m in norms for p in m.parameters())
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+
+    idx = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1))
+    out, out32 = model(idx, labels=idx), reference(idx, labels=idx)
+    assert isinstance(out, CausalLMOutputWithPast) and out.logits.dtype == torch.float32
+    assert _rel_l2(out.logits, out32.logits) < 0.02
+    out.loss.backward()
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_o2_bert_returns_its_masked_lm_output_in_float32() -> None:
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64)
+    reference = BertForMaskedLM(config).eval()
+    model, _ = _o2(copy.deepcopy(reference))
+    idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    out, out32 = model(idx), reference(idx)
+    assert isinstance(out, MaskedLMOutput) and out.logits.dtype == torch.float32
+    assert _rel_l2(out.logits, out32.logits) < 0.03
+
+
+class _Scale(nn.Module):
+    """A learned per-feature scale (LayerScale): vectors of one length, yet no normalization."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.gamma = nn.Parameter(torch.full((features,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gamma
+
+
+class _CountingNorm(nn.Module):
+    """A batch-norm-like layer that updates a buffer at every forward: the probe must put it back."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(features))
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return self.weight * x / x.pow(2).mean(-1, keepdim=True).sqrt()
+
+
+def test_normalization_layers_are_found_by_behaviour_not_by_torch_class() -> None:
+    found = {name: is_normalization(module) for name, module in {
+        "LlamaRMSNorm": LlamaRMSNorm(16), "T5LayerNorm": T5LayerNorm(16),
+        "ConvNextLayerNorm channels first": ConvNextLayerNorm(16, data_format="channels_first"),
+        "nn.LayerNorm": nn.LayerNorm(16), "nn.BatchNorm2d": nn.BatchNorm2d(16), "counting": _CountingNorm(16),
+        "nn.PReLU": nn.PReLU(16), "LayerScale": _Scale(16), "nn.Linear": nn.Linear(16, 16),
+        "nn.Embedding": nn.Embedding(16, 16), "nn.Sequential": nn.Sequential(LlamaRMSNorm(16)),
+    }.items()}
+    assert found == {"LlamaRMSNorm": True, "T5LayerNorm": True, "ConvNextLayerNorm channels first": True,
+                     "nn.LayerNorm": True, "nn.BatchNorm2d": True, "counting": True, "nn.PReLU": False,
+                     "LayerScale": False, "nn.Linear": False, "nn.Embedding": False, "nn.Sequential": False}
+
+
+def test_the_probe_runs_no_hook_and_leaves_every_buffer_as_it_was() -> None:
+    norm = _CountingNorm(16)
+    calls: list[object] = []
+    norm.register_forward_hook(lambda *args: calls.append(args))
+    assert is_normalization(norm)
+    assert calls == [] and norm.seen.item() == 0
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    extras: dict
+    step: int = 0
+
+
+def test_the_boundary_casts_16_bit_tensors_to_float32_through_any_container() -> None:
+    low = torch.ones(2, dtype=torch.bfloat16)
+    pair = collections.namedtuple("pair", "a b")
+    value = {"out": _Output(low, {"hidden": [low, (low, 3)]}, 7), "pair": pair(low, torch.ones(2, dtype=torch.int64)),
+             "model": CausalLMOutputWithPast(logits=low)}
+    cast = to_float32(value)
+    assert cast["out"].logits.dtype == torch.float32 and cast["out"].step == 7
+    assert [t.dtype for t in (cast["out"].extras["hidden"][0], cast["out"].extras["hidden"][1][0])] == [torch.float32] * 2
+    assert cast["out"].extras["hidden"][1][1] == 3
+    assert type(cast["pair"]) is pair and cast["pair"].a.dtype == torch.float32 and cast["pair"].b.dtype == torch.int64
+    model_out = cast["model"]
+    assert type(model_out) is CausalLMOutputWithPast and model_out.logits.dtype == torch.float32
+    assert model_out["logits"].dtype == model_out.to_tuple()[0].dtype == torch.float32
+    assert value["model"].logits.dtype == torch.bfloat16  # the model's own output is left as it was
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_buffers_stay_float32_at_o2_only(level: str) -> None:
+    model = _llama()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ampkit.initialize(model, None, level, dtype=torch.bfloat16, compute="native")
+    expected = torch.float32 if level == "O2" else torch.bfloat16
+    assert {b.dtype for b in model.buffers() if b.is_floating_point()} == {expected}
