@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
 from ampkit import float32_compute
-from ampkit.precision import decide, fast_paths
+from ampkit.float32_compute import fast_paths
+from ampkit.precision import decide
 from ampkit.hardware import throughput
 from ampkit.diagnostics.memory import saved_bytes_of_step
 from ampkit.precision import state

@@ -148,3 +148,42 @@ def test_without_the_dispatcher_query_the_defaults_are_the_table_less_the_ops_to
     monkeypatch.setattr(policy, "autocast_ops", policy.autocast_ops.__wrapped__)
     table = frozenset().union(*op_lists.TABLE["cpu"].values())
     assert policy.autocast_ops("cpu") == table & _torch.aten_op_names()
+
+
+@pytest.mark.parametrize("users", ["none", "one", "two"])
+def test_the_policy_key_joins_the_users_inductor_passes_in_a_form_this_inductor_calls(users: str) -> None:
+    """torch 2.11's inductor calls ``post_grad_custom_pre_pass`` as one callable (2.13 on: a list too): the list
+    ampkit set there failed every inductor compile under an edited policy on 2.11 ('list' object is not callable)."""
+    import importlib
+
+    config = importlib.import_module("torch._inductor.config")  # what sys.modules holds: inductor's config object
+    custom_graph_pass = importlib.import_module("torch._inductor.custom_graph_pass")
+
+    from ampkit import _compile_torch
+    from ampkit.precision import compiling
+
+    ran: list[str] = []
+
+    class Users(_compile_torch.CustomGraphPass):  # type: ignore[misc, valid-type]
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            ran.append(self.name)
+
+        def uuid(self) -> str:
+            return self.name
+
+    own = {"none": None, "one": Users("a"), "two": [Users("a"), Users("b")]}[users]
+    with config.patch(post_grad_custom_pre_pass=own):  # put back on exit, as any inductor setting
+        for _ in range(2):  # once, however often a policy opens
+            _compile_torch.add_inductor_key_pass(compiling._KEY)
+        value = config.post_grad_custom_pre_pass
+    split = getattr(custom_graph_pass, "get_custom_graph_passes", None)  # what inductor does with it (2.13 on)
+    passes = split(value) if split is not None else [value]
+    for graph_pass in passes:
+        graph_pass(torch.fx.Graph())  # what 2.11 does: call it
+    assert ran == {"none": [], "one": ["a"], "two": ["a", "b"]}[users]
+    flat = [p for q in passes for p in getattr(q, "passes", (q,))]
+    assert [p for p in flat if p is compiling._KEY] == [compiling._KEY]
+    assert all(p.uuid() is not None for p in passes)  # inductor's caches stay on

@@ -21,9 +21,26 @@ from ampkit._torch import _module, at_least, fallback_once, is_compiling
 CustomGraphPass: Any = getattr(_module("torch._inductor.custom_graph_pass"), "CustomGraphPass", object)
 
 
+class _Passes(CustomGraphPass):  # type: ignore[misc, valid-type]
+    """Several custom passes as one, for a torch whose inductor calls a single one (2.11: a list is not callable)."""
+
+    def __init__(self, *passes: Any) -> None:
+        self.passes = passes
+
+    def __call__(self, graph: torch.fx.graph.Graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self) -> Any:
+        ids = [getattr(p, "uuid", lambda: None)() for p in self.passes]
+        return None if None in ids else repr(ids)  # None: inductor caches nothing (a pass without an id)
+
+
 def add_inductor_key_pass(key_pass: Any) -> None:
-    """Add ``key_pass`` to ``torch._inductor.config.post_grad_custom_pre_pass`` beside any pass the user set, once.
-    Missing: AOTAutograd's and inductor's on-disk graph caches are turned off instead (said once)."""
+    """Add ``key_pass`` to ``torch._inductor.config.post_grad_custom_pre_pass`` beside any pass the user set, once:
+    alone where none is set, in a list where inductor takes one (``custom_graph_pass.get_custom_graph_passes``,
+    2.13-2.14.1), else with the user's as one pass. Missing: AOTAutograd's and inductor's on-disk graph caches are
+    turned off instead (said once)."""
     config: Any = _module("torch._inductor.config")
     if CustomGraphPass is object or not hasattr(config, "post_grad_custom_pre_pass"):
         fallback_once("torch._inductor.custom_graph_pass.CustomGraphPass", "the on-disk caches of compiled graphs are "
@@ -34,8 +51,15 @@ def add_inductor_key_pass(key_pass: Any) -> None:
         return
     current = config.post_grad_custom_pre_pass
     passes = list(current) if isinstance(current, (list, tuple)) else [] if current is None else [current]
-    if key_pass not in passes:
+    passes = [p for q in passes for p in (q.passes if isinstance(q, _Passes) else (q,))]
+    if key_pass in passes:
+        return
+    if not passes:
+        config.post_grad_custom_pre_pass = key_pass
+    elif hasattr(_module("torch._inductor.custom_graph_pass"), "get_custom_graph_passes"):
         config.post_grad_custom_pre_pass = [*passes, key_pass]
+    else:
+        config.post_grad_custom_pre_pass = _Passes(*passes, key_pass)
 
 
 def compiled_original(module: nn.Module) -> nn.Module:
