@@ -84,7 +84,7 @@ def contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.Abst
     """``context_fn`` for ``torch.utils.checkpoint``: the forward's and the recompute's contexts (the forward
     observed only while someone counts the kept bytes: the observer costs a Python call per op)."""
     forward, recompute = create_selective_checkpoint_contexts(_policy)
-    return _with_single_ops(forward, observed=bool(_observers())), _with_single_ops(recompute)
+    return _with_single_ops(forward, observed=bool(kept_observers())), _with_single_ops(recompute)
 
 
 class OpRecorder(TorchDispatchMode):
