@@ -163,3 +163,41 @@ def test_buffers_stay_float32_at_o2_only(level: str) -> None:
         ampkit.initialize(model, None, level, dtype=torch.bfloat16, compute="native")
     expected = torch.float32 if level == "O2" else torch.bfloat16
     assert {b.dtype for b in model.buffers() if b.is_floating_point()} == {expected}
+
+
+def _loss(out: CausalLMOutputWithPast) -> torch.Tensor:
+    return out.logits.float().pow(2).mean()
+
+
+def test_the_planner_replays_llama_blocks_with_their_keyword_inputs_and_predicts_the_measured_bytes() -> None:
+    """On main, ``plan_recompute`` replayed each block with its positional inputs only: a Llama decoder layer,
+    which takes its rotary ``position_embeddings`` by keyword, failed (``cannot unpack non-iterable NoneType``)."""
+    from ampkit.diagnostics.memory import saved_bytes_of_step
+
+    model = _llama()
+    model.config.use_cache = False  # training keeps no key/value cache (see the refusal below)
+    idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    plan = ampkit.plan_recompute(model, (idx,), 0.5, loss_fn=_loss, repeats=1)
+    assert plan.segments and plan.planned_bytes <= plan.budget_bytes
+    planned = copy.deepcopy(model)
+    plan.apply(planned)
+    loss, measured = saved_bytes_of_step(planned, lambda: _loss(planned(idx)))
+    assert measured == plan.planned_bytes
+    loss.backward()
+    reference = _loss(model(idx))
+    reference.backward()
+    assert torch.equal(loss, reference)
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), planned.parameters()))
+
+
+def test_the_planner_refuses_a_block_that_takes_a_key_value_cache_naming_it_and_the_fix() -> None:
+    """A cache appends at every call: a block replayed on it attends over the first run's keys too (on main,
+    'Trying to backward through the graph a second time' on GPT-2, whose config keeps a cache by default)."""
+    model = _llama()
+    assert model.config.use_cache
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"Block 'model\.layers\.0' takes a DynamicCache .*use_cache = False"):
+        ampkit.plan_recompute(model, (idx,), 0.5, loss_fn=_loss, repeats=1)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())

@@ -21,7 +21,7 @@ from ampkit.float32_compute.single_ops import single_ops
 from ampkit.float32_compute.weights import is_weight_copy, weight_storages
 from ampkit.planning.segments import installed
 from ampkit.diagnostics.memory import observing_kept
-from ampkit.planning.selective import OpRecorder, contexts, tensors
+from ampkit.planning.selective import OpRecorder, contexts
 from ampkit.precision.op_lists import DEVICE_TYPES
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
@@ -102,7 +102,7 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
     inputs: dict[str, dict[int, int]] = {}
     times: dict[str, list[float]] = {name: [] for name, _ in chosen}
     started: dict[str, float] = {}
-    seen: dict[str, tuple[tuple, list[Policy]]] = {}  # block -> its inputs and the policies it ran under
+    seen: dict[str, tuple[tuple, dict, list[Policy]]] = {}  # block -> its inputs and the policies it ran under
     recorder = OpRecorder(lambda: active[-1] if active and active[-1] != WHOLE else None)
     recording = [False]
 
@@ -118,11 +118,14 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
         return t
 
     def before(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, module_args: tuple) -> None:
+        def hook(module: nn.Module, module_args: tuple, module_kwargs: dict) -> None:
+            # what torch's checkpoint saves for backward: its positional tensor inputs (keyword ones it holds by
+            # reference, unsaved; a transformers block's rotary cos and sin, shared by every block)
             inputs[name] = {a.untyped_storage().data_ptr(): a.untyped_storage().nbytes()
                             for a in module_args if isinstance(a, torch.Tensor)}
             if recording[0] and name != WHOLE:
-                seen[name] = (module_args, [p for p in map(current_policy, DEVICE_TYPES) if p is not None])
+                _check_replayable(name, module_args, module_kwargs)
+                seen[name] = (module_args, module_kwargs, [p for p in map(current_policy, DEVICE_TYPES) if p is not None])
             active.append(name)
             _sync(module_args)
             started[name] = time.perf_counter()
@@ -138,7 +141,7 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
 
     candidates = [(WHOLE, model), *chosen]  # the model's own ops, outside every block, save as ""
     times[WHOLE] = []
-    handles = [h for name, m in candidates for h in (m.register_forward_pre_hook(before(name)),
+    handles = [h for name, m in candidates for h in (m.register_forward_pre_hook(before(name), with_kwargs=True),
                                                       m.register_forward_hook(after(name)))]
     region = autocast(policy) if policy is not None else contextlib.nullcontext()
     try:
@@ -219,23 +222,73 @@ def untouched(model: nn.Module) -> Iterator[None]:
         torch.set_rng_state(rng)
 
 
-def _recompute_ms(module: nn.Module, args: tuple, policies: list[Policy], repeats: int) -> tuple[float, float]:
+# What a block may take and be replayed on alone: tensors, plain values and containers of them. Anything else
+# (transformers' key/value cache) the block may change, and a replay would see it changed.
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def _tensors_in(value: Any) -> list[torch.Tensor]:
+    """The tensors in ``value``, through tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
+
+
+def _check_replayable(name: str, args: tuple, kwargs: dict) -> None:
+    """Refuse a block whose inputs hold an object it may change (ValueError), before any plan is made."""
+    def odd(value: Any) -> Any:
+        if isinstance(value, (torch.Tensor, *_PLAIN)):
+            return None
+        if isinstance(value, (tuple, list)):
+            return next((o for o in map(odd, value) if o is not None), None)
+        if isinstance(value, dict):
+            return next((o for o in map(odd, value.values()) if o is not None), None)
+        return value
+
+    for where, value in [*((f"positional input {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
+        found = odd(value)
+        if found is not None:
+            raise ValueError(
+                f"Block {name!r} takes a {type(found).__name__} ({where}): the planner measures each block by running "
+                "it again alone, as a recompute does, and an object the block may change (a key/value cache appends "
+                "at every call) would not be as it was. Train without it: for a transformers model, "
+                "model.config.use_cache = False (as its own gradient checkpointing does).")
+
+
+def _detached(value: Any) -> Any:
+    """``value`` with each tensor detached (keeping ``requires_grad``), through tuples, lists and dicts."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.requires_grad)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _recompute_ms(module: nn.Module, args: tuple, kwargs: dict, policies: list[Policy],
+                  repeats: int) -> tuple[float, float]:
     """What recomputing ``module`` adds to a step, whole and selective (ms): its own forward and backward
-    on ``args`` under ``policies``, checkpointed less plain, paired runs in alternating order, medians."""
+    on ``args`` and ``kwargs`` under ``policies``, checkpointed less plain, paired runs in alternating order,
+    medians."""
     def step(context_fn: Callable[[], Any] | None) -> float:
-        inputs = tuple(a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-                       for a in args)
+        inputs, keywords = _detached(args), _detached(kwargs)
         with contextlib.ExitStack() as stack:
             for policy in policies:
                 stack.enter_context(autocast(policy))
             _sync(inputs)
             started = time.perf_counter()
             if context_fn is None:
-                out = module(*inputs)
+                out = module(*inputs, **keywords)
             else:
-                out = torch.utils.checkpoint.checkpoint(module, *inputs, use_reentrant=False, context_fn=context_fn)
-            outputs = [t for t in tensors(out) if t.requires_grad]
-            wrt = [t for t in (*module.parameters(), *inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+                out = torch.utils.checkpoint.checkpoint(module, *inputs, use_reentrant=False, context_fn=context_fn,
+                                                        **keywords)
+            outputs = [t for t in _tensors_in(out) if t.requires_grad]
+            wrt = [t for t in (*module.parameters(), *_tensors_in((inputs, keywords))) if t.requires_grad]
             if outputs and wrt:  # autograd.grad: the model's .grad stay as they are
                 torch.autograd.grad(outputs, wrt, [torch.ones_like(t) for t in outputs], allow_unused=True)
             _sync(outputs)
