@@ -203,7 +203,11 @@ def test_module_override_to_low_dtype_runs_deny_ops_in_16_bits() -> None:
         assert model(torch.randn(2, 8)).dtype == torch.float32
     with autocast(policy.with_modules(nn.Softmax, dtype=torch.bfloat16)):
         assert model(torch.randn(2, 8)).dtype == torch.bfloat16
-    assert overrides._hook_handles == []
+    # where dynamo traces them, the two global hooks stay (installed anew, they failed a compiled model's guard at
+    # every step); outside an override region they change nothing
+    assert len(overrides._hook_handles) == (2 if overrides._traceable else 0)
+    x = torch.randn(2, 8)
+    assert torch.equal(model(x), model[1](model[0](x))) and model(x).dtype == torch.float32
 
 
 def test_decorated_forward_names_modules_from_its_own_module() -> None:

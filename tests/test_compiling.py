@@ -154,6 +154,29 @@ def test_six_threads_each_under_its_own_policy_share_one_compiled_model_with_eag
                      3: (True, torch.float32), 4: (True, torch.bfloat16), 5: (True, torch.float32)}
 
 
+def test_a_model_compiled_under_a_module_override_compiles_once_over_ten_steps() -> None:
+    """Issue 39: each region installed the override hooks anew, which failed dynamo's guard on the global hooks:
+    8 graphs over 10 steps (the recompile limit, then eager; with inductor every step compiled again)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    policy = CPU.with_modules("2", dtype=torch.float32)
+    counter = _counter()
+    compiled = torch.compile(model, backend=counter)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    graphs = []
+    for _ in range(10):
+        with autocast(policy):
+            out = compiled(torch.randn(8, 16))
+        assert out.dtype == torch.float32  # the overridden head
+        out.pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        graphs.append(counter.frame_count)
+    # where overrides are traced, one graph; where not (torch 2.11), a graph between module calls, compiled once
+    assert graphs == [1 if TRACES_OVERRIDES else graphs[0]] * 10
+
+
 def test_nested_regions_compiled_give_eager_dtypes_and_the_outer_region_alone_its_own_graph() -> None:
     """Issue 38's repro: a graph traced under an edited region with the default policy's region inside (which
     alone pushes no guard) passed the outer region's guard afterwards, and ran there: ``float32 bfloat16``."""

@@ -1,7 +1,7 @@
 """Per-module overrides: global module hooks that open a region per matching module.
 
-Installed only while a region with overrides is open (counted, so nested and concurrent
-regions share one pair of hooks).
+Installed by the first region with overrides and kept for the process where dynamo traces them
+(``install_hooks``); outside such a region they return at once.
 
 Under torch.compile the hooks are traced, not run: which modules match is a constant of the trace
 (the policy is guarded, ``compiling.py``), the float32 cast of a module's inputs is traced as any
@@ -34,8 +34,8 @@ from ampkit.precision.state import Region, state, torch_nesting
 
 _module_names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 _hooks_lock = threading.Lock()
-_hooks_count = 0
 _hook_handles: list[Any] = []
+_hooks_count = 0  # the open regions that need the hooks
 _traceable = False  # whether torch.compile can trace the hooks (_compile_torch.can_trace_module_regions)
 
 
@@ -204,10 +204,19 @@ for _hook in (_pre_hook, _post_hook, _traced_pre_hook):
     _compile_torch.skip_as_frame(_hook)
 
 
-def acquire_hooks() -> None:
+def install_hooks() -> None:
+    """Install the two global hooks at the first region with overrides; where dynamo traces them, they stay.
+
+    Removed after each region and installed again at the next, they were new hooks to dynamo every time: a model
+    compiled under an override policy failed dynamo's guard on the global hooks and compiled again at every step,
+    to its recompile limit, then ran eagerly. Outside an override region they return at once (a few
+    microseconds per module call, in this process only after such a region ran, as the dispatcher kernels stay).
+    Where dynamo cannot trace them (torch 2.11) they break every compiled graph at each module call, override
+    region or not: there they go with the last region that needs them (``release_hooks``).
+    """
     global _hooks_count, _traceable
     with _hooks_lock:
-        if _hooks_count == 0 and not _hook_handles:
+        if not _hook_handles:
             _traceable = _compile_torch.can_trace_module_regions()
             from torch.nn.modules import module as module_mod
 
@@ -219,12 +228,12 @@ def acquire_hooks() -> None:
 
 
 def release_hooks() -> None:
-    """Remove the hooks after the last region that needs them, unless a thread compiles now: dynamo guards on
-    the global hooks it traced, and one removed between its trace and its guards fails that thread's compile
-    (``KeyError``). Left in place, they do nothing outside an override region; the next region removes them."""
+    """Where the hooks are not traced, remove them after the last region that needs them, unless a thread compiles
+    now (dynamo guards on the global hooks it traced: one removed between its trace and its guards fails that
+    thread's compile with a ``KeyError``; left, the next region's release removes them)."""
     global _hooks_count
     with _hooks_lock:
         _hooks_count -= 1
-        if _hooks_count == 0 and not torch.compiler.is_compiling():  # the process's flag: any thread's compile
+        if _hooks_count == 0 and not _traceable and not torch.compiler.is_compiling():  # any thread's compile
             while _hook_handles:
                 _hook_handles.pop().remove()

@@ -107,7 +107,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         else:
             ctx = torch.autocast(policy.device_type, enabled=False)
         if self._hooks:
-            overrides.acquire_hooks()
+            overrides.install_hooks()
         if self._kernel_ops:
             registry.acquire(policy.device_type, self._kernel_ops)
             checkpointing.install(autocast)  # torch restores its own autocast state on recompute, not ampkit's
