@@ -201,3 +201,43 @@ def test_the_planner_refuses_a_block_that_takes_a_key_value_cache_naming_it_and_
         ampkit.plan_recompute(model, (idx,), 0.5, loss_fn=_loss, repeats=1)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                        eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+@pytest.mark.parametrize("convert", ["fp8", "block-scaled"])
+def test_conversions_name_each_gpt2_conv1d_projection_they_leave(convert: str) -> None:
+    """On main, ``convert_to_fp8`` converted none of GPT-2's 8 ``Conv1D`` projections and
+    ``convert_to_block_scaled`` only the tied head, and neither named what it left."""
+    model = _gpt2()
+    if convert == "fp8":
+        decisions = ampkit.convert_to_fp8(model, include=["lm_head"])
+    else:
+        decisions = ampkit.convert_to_block_scaled(model, ampkit.BlockScaledRecipe("mxfp8", keep_first_last=False))
+    projections = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    assert len(projections) == 8
+    assert all("Conv1D is linear-like" in decisions[n] and "transposed" in decisions[n] for n in projections)
+    assert {n for n, d in decisions.items() if not d.startswith("kept")} == {"lm_head"}
+
+
+def test_tune_names_the_conv1d_layers_it_leaves() -> None:
+    """On main, tune on a model with transformers' ``Conv1D`` projections returned a plan of its nn.Linear layers
+    alone and said nothing of the rest."""
+    from transformers.pytorch_utils import Conv1D
+
+    from ampkit.experiment.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(d_model=32, n_layers=2, n_heads=2, context=16)
+    model.blocks[0].mlp[0] = Conv1D(model.blocks[0].mlp[0].out_features, 32)  # GPT-2's layout of one projection
+    g = torch.Generator().manual_seed(1)
+    windows = [torch.randint(0, 256, (8, 17), generator=g) for _ in range(3)]
+    with pytest.warns(UserWarning, match=r"leaves 1 other linear-like layer.*Conv1D.*\['blocks\.0\.mlp\.0'\]"):
+        ampkit.tune(model, [(w[:, :-1], w[:, 1:]) for w in windows], formats=("fp8", "bf16"), objective="memory")

@@ -26,7 +26,7 @@ from torch import nn
 
 from ampkit import _torch
 from ampkit.formats.block_scaled import MX_ELEMENTS, Draws, Quantized, counter_draws, quantize_mx, quantize_nvfp4
-from ampkit.formats.recipes import BlockScaledRecipe
+from ampkit.formats.recipes import BlockScaledRecipe, unconverted_linears
 from ampkit.modes import without_autocast
 
 
@@ -184,7 +184,8 @@ class BlockScaledLinear(nn.Linear):
 
 
 def eligible_block_scaled(model: nn.Module, recipe: BlockScaledRecipe) -> dict[str, str]:
-    """Each ``nn.Linear``'s name and what conversion does with it: ``"block-scaled"``, or why it is kept."""
+    """Each ``nn.Linear``'s name and what conversion does with it: ``"block-scaled"``, or why it is kept; and every
+    other linear-like layer, with why it stays (``recipes.unconverted_linears``)."""
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
     first_last = {linears[0][0], linears[-1][0]} if recipe.keep_first_last and linears else set()
     decisions = {}
@@ -198,7 +199,7 @@ def eligible_block_scaled(model: nn.Module, recipe: BlockScaledRecipe) -> dict[s
                                f"{recipe.block}-element blocks")
         else:
             decisions[name] = "block-scaled"
-    return decisions
+    return {**decisions, **unconverted_linears(model)}
 
 
 def convert_to_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None = None, seed: int = 0) -> dict[str, str]:

@@ -36,6 +36,7 @@ from ampkit.formats.recipes import (
     STATE_VERSION,
     WEIGHT,
     Fp8Recipe,
+    unconverted_linears,
 )
 from ampkit.formats.torchao import convert_current
 from ampkit.modes import without_autocast
@@ -242,7 +243,8 @@ class Fp8Linear(nn.Linear):
 # -- the module swap --------------------------------------------------------------------------
 
 def eligible(model: nn.Module, keep: tuple[str, ...] = (), include: tuple[str, ...] = ()) -> dict[str, str]:
-    """Every ``nn.Linear`` of ``model`` by qualified name, with ``"fp8"`` or the reason it stays.
+    """Every ``nn.Linear`` of ``model`` by qualified name, with ``"fp8"`` or the reason it stays; and every other
+    linear-like layer, with why it stays (``recipes.unconverted_linears``).
 
     Kept by default: the first and the last linear (the input embedding-like projection and the
     output head are the most range-sensitive), and linears whose dimensions are not multiples of
@@ -262,7 +264,7 @@ def eligible(model: nn.Module, keep: tuple[str, ...] = (), include: tuple[str, .
             decisions[name] = "kept: the first linear" if index == 0 else "kept: the last linear"
         else:
             decisions[name] = "fp8"
-    return decisions
+    return {**decisions, **unconverted_linears(model)}
 
 
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: tuple[str, ...] | list[str] = (),

@@ -155,3 +155,21 @@ class BlockScaledRecipe:
         off = [name for name, on in (("tiles", self.weight_tiles), ("sr", self.stochastic_gradients),
                                      ("hadamard", self.hadamard), ("kept", self.keep_first_last)) if not on]
         return "nvfp4" + "".join(f"-no-{name}" for name in off)
+
+
+def unconverted_linears(model: torch.nn.Module) -> dict[str, str]:
+    """The model's linear-like layers that are no ``nn.Linear`` (a leaf with a 2-D weight that is no embedding:
+    transformers' ``Conv1D`` in GPT-2, which stores its weight transposed), each with why conversions keep it.
+    ampkit's formats convert ``nn.Linear`` layers only; these are named, never skipped silently."""
+    lookups = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    found = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if (isinstance(module, torch.nn.Linear) or isinstance(module, lookups) or next(module.children(), None)
+                or not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2):
+            continue
+        found[name] = (f"kept: a {type(module).__name__} is linear-like (a 2-D weight) but no nn.Linear, and ampkit "
+                       "converts nn.Linear layers only" + (" (transformers' Conv1D stores its weight transposed: "
+                                                           "swap it for nn.Linear with the weight's transpose to "
+                                                           "convert it)" if type(module).__name__ == "Conv1D" else ""))
+    return found

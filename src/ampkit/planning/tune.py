@@ -25,6 +25,7 @@ import dataclasses
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch import nn
 from ampkit.diagnostics.memory import saved_bytes_of_step
 from ampkit.formats.block_scaled import fake_quantize
 from ampkit.formats.fp8 import E4M3, cast_numerics, native_fp8
-from ampkit.formats.recipes import BlockScaledRecipe
+from ampkit.formats.recipes import BlockScaledRecipe, unconverted_linears
 from ampkit.planning.measure import untouched
 from ampkit.planning.precision_plan import (BASES, LOWER, LayerChoice, PrecisionPlan, block_of, fingerprint,
                                            lower_linear)
@@ -240,6 +241,10 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
     held = max(1, len(batches) // 4)
     tuning, held_out = list(batches[:-held]), list(batches[-held:])
     candidates, reasons = _candidates(model, lows, include)
+    if skipped := unconverted_linears(model):
+        warnings.warn(f"tune chooses formats for nn.Linear layers only and leaves {len(skipped)} other linear-like "
+                      f"layer(s) as they are: {next(iter(skipped.values())).removeprefix('kept: ')}; "
+                      f"{list(skipped)[:6]}{' ...' if len(skipped) > 6 else ''}.", stacklevel=2)
     evidence: dict[tuple[str, str], dict[str, Any]] = {}
     with untouched(model):
         reference = _run(model, tuning, loss_fn, policy, warm_up=False)  # 16 bits: nothing to warm up
