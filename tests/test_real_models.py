@@ -241,3 +241,24 @@ def test_tune_names_the_conv1d_layers_it_leaves() -> None:
     windows = [torch.randint(0, 256, (8, 17), generator=g) for _ in range(3)]
     with pytest.warns(UserWarning, match=r"leaves 1 other linear-like layer.*Conv1D.*\['blocks\.0\.mlp\.0'\]"):
         ampkit.tune(model, [(w[:, :-1], w[:, 1:]) for w in windows], formats=("fp8", "bf16"), objective="memory")
+
+
+def test_find_nonfinite_skips_the_infinity_t5_discards_and_finds_an_overflow_in_its_decoder() -> None:
+    """T5's relative position buckets take ``log(0)`` and a ``torch.where`` drops it: on main, find_nonfinite
+    always named that ``log``, so an overflow planted in a decoder layer under float16 was never reported."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)
+    model = T5ForConditionalGeneration(config).eval()
+    g = torch.Generator().manual_seed(1)
+    inputs = (torch.randint(0, 128, (2, 16), generator=g), None, torch.randint(0, 128, (2, 8), generator=g))
+    policy = ampkit.Policy.default("cpu", torch.float16, compute="native")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ampkit.find_nonfinite(model, inputs, policy=policy) is None
+        with torch.no_grad():
+            model.decoder.block[0].layer[-1].DenseReluDense.wo.weight.mul_(1e6)  # beyond float16's range
+        finding = ampkit.find_nonfinite(model, inputs, policy=policy, backward=False)
+    assert finding is not None and finding.module == "decoder.block.0.layer.2.DenseReluDense.wo"
+    assert finding.phase == "forward" and finding.finite_inputs

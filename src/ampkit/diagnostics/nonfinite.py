@@ -33,12 +33,25 @@ _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty",
 
 
 class _FirstNonFinite(TorchDispatchMode):
+    """Sees every op's output. In backward the first non-finite one is the finding; in forward it is a candidate
+    until a module's output (or the loss) is non-finite too: an op whose inf a later op discards (T5's relative
+    position buckets take ``log(0)`` and drop it in a ``torch.where``) is no finding."""
+
     def __init__(self, current_module: Callable[[], str], phase: Callable[[], str]) -> None:
         super().__init__()
         self.current_module, self.phase = current_module, phase
         self.finding: NonFiniteFinding | None = None
+        self.pending: list[NonFiniteFinding] = []  # forward candidates, in execution order
         # The previous op: (name, tensor inputs, first output).
         self._previous: tuple[str, list[torch.Tensor], torch.Tensor | None] | None = None
+
+    def settle(self, since: int, reached: bool) -> None:
+        """A module (or the loss) is done: where its output is non-finite, the first candidate still pending is
+        the finding; where finite, the candidates recorded since ``since`` did not reach it and are dropped."""
+        if self.finding is None and reached and self.pending:
+            self.finding = self.pending[0]
+        if not reached:
+            del self.pending[since:]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -57,7 +70,11 @@ class _FirstNonFinite(TorchDispatchMode):
                     for t in inputs
                 ]
                 finite_inputs = all(bool(torch.isfinite(t).all()) for t in inputs if t.is_floating_point())
-                self.finding = NonFiniteFinding(self.current_module(), name, self.phase(), ranges, finite_inputs)
+                found = NonFiniteFinding(self.current_module(), name, self.phase(), ranges, finite_inputs)
+                if found.phase == "forward":
+                    self.pending.append(found)
+                else:
+                    self.finding = found
             self._previous = (name, inputs, tensor)
         return out
 
@@ -94,22 +111,32 @@ def find_nonfinite(
     loss_fn = loss_fn or default_loss
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     names = {module: name or "(model)" for name, module in model.named_modules()}
-    stack: list[str] = []
+    stack: list[tuple[str, int]] = []  # the modules running: name, and how many candidates were pending at entry
     phase = ["forward"]
 
     def enter(module: nn.Module, _: Any) -> None:
-        stack.append(names[module])
+        stack.append((names[module], len(mode.pending)))
 
-    def leave(module: nn.Module, _: Any, __: Any) -> None:
-        stack.pop()
+    def leave(module: nn.Module, _: Any, output: Any) -> None:
+        _, since = stack.pop()
+        with _torch.disable_current_modes():  # the check's own ops are not the model's
+            mode.settle(since, not _finite(output))
 
     pre = [m.register_forward_pre_hook(enter) for m in model.modules()]
     post = [m.register_forward_hook(leave, always_call=True) for m in model.modules()]
-    mode = _FirstNonFinite(lambda: stack[-1] if stack else "(model)", lambda: phase[0])
+    mode = _FirstNonFinite(lambda: stack[-1][0] if stack else "(model)", lambda: phase[0])
     with probing(model, pre + post), mode:
         with policy_region(model, policy):
             loss = loss_fn(output_tensor(model(*args)), target)
+        with _torch.disable_current_modes():
+            mode.settle(0, not _finite(loss))
         if backward and mode.finding is None and loss.requires_grad:
             phase[0] = "backward"
             loss.backward()
     return mode.finding
+
+
+def _finite(value: Any) -> bool:
+    """Whether every floating tensor in ``value`` (through containers) is finite."""
+    return all(bool(torch.isfinite(t).all()) for t in _torch.pytree.tree_leaves(value)
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
