@@ -262,3 +262,28 @@ def test_find_nonfinite_skips_the_infinity_t5_discards_and_finds_an_overflow_in_
         finding = ampkit.find_nonfinite(model, inputs, policy=policy, backward=False)
     assert finding is not None and finding.module == "decoder.block.0.layer.2.DenseReluDense.wo"
     assert finding.phase == "forward" and finding.finite_inputs
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2", "bert"])
+def test_compare_trains_a_transformers_architecture_named_on_the_command_line(architecture: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``ampkit compare --model hf:<architecture>``: a small model of that family from its config, random weights,
+    on the text data, float32 beside bf16 O2 (3 steps here; 200 by default)."""
+    import json
+
+    from ampkit.cli.main import main
+
+    out = tmp_path / "run"
+    argv = ["compare", "--model", f"hf:{architecture}", "--precision", "bf16", "--opt-level", "O2", "--steps", "3",
+            "--batch-size", "4", "--quiet", "--no-probe", "--out", str(out)]
+    assert main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    runs = {run["label"]: run for run in results["runs"]}
+    assert len(runs) == 2 and all(len(run["losses"]) == 3 for run in runs.values())
+    assert results["config"]["data"] == "text"
+
+
+def test_an_unknown_transformers_architecture_is_refused_naming_the_choices(capsys) -> None:  # type: ignore[no-untyped-def]
+    from ampkit.cli.main import main
+
+    assert main(["compare", "--model", "hf:mamba", "--quiet"]) == 2
+    assert "Unknown transformers architecture 'hf:mamba'. Choose one of ['hf:llama'" in capsys.readouterr().err

@@ -35,7 +35,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="With no arguments: ResNet-18 on the bundled handwritten digits, float32 vs the mixed "
         "settings this hardware supports.",
     )
-    parser.add_argument("--model", default="resnet18", help=f"{' | '.join(MODELS)} | pkg.module:factory")
+    parser.add_argument("--model", default="resnet18", help=f"{' | '.join(MODELS)} | hf:llama (transformers) | "
+                        "pkg.module:factory")
     parser.add_argument("--data", default=None, help=f"{' | '.join(DATASETS)} (default: digits; text for gpt)")
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, help="mixed precisions to run")
     parser.add_argument("--opt-level", nargs="+", choices=OPT_LEVELS[1:], help="opt levels of the mixed runs")

@@ -22,6 +22,7 @@ from ampkit.diagnostics.numerics import NumericsReport, inspect_numerics, write_
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import CONTEXT
 from ampkit.experiment.models import MODELS, build, check_output
+from ampkit.experiment.settings import MODEL_DEFAULTS
 from ampkit.precision.decide import compute_label
 from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe
 from ampkit.precision.policy import Policy
@@ -31,7 +32,8 @@ MIB = 2**20
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("inspect", help="where a model overflows or underflows in 16 bits, and why")
-    parser.add_argument("--model", default="resnet18", help=f"{' | '.join(MODELS)} | pkg.module:factory")
+    parser.add_argument("--model", default="resnet18", help=f"{' | '.join(MODELS)} | hf:llama (transformers) | "
+                        "pkg.module:factory")
     parser.add_argument("--data", default=None, help="digits | mnist:DIR | text | synthetic (default: digits; text for gpt)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: 32 (8 for text models)")
     parser.add_argument("--opt-level", default="O2", choices=["O1", "O2", "O3"], help="for the memory estimate")
@@ -48,8 +50,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    data_name = args.data or ("text" if args.model == "gpt" else "digits")
-    if args.model == "gpt" and data_name != "text" or args.model in ("resnet18", "mlp") and data_name == "text":
+    text_model = MODEL_DEFAULTS.get(args.model, {}).get("data") == "text"
+    data_name = args.data or ("text" if text_model else "digits")
+    if text_model and data_name != "text" or args.model in ("resnet18", "mlp") and data_name == "text":
         raise ValueError(f"--model {args.model} and --data {data_name} do not fit: text goes with gpt (or your own "
                          "text model), images with resnet18, mlp or your own image model.")
     out = args.out or Path("ampkit-runs") / datetime.datetime.now().strftime("inspect-%Y%m%d-%H%M%S")

@@ -21,7 +21,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "tune", help="choose each linear's format (FP8, block-scaled, 16-bit) from measured sensitivity and cost",
         description="Lowers each candidate linear alone, measures the loss change and the saving, and keeps the "
         "plan within --tolerance; writes the plan for `ampkit compare --plan`.")
-    parser.add_argument("--model", default="gpt", help=f"{' | '.join(MODELS)} | pkg.module:factory (default gpt)")
+    parser.add_argument("--model", default="gpt", help=f"{' | '.join(MODELS)} | hf:llama (transformers) | "
+                        "pkg.module:factory (default gpt)")
     parser.add_argument("--data", default=None, help=f"{' | '.join(DATASETS)} (default: text for gpt, else digits)")
     parser.add_argument("--formats", nargs="+", default=["fp8", "bf16"], choices=[*LOWER, *BASES],
                         help="formats to lower to and the 16-bit base (default: fp8 bf16)")

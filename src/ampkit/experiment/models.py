@@ -1,4 +1,5 @@
-"""The models `ampkit compare` trains: ResNet-18 for 1x28x28 images, a small GPT, an MLP.
+"""The models `ampkit compare` trains: ResNet-18 for 1x28x28 images, a small GPT, an MLP (and transformers'
+language models, ``hf_models.py``).
 
 Defined here because torchvision is not a dependency; each factory takes the
 data's shape and returns a float32 ``nn.Module``.
@@ -13,6 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ampkit.experiment import hf_models
 
 
 class BasicBlock(nn.Module):
@@ -185,8 +188,11 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
     """
     if spec in MODELS:
         return MODELS[spec]
+    if spec.startswith(hf_models.PREFIX):
+        return hf_models.factory(spec)
     if ":" not in spec:
-        raise ValueError(f"Unknown model {spec!r}. Choose one of {sorted(MODELS)} or give pkg.module:factory.")
+        raise ValueError(f"Unknown model {spec!r}. Choose one of {sorted(MODELS)}, hf:<architecture> "
+                         f"({', '.join(hf_models.ARCHITECTURES)}: transformers) or give pkg.module:factory.")
     module_name, _, attr = spec.partition(":")
     try:
         factory = getattr(importlib.import_module(module_name), attr)

@@ -27,6 +27,7 @@ from ampkit.experiment.models import build, load_factory
 from ampkit.formats.block_linear import eligible_block_scaled
 from ampkit.planning.precision_plan import PrecisionPlan, fingerprint
 from ampkit.planning.recompute import parse_budget
+from ampkit.experiment.hf_models import ARCHITECTURES, PREFIX
 from ampkit.formats.fp8 import eligible
 from ampkit.hardware.advice import recommend_dtype, slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
@@ -37,6 +38,7 @@ from ampkit.modes import COMPUTE_MODES
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt": {"data": "text", "batch_size": 32, "steps": 400, "lr": 6e-3},
     "gpt-outlier": {"data": "text", "batch_size": 32, "steps": 400, "lr": 6e-3},
+    **{PREFIX + name: {"data": "text", "batch_size": 32, "steps": 200, "lr": 3e-3} for name in ARCHITECTURES},
 }
 IMAGE_DEFAULTS = {"data": "digits", "batch_size": 64, "epochs": 2, "lr": 2e-3}
 
