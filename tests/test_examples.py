@@ -85,3 +85,16 @@ def test_train_fsdp_example_shards_half_the_weights_and_its_checkpoint_loads_in_
     extra = load_sharded_checkpoint(tmp_path / "ck", model, optimizer, scaler=ampkit.DynamicLossScaler())
     assert extra == {"step": 4}
     assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # the trained weights arrived
+
+
+@pytest.mark.slow  # two Trainer runs of 20 steps: about 12 s here
+def test_trainer_example_trains_a_llama_at_o2_within_2_percent_of_float32(tmp_path: Path) -> None:
+    """transformers' Trainer, given the model and optimizer ampkit.initialize returns (issue 39's recipe)."""
+    losses = _load("trainer_llama").main(["--opt-level", "O2", "--steps", "20", "--out", str(tmp_path)])
+    assert len(losses["O2"]) == len(losses["fp32"]) == 4 and losses["O2"][-1] < losses["O2"][0] - 1.0  # it learns
+    assert abs(losses["O2"][-1] - losses["fp32"][-1]) <= 0.02 * losses["fp32"][-1]
+
+
+def test_trainer_example_at_o1(tmp_path: Path) -> None:
+    losses = _load("trainer_llama").main(["--opt-level", "O1", "--steps", "5", "--out", str(tmp_path)])
+    assert abs(losses["O1"][-1] - losses["fp32"][-1]) <= 0.02 * losses["fp32"][-1]
