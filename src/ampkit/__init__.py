@@ -5,8 +5,8 @@ from __future__ import annotations
 # Casting
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.hardware.flags import SlowPrecisionWarning
-from ampkit.precision.custom_functions import custom_bwd, custom_fwd
 from ampkit.modes import ComputeModeWarning
+from ampkit.precision.custom_functions import custom_bwd, custom_fwd
 from ampkit.precision.policy import ModuleOverride, Policy
 from ampkit.precision.regions import autocast
 

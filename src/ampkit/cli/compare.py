@@ -11,8 +11,8 @@ import warnings
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ampkit.experiment import report
 from ampkit.cli.flags import as_flags, directory
+from ampkit.experiment import report
 from ampkit.experiment.comparison import Comparison, check_out_dir, compare, reserve_out_dir
 from ampkit.experiment.config import COMPILE_MODES, LOSS_SCALES, PRECISIONS, RunConfig, low_dtype
 from ampkit.experiment.cost import Estimate, estimate
@@ -21,11 +21,11 @@ from ampkit.experiment.models import MODELS
 from ampkit.experiment.process import RunFailed
 from ampkit.experiment.settings import plan
 from ampkit.files import atomic_write
-from ampkit.precision.decide import GEMM_OPS
 from ampkit.hardware import throughput
+from ampkit.modes import COMPUTE_MODES
 from ampkit.optim.levels import OPT_LEVELS
 from ampkit.optim.pure16 import UPDATES
-from ampkit.modes import COMPUTE_MODES
+from ampkit.precision.decide import GEMM_OPS
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

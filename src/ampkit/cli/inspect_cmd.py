@@ -14,7 +14,6 @@ from rich.console import Console
 from rich.table import Table
 
 from ampkit.cli.flags import directory
-from ampkit.files import strict_json, writable_directory
 from ampkit.diagnostics.alignment import check_alignment
 from ampkit.diagnostics.memory import estimate_memory
 from ampkit.diagnostics.nonfinite import find_nonfinite
@@ -23,8 +22,9 @@ from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import CONTEXT
 from ampkit.experiment.models import MODELS, build, check_output
 from ampkit.experiment.settings import MODEL_DEFAULTS
-from ampkit.precision.decide import compute_label
+from ampkit.files import strict_json, writable_directory
 from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe
+from ampkit.precision.decide import compute_label
 from ampkit.precision.policy import Policy
 
 MIB = 2**20

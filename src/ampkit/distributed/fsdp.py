@@ -34,12 +34,12 @@ from torch import nn
 
 from ampkit.distributed.compression import PredividedReduceScatter, predivide, require_process_group
 from ampkit.distributed.units import plan_units
-from ampkit.precision.decide import float32_ops
 from ampkit.hardware.advice import recommend_dtype
+from ampkit.modes import resolve_dtype
 from ampkit.optim import pure16
 from ampkit.optim.kept import cast_inputs, needs_input_casts
 from ampkit.optim.levels import cast_model_, check_keep_float32, check_settings, wrap_forward
-from ampkit.modes import resolve_dtype
+from ampkit.precision.decide import float32_ops
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 

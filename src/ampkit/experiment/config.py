@@ -9,10 +9,10 @@ import dataclasses
 
 import torch
 
-from ampkit.precision.decide import GEMM_OPS, float32_classes
 from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import resolve_dtype
+from ampkit.precision.decide import GEMM_OPS, float32_classes
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current", "mxfp8", "mxfp8-floor", "mxfp4", "mxfp4-rceil", "nvfp4",
               "nvfp4-no-tiles", "nvfp4-no-sr", "nvfp4-no-hadamard", "nvfp4-no-kept")

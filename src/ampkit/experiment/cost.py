@@ -21,8 +21,8 @@ from ampkit.experiment.config import (
     low_dtype,
 )
 from ampkit.experiment.models import ModelMistake, build, check_output
-from ampkit.precision.decide import GEMM_OPS
 from ampkit.hardware import throughput
+from ampkit.precision.decide import GEMM_OPS
 
 ESTIMATE_STEPS = 3  # float32 steps the plan times (after a warm-up step): a median, as the runs report
 SLOW_SETTING_S = 5.0  # a mixed setting's warm-up step slower than this is its estimate (no second step)

@@ -23,17 +23,17 @@ from ampkit.experiment.config import (
     RunConfig,
     low_dtype,
 )
+from ampkit.experiment.hf_models import ARCHITECTURES, PREFIX
 from ampkit.experiment.models import build, load_factory
 from ampkit.formats.block_linear import eligible_block_scaled
-from ampkit.planning.precision_plan import PrecisionPlan, fingerprint
-from ampkit.planning.recompute import parse_budget
-from ampkit.experiment.hf_models import ARCHITECTURES, PREFIX
 from ampkit.formats.fp8 import eligible
 from ampkit.hardware.advice import recommend_dtype, slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
+from ampkit.modes import COMPUTE_MODES
 from ampkit.optim.levels import OPT_LEVELS
 from ampkit.optim.pure16 import UPDATES
-from ampkit.modes import COMPUTE_MODES
+from ampkit.planning.precision_plan import PrecisionPlan, fingerprint
+from ampkit.planning.recompute import parse_budget
 
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt": {"data": "text", "batch_size": 32, "steps": 400, "lr": 6e-3},

@@ -32,9 +32,9 @@ from torch import nn
 from ampkit.distributed import HookState, check_compression, compression_hook
 from ampkit.formats.fp8 import Fp8Recipe, convert_to_fp8
 from ampkit.hardware.advice import recommend_dtype
+from ampkit.modes import resolve_dtype
 from ampkit.optim.kept import cast_output_to_float32
 from ampkit.optim.levels import check_settings, initialize
-from ampkit.modes import resolve_dtype
 from ampkit.precision.policy import Policy
 from ampkit.scaling.scaler import DynamicLossScaler, StaticLossScaler, check_scaler
 

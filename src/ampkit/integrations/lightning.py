@@ -28,11 +28,11 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 
 from ampkit.distributed import HookState, check_compression, compression_hook
-from ampkit.precision.decide import float32_ops
 from ampkit.formats.fp8 import Fp8Recipe, convert_to_fp8
 from ampkit.hardware.advice import recommend_dtype
-from ampkit.optim.levels import MasterWeightOptimizer, cast_model_, check_settings
 from ampkit.modes import LOW_DTYPES, resolve_dtype
+from ampkit.optim.levels import MasterWeightOptimizer, cast_model_, check_settings
+from ampkit.precision.decide import float32_ops
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 from ampkit.scaling.scaler import DynamicLossScaler, StaticLossScaler, check_scaler

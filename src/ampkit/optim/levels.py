@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit.precision.decide import float32_ops
 from ampkit.hardware.advice import recommend_dtype
+from ampkit.modes import check_compute, resolve_dtype
 from ampkit.optim import pure16
 from ampkit.optim.kept import cast_inputs, cast_output_to_float32, kept_modules, needs_input_casts
 from ampkit.optim.master import MasterWeightOptimizer
-from ampkit.modes import check_compute, resolve_dtype
+from ampkit.precision.decide import float32_ops
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 from ampkit.shards import is_sharded

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit.diagnostics.memory import observing_kept
 from ampkit.float32_compute.gelu_recompute import passthrough
 from ampkit.float32_compute.single_ops import single_ops
 from ampkit.float32_compute.weights import is_weight_copy, weight_storages
 from ampkit.planning.segments import installed
-from ampkit.diagnostics.memory import observing_kept
 from ampkit.planning.selective import OpRecorder, contexts
 from ampkit.precision.op_lists import DEVICE_TYPES
 from ampkit.precision.policy import Policy

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ampkit import _torch
-from ampkit.precision import op_lists
 from ampkit.modes import check_compute, resolve_dtype
+from ampkit.precision import op_lists
 from ampkit.precision.op_lists import ALLOW, DENY, INFER
 
 ModulePattern = str | type[nn.Module]

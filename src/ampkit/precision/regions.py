@@ -17,12 +17,12 @@ import torch
 from torch import nn
 
 from ampkit import _torch
-from ampkit.precision.decide import describe, float32_ops
 from ampkit.hardware.advice import slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
-from ampkit.precision import checkpointing, compiling, overrides
-from ampkit.precision.kernels import kernel_ops, registry
 from ampkit.modes import ComputeModeWarning
+from ampkit.precision import checkpointing, compiling, overrides
+from ampkit.precision.decide import describe, float32_ops
+from ampkit.precision.kernels import kernel_ops, registry
 from ampkit.precision.policy import Policy
 from ampkit.precision.state import Region, state, torch_nesting, warn_once
 
