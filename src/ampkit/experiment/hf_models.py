@@ -1,10 +1,11 @@
 """``--model hf:<architecture>``: a small language model of a transformers family, built from its config with
-random weights (nothing is downloaded), so that compare, tune and the recompute planner run on real
-architectures from the command line.
+random weights (nothing is downloaded), so that ``ampkit compare`` runs on real architectures from the command
+line (tested for llama, gpt2 and bert; ``tune`` and ``--activation-budget`` build their model the same way).
 
 Each is causal (BERT as a decoder: next-token prediction on the text data must not see the next token), keeps no
 key/value cache (training keeps none; the recompute planner refuses one) and returns its logits, the one tensor
-``ampkit compare`` trains on. Sizes: ``d_model``, ``n_layers``, ``n_heads`` (the flags' defaults: 64, 2, 4).
+``ampkit compare`` trains on. Sizes: the factory's ``d_model``, ``n_layers``, ``n_heads`` (64, 2, 4; no command
+line flag sets them yet).
 """
 
 from __future__ import annotations
