@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._torch import pytree
 from ampkit.diagnostics.memory import observing_kept
 from ampkit.float32_compute.gelu_recompute import passthrough
 from ampkit.float32_compute.single_ops import single_ops
@@ -222,35 +223,21 @@ def untouched(model: nn.Module) -> Iterator[None]:
         torch.set_rng_state(rng)
 
 
-# What a block may take and be replayed on alone: tensors, plain values and containers of them. Anything else
-# (transformers' key/value cache) the block may change, and a replay would see it changed.
+# What a block may take and be replayed on alone: tensors and plain values, in containers torch's pytree knows.
+# Anything else (transformers' key/value cache) the block may change, and a replay would see it changed.
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
-    """The tensors in ``value``, through tuples, lists and dicts."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors_in(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors_in(v)]
-    return []
+    """The tensors in ``value``, through its containers."""
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _check_replayable(name: str, args: tuple, kwargs: dict) -> None:
     """Refuse a block whose inputs hold an object it may change (ValueError), before any plan is made."""
-    def odd(value: Any) -> Any:
-        if isinstance(value, (torch.Tensor, *_PLAIN)):
-            return None
-        if isinstance(value, (tuple, list)):
-            return next((o for o in map(odd, value) if o is not None), None)
-        if isinstance(value, dict):
-            return next((o for o in map(odd, value.values()) if o is not None), None)
-        return value
-
     for where, value in [*((f"positional input {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
-        found = odd(value)
+        found = next((leaf for leaf in pytree.tree_leaves(value) if not isinstance(leaf, (torch.Tensor, *_PLAIN))),
+                     None)
         if found is not None:
             raise ValueError(
                 f"Block {name!r} takes a {type(found).__name__} ({where}): the planner measures each block by running "
@@ -260,14 +247,8 @@ def _check_replayable(name: str, args: tuple, kwargs: dict) -> None:
 
 
 def _detached(value: Any) -> Any:
-    """``value`` with each tensor detached (keeping ``requires_grad``), through tuples, lists and dicts."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().requires_grad_(value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _detached(v) for k, v in value.items()}
-    return value
+    """``value`` with each tensor detached (keeping ``requires_grad``), through its containers."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
 
 
 def _recompute_ms(module: nn.Module, args: tuple, kwargs: dict, policies: list[Policy],
