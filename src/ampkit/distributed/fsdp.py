@@ -37,7 +37,7 @@ from ampkit.distributed.units import plan_units
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import resolve_dtype
 from ampkit.optim import pure16
-from ampkit.optim.kept import cast_inputs, needs_input_casts
+from ampkit.optim.kept import add_input_casts, needs_input_casts
 from ampkit.optim.levels import cast_model_, check_keep_float32, check_settings, wrap_forward
 from ampkit.precision.decide import float32_ops
 from ampkit.precision.policy import Policy
@@ -151,11 +151,7 @@ def fully_shard(
     gathered = dtype if opt_level == "O2" else None
     if opt_level == "O2" and needs_input_casts(model, [m for _, m in kept], keep_float32):
         # float32 activations (a float32 embedding's, a custom norm's) can reach 16-bit modules: each casts its inputs.
-        kept_ids = {id(p) for _, m in kept for p in m.parameters()}
-        for module in model.modules():
-            own = list(module.parameters(recurse=False))
-            if module is not model and own and not any(id(p) in kept_ids for p in own):
-                module.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
+        add_input_casts(model, dtype, {id(p) for _, m in kept for p in m.parameters()})
     for _, module in kept:
         torch_fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
                           mp_policy=MixedPrecisionPolicy(None, reduce_dtype, cast_forward_inputs=False))

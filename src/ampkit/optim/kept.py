@@ -92,6 +92,15 @@ def cast_inputs(dtype: torch.dtype) -> Any:
     return hook
 
 
+def add_input_casts(model: nn.Module, dtype: torch.dtype, kept_params: set[int]) -> None:
+    """Give each module below ``model`` with weights of its own, none of them kept (``kept_params``: ids), a
+    ``cast_inputs(dtype)`` pre-hook: where float32 activations can reach O2's 16-bit layers (``needs_input_casts``)."""
+    for module in model.modules():
+        own = list(module.parameters(recurse=False))
+        if module is not model and own and not any(id(p) in kept_params for p in own):
+            module.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
+
+
 def to_float32(value: Any) -> Any:
     """``value`` with every 16-bit tensor in it float32: through tuples (named too), lists, dicts (transformers'
     ``ModelOutput`` among them, which keeps its type) and dataclasses; anything else as it is."""

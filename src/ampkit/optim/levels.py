@@ -17,7 +17,7 @@ from torch import nn
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import check_compute, resolve_dtype
 from ampkit.optim import pure16
-from ampkit.optim.kept import cast_inputs, cast_output_to_float32, kept_modules, needs_input_casts
+from ampkit.optim.kept import add_input_casts, cast_inputs, cast_output_to_float32, kept_modules, needs_input_casts
 from ampkit.optim.master import MasterWeightOptimizer
 from ampkit.precision.decide import float32_ops
 from ampkit.precision.policy import Policy
@@ -171,14 +171,11 @@ def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype,
     kept = kept_modules(model, keep_float32) if opt_level == "O2" else []
     kept_ids = {id(m) for m in kept}
     kept_params = {id(p) for m in kept for p in m.parameters(recurse=False)}
-    cast_inputs_too = opt_level == "O2" and needs_input_casts(model, kept, keep_float32)
     for module in model.modules():
-        if id(module) in kept_ids:
-            continue
-        _cast_own(module, dtype, kept_params, buffers=opt_level != "O2")
-        own = list(module.parameters(recurse=False))
-        if cast_inputs_too and module is not model and own and all(p.dtype == dtype for p in own):
-            module.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
+        if id(module) not in kept_ids:
+            _cast_own(module, dtype, kept_params, buffers=opt_level != "O2")
+    if opt_level == "O2" and needs_input_casts(model, kept, keep_float32):
+        add_input_casts(model, dtype, kept_params)
     model.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
     model.register_forward_hook(cast_output_to_float32)
 
