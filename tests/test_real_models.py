@@ -212,22 +212,68 @@ def _gpt2() -> nn.Module:
     return GPT2LMHeadModel(config)
 
 
+def _with_linears(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with each ``Conv1D`` swapped for the ``nn.Linear`` it computes (the weight's transpose):
+    the reference a converted ``Conv1D`` must match."""
+    from transformers.pytorch_utils import Conv1D
+
+    reference = copy.deepcopy(model)
+    for name, module in list(reference.named_modules()):
+        if isinstance(module, Conv1D):
+            linear = nn.Linear(*module.weight.shape)
+            with torch.no_grad():
+                linear.weight.copy_(module.weight.t())
+                linear.bias.copy_(module.bias)
+            reference.set_submodule(name, linear)
+    return reference
+
+
 @pytest.mark.parametrize("convert", ["fp8", "block-scaled"])
-def test_conversions_name_each_gpt2_conv1d_projection_they_leave(convert: str) -> None:
+def test_conversions_convert_gpt2s_conv1d_projections_as_the_linears_they_are(convert: str) -> None:
     """On main, ``convert_to_fp8`` converted none of GPT-2's 8 ``Conv1D`` projections and
-    ``convert_to_block_scaled`` only the tied head, and neither named what it left."""
+    ``convert_to_block_scaled`` only the tied head. Now each is converted on its own Parameter, in its own
+    (transposed) layout, and computes what the same format gives the ``nn.Linear`` it stands for."""
     model = _gpt2()
-    if convert == "fp8":
-        decisions = ampkit.convert_to_fp8(model, include=["lm_head"])
-    else:
-        decisions = ampkit.convert_to_block_scaled(model, ampkit.BlockScaledRecipe("mxfp8", keep_first_last=False))
-    projections = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
-    assert len(projections) == 8
-    assert all("Conv1D is linear-like" in decisions[n] and "transposed" in decisions[n] for n in projections)
-    assert {n for n, d in decisions.items() if not d.startswith("kept")} == {"lm_head"}
+    reference = _with_linears(model)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    parameters = list(model.parameters())
+
+    def converted(m: nn.Module) -> dict[str, str]:
+        if convert == "fp8":
+            return ampkit.convert_to_fp8(m, include=["lm_head"])
+        return ampkit.convert_to_block_scaled(m, ampkit.BlockScaledRecipe("mxfp8", keep_first_last=False))
+
+    decisions, expected = converted(model), converted(reference)
+    assert decisions == expected
+    projections = [n for n, m in _gpt2().named_modules() if type(m).__name__ == "Conv1D"]
+    chosen = "fp8" if convert == "fp8" else "block-scaled"
+    assert len(projections) == 8 and sum(decisions[n] == chosen for n in projections) >= 7
+    assert all(getattr(model.get_submodule(n), "transposed", False) for n in projections if decisions[n] == chosen)
+    assert list(model.parameters()) == parameters  # the same Parameter objects: an optimizer keeps working
+    assert all(v.shape == shapes[k] for k, v in model.state_dict().items() if k in shapes)  # GPT-2's layout
+
+    idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    out, out_reference = (torch.manual_seed(2) and m(idx, labels=idx) for m in (model, reference))  # one dropout
+    out.loss.backward()
+    out_reference.loss.backward()
+    torch.testing.assert_close(out.logits, out_reference.logits, rtol=1e-5, atol=1e-5)
+    for name in projections:
+        grad, grad_reference = model.get_submodule(name).weight.grad, reference.get_submodule(name).weight.grad
+        torch.testing.assert_close(grad, grad_reference.t(), rtol=1e-4, atol=1e-6)
 
 
-def test_tune_names_the_conv1d_layers_it_leaves() -> None:
+class _Bilinear(nn.Module):
+    """A linear-like leaf (a 2-D weight) that no format converts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 32) / 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+def test_tune_chooses_for_conv1d_layers_and_names_the_linear_like_layers_it_leaves() -> None:
     """On main, tune on a model with transformers' ``Conv1D`` projections returned a plan of its nn.Linear layers
     alone and said nothing of the rest."""
     from transformers.pytorch_utils import Conv1D
@@ -237,10 +283,14 @@ def test_tune_names_the_conv1d_layers_it_leaves() -> None:
     torch.manual_seed(0)
     model = GPT(d_model=32, n_layers=2, n_heads=2, context=16)
     model.blocks[0].mlp[0] = Conv1D(model.blocks[0].mlp[0].out_features, 32)  # GPT-2's layout of one projection
+    model.blocks[1].mlp.insert(0, _Bilinear())
     g = torch.Generator().manual_seed(1)
     windows = [torch.randint(0, 256, (8, 17), generator=g) for _ in range(3)]
-    with pytest.warns(UserWarning, match=r"leaves 1 other linear-like layer.*Conv1D.*\['blocks\.0\.mlp\.0'\]"):
-        ampkit.tune(model, [(w[:, :-1], w[:, 1:]) for w in windows], formats=("fp8", "bf16"), objective="memory")
+    with pytest.warns(UserWarning, match=r"leaves 1 other linear-like layer.*_Bilinear.*\['blocks\.1\.mlp\.0'\]"):
+        plan = ampkit.tune(model, [(w[:, :-1], w[:, 1:]) for w in windows], formats=("fp8", "bf16"),
+                           objective="memory")
+    layer = next(layer for layer in plan.layers if layer.name == "blocks.0.mlp.0")
+    assert layer.shape == (32, model.blocks[0].mlp[0].nf) and "fp8" in layer.loss_change
 
 
 def test_find_nonfinite_skips_the_infinity_t5_discards_and_finds_an_overflow_in_its_decoder() -> None:

@@ -26,7 +26,7 @@ from torch import nn
 
 from ampkit import _torch
 from ampkit.formats.block_scaled import MX_ELEMENTS, Draws, Quantized, counter_draws, quantize_mx, quantize_nvfp4
-from ampkit.formats.recipes import BlockScaledRecipe, unconverted_linears
+from ampkit.formats.recipes import BlockScaledRecipe, features, is_conv1d, linear_layers, unconverted_linears
 from ampkit.modes import without_autocast
 
 
@@ -149,15 +149,18 @@ class BlockScaledLinear(nn.Linear):
                  recipe: BlockScaledRecipe = BlockScaledRecipe(), seed: int = 0, device: Any = None,
                  dtype: Any = None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.transposed = False
         self._init_recipe(recipe, seed)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: BlockScaledRecipe, seed: int = 0) -> BlockScaledLinear:
-        """A block-scaled linear on ``linear``'s own Parameters (optimizers built on them keep working)."""
+    def from_linear(cls, linear: nn.Module, recipe: BlockScaledRecipe, seed: int = 0) -> BlockScaledLinear:
+        """A block-scaled linear on ``linear``'s own Parameters (optimizers built on them keep working); of an
+        ``nn.Linear`` or transformers' ``Conv1D``, whose weight stays in its transposed layout."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.in_features, new.out_features = features(linear)
         new.weight, new.bias = linear.weight, linear.bias  # the same Parameters: optimizers keep them
+        new.transposed = is_conv1d(linear)
         new._init_recipe(recipe, seed)
         return new
 
@@ -173,20 +176,22 @@ class BlockScaledLinear(nn.Linear):
         if self.recipe.format == "nvfp4" and self.recipe.stochastic_gradients and torch.is_grad_enabled():
             step = _next_count(self.draws_step)  # this forward's count, then the buffer's
             self.draws_step.copy_(step)
+        weight = self.weight.t() if self.transposed else self.weight
         if not _TRACED and _torch.is_compiling():
-            out = _apply_eagerly(x, self.weight, self, step)
+            out = _apply_eagerly(x, weight, self, step)
         else:
-            out = _BlockScaledMatmul.apply(x, self.weight, self, step)
+            out = _BlockScaledMatmul.apply(x, weight, self, step)
         return out + self.bias.to(out.dtype) if self.bias is not None else out
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe.label}"
+        return f"{super().extra_repr()}, recipe={self.recipe.label}" + (", transposed" if self.transposed else "")
 
 
 def eligible_block_scaled(model: nn.Module, recipe: BlockScaledRecipe) -> dict[str, str]:
-    """Each ``nn.Linear``'s name and what conversion does with it: ``"block-scaled"``, or why it is kept; and every
-    other linear-like layer, with why it stays (``recipes.unconverted_linears``)."""
-    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    """Each ``nn.Linear``'s and ``Conv1D``'s name (``recipes.linear_layers``) and what conversion does with it:
+    ``"block-scaled"``, or why it is kept; and every other linear-like layer, with why it stays
+    (``recipes.unconverted_linears``)."""
+    linears = linear_layers(model)
     first_last = {linears[0][0], linears[-1][0]} if recipe.keep_first_last and linears else set()
     decisions = {}
     for name, linear in linears:
@@ -194,8 +199,8 @@ def eligible_block_scaled(model: nn.Module, recipe: BlockScaledRecipe) -> dict[s
             decisions[name] = "kept: matches keep="
         elif name in first_last:
             decisions[name] = "kept: the first or last linear (keep_first_last)"
-        elif linear.in_features % recipe.block or linear.out_features % recipe.block:
-            decisions[name] = (f"kept: {linear.in_features}x{linear.out_features} is not a multiple of the "
+        elif any(n % recipe.block for n in features(linear)):
+            decisions[name] = (f"kept: {'x'.join(map(str, features(linear)))} is not a multiple of the "
                                f"{recipe.block}-element blocks")
         else:
             decisions[name] = "block-scaled"
@@ -203,7 +208,8 @@ def eligible_block_scaled(model: nn.Module, recipe: BlockScaledRecipe) -> dict[s
 
 
 def convert_to_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None = None, seed: int = 0) -> dict[str, str]:
-    """Swap the model's ``nn.Linear`` layers for ``BlockScaledLinear`` (in place; the parameters stay).
+    """Swap the model's ``nn.Linear`` and ``Conv1D`` layers for ``BlockScaledLinear`` (in place; the parameters
+    stay).
 
     Args:
         model: the model (float32, before ``ampkit.initialize``: the rest then runs at the opt level).

@@ -36,6 +36,9 @@ from ampkit.formats.recipes import (
     STATE_VERSION,
     WEIGHT,
     Fp8Recipe,
+    features,
+    is_conv1d,
+    linear_layers,
     unconverted_linears,
 )
 from ampkit.formats.torchao import convert_current
@@ -187,15 +190,17 @@ class Fp8Linear(nn.Linear):
                  recipe: Fp8Recipe = Fp8Recipe(), process_group: Any = None, device: Any = None,
                  dtype: Any = None) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.transposed = False
         self._init_fp8_state(recipe, process_group)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Fp8Recipe, process_group: Any = None) -> Fp8Linear:
-        """Convert in place of ``linear``, keeping its Parameter objects (optimizers hold them)."""
+    def from_linear(cls, linear: nn.Module, recipe: Fp8Recipe, process_group: Any = None) -> Fp8Linear:
+        """Convert in place of ``linear`` (an ``nn.Linear`` or transformers' ``Conv1D``, whose weight stays in its
+        transposed layout, so its checkpoints still load), keeping its Parameter objects (optimizers hold them)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight, new.bias = linear.weight, linear.bias
+        new.in_features, new.out_features = features(linear)
+        new.weight, new.bias, new.transposed = linear.weight, linear.bias, is_conv1d(linear)
         new._init_fp8_state(recipe, process_group)
         return new
 
@@ -206,7 +211,7 @@ class Fp8Linear(nn.Linear):
         self.register_buffer("scale", torch.ones(3, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _DelayedFp8Matmul.apply(x, self.weight, self)
+        out = _DelayedFp8Matmul.apply(x, self.weight.t() if self.transposed else self.weight, self)
         return out + self.bias.to(out.dtype) if self.bias is not None else out
 
     @torch.no_grad()
@@ -237,30 +242,31 @@ class Fp8Linear(nn.Linear):
                                "convert the model with the checkpoint's recipe before loading.")
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe}"
+        return f"{super().extra_repr()}, recipe={self.recipe}" + (", transposed" if self.transposed else "")
 
 
 # -- the module swap --------------------------------------------------------------------------
 
 def eligible(model: nn.Module, keep: tuple[str, ...] = (), include: tuple[str, ...] = ()) -> dict[str, str]:
-    """Every ``nn.Linear`` of ``model`` by qualified name, with ``"fp8"`` or the reason it stays; and every other
-    linear-like layer, with why it stays (``recipes.unconverted_linears``).
+    """Every ``nn.Linear`` and ``Conv1D`` of ``model`` by qualified name (``recipes.linear_layers``), with
+    ``"fp8"`` or the reason it stays; and every other linear-like layer, with why it stays
+    (``recipes.unconverted_linears``).
 
     Kept by default: the first and the last linear (the input embedding-like projection and the
     output head are the most range-sensitive), and linears whose dimensions are not multiples of
     16 (FP8 GEMMs need them). ``keep`` patterns (fnmatch on the name) keep more; ``include``
     patterns convert a first or last linear anyway (dimensions still must fit).
     """
-    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    layers = linear_layers(model)
     decisions = {}
-    for index, name in enumerate(names):
-        linear: nn.Linear = model.get_submodule(name)  # type: ignore[assignment]
+    for index, (name, linear) in enumerate(layers):
         forced = any(fnmatch.fnmatchcase(name, p) for p in include)
-        if linear.in_features % 16 or linear.out_features % 16:
-            decisions[name] = f"kept: {linear.in_features}x{linear.out_features} is not a multiple of 16"
+        in_features, out_features = features(linear)
+        if in_features % 16 or out_features % 16:
+            decisions[name] = f"kept: {in_features}x{out_features} is not a multiple of 16"
         elif any(fnmatch.fnmatchcase(name, p) for p in keep):
             decisions[name] = "kept: named in keep="
-        elif index in (0, len(names) - 1) and not forced:
+        elif index in (0, len(layers) - 1) and not forced:
             decisions[name] = "kept: the first linear" if index == 0 else "kept: the last linear"
         else:
             decisions[name] = "fp8"
@@ -270,7 +276,7 @@ def eligible(model: nn.Module, keep: tuple[str, ...] = (), include: tuple[str, .
 def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: tuple[str, ...] | list[str] = (),
                    include: tuple[str, ...] | list[str] = (), emulate: bool | None = None,
                    process_group: Any = None) -> dict[str, str]:
-    """Convert ``model``'s eligible linears to FP8 training, in place.
+    """Convert ``model``'s eligible linears (``nn.Linear`` and transformers' ``Conv1D``) to FP8 training, in place.
 
     Args:
         model: a model on its device (its parameters are kept, so an optimizer built on them works).
@@ -298,12 +304,15 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: t
                          "convert_to_fp8 converts a model once (a second call would reset its amax histories and "
                          "scales). To try another recipe, convert a fresh copy of the float32 model.")
     keep, include = tuple(keep), tuple(include)
-    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    names = [name for name, _ in linear_layers(model)]
     for pattern in keep + include:
         if not any(fnmatch.fnmatchcase(name, pattern) for name in names):
             raise ValueError(f"The pattern {pattern!r} matches no linear of the model; its linears are {names[:12]}"
                              f"{' ...' if len(names) > 12 else ''}.")
     decisions = eligible(model, keep, include)
+    if recipe.scaling == "current":  # torchao's float8 swaps nn.Linear layers alone
+        decisions |= {name: "kept: torchao's current scaling converts nn.Linear layers only (scaling='delayed' "
+                      "converts a Conv1D)" for name, m in linear_layers(model) if is_conv1d(m) and decisions[name] == "fp8"}
     chosen = {name for name, decision in decisions.items() if decision == "fp8"}
     if recipe.scaling == "current":
         device = next((p.device for p in model.parameters()), torch.device("cpu"))

@@ -157,19 +157,47 @@ class BlockScaledRecipe:
         return "nvfp4" + "".join(f"-no-{name}" for name in off)
 
 
+CONVERTED_BY = ("ampkit.", "torchao.")  # the packages whose layers are converted ones already
+
+
+def is_conv1d(module: torch.nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2's projections): a linear that stores its weight transposed, (in, out), with
+    ``nf`` output features. Told by its name and layout, so that ampkit never imports transformers."""
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and getattr(module, "nf", None) == weight.shape[1])
+
+
+def linear_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The layers ampkit's formats convert, in model order: each plain ``nn.Linear`` and each ``Conv1D``.
+
+    A subclass of ``nn.Linear`` is not one of them: it may compute otherwise (``MultiheadAttention`` never calls
+    its ``out_proj``); ``unconverted_linears`` names it."""
+    return [(name, m) for name, m in model.named_modules() if type(m) is torch.nn.Linear or is_conv1d(m)]
+
+
+def features(layer: torch.nn.Module) -> tuple[int, int]:
+    """A convertible layer's ``(in_features, out_features)``."""
+    if is_conv1d(layer):
+        return int(layer.weight.shape[0]), int(layer.weight.shape[1])  # type: ignore[union-attr, index]
+    return layer.in_features, layer.out_features  # type: ignore[return-value]
+
+
 def unconverted_linears(model: torch.nn.Module) -> dict[str, str]:
-    """The model's linear-like layers that are no ``nn.Linear`` (a leaf with a 2-D weight that is no embedding:
-    transformers' ``Conv1D`` in GPT-2, which stores its weight transposed), each with why conversions keep it.
-    ampkit's formats convert ``nn.Linear`` layers only; these are named, never skipped silently."""
+    """The model's linear-like layers that ampkit's formats leave (a leaf with a 2-D weight that is no embedding,
+    no plain ``nn.Linear`` and no ``Conv1D``), each with why conversions keep it: they are named, never skipped
+    silently."""
     lookups = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+    convertible = {name for name, _ in linear_layers(model)}
     found = {}
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if (isinstance(module, torch.nn.Linear) or isinstance(module, lookups) or next(module.children(), None)
-                or not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2):
+        if (name in convertible or isinstance(module, lookups) or next(module.children(), None)
+                or not isinstance(weight, torch.nn.Parameter) or weight.dim() != 2
+                or type(module).__module__.startswith(CONVERTED_BY)):
             continue
-        found[name] = (f"kept: a {type(module).__name__} is linear-like (a 2-D weight) but no nn.Linear, and ampkit "
-                       "converts nn.Linear layers only" + (" (transformers' Conv1D stores its weight transposed: "
-                                                           "swap it for nn.Linear with the weight's transpose to "
-                                                           "convert it)" if type(module).__name__ == "Conv1D" else ""))
+        kind = "subclasses nn.Linear and may compute otherwise" if isinstance(module, torch.nn.Linear) else \
+            "is linear-like (a 2-D weight) but no nn.Linear"
+        found[name] = (f"kept: a {type(module).__name__} {kind}; ampkit converts plain nn.Linear and transformers' "
+                       "Conv1D layers only")
     return found

@@ -19,7 +19,7 @@ from torch import nn
 from ampkit.files import atomic_write, publish_new, strict_json
 from ampkit.formats.block_linear import BlockScaledLinear
 from ampkit.formats.fp8 import Fp8Linear
-from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe
+from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe, features, is_conv1d
 
 VERSION = 1
 BASES = ("bf16", "fp16")  # the 16-bit format the rest of the model trains in
@@ -37,8 +37,9 @@ def block_of(format: str) -> int:
     return recipe.block if isinstance(recipe, BlockScaledRecipe) else 16
 
 
-def lower_linear(linear: nn.Linear, format: str) -> nn.Linear:
-    """``linear`` in ``format``, on its own Parameters (an optimizer built on them keeps working)."""
+def lower_linear(linear: nn.Module, format: str) -> nn.Linear:
+    """``linear`` (an ``nn.Linear`` or ``Conv1D``) in ``format``, on its own Parameters (an optimizer built on them
+    keeps working)."""
     recipe = LOWER[format]
     if isinstance(recipe, Fp8Recipe):
         return Fp8Linear.from_linear(linear, recipe)
@@ -46,9 +47,9 @@ def lower_linear(linear: nn.Linear, format: str) -> nn.Linear:
 
 
 def fingerprint(model: nn.Module) -> str:
-    """A digest of the model's linears: names and shapes, in order."""
-    linears = [f"{name}:{m.in_features}x{m.out_features}" for name, m in model.named_modules()
-               if isinstance(m, nn.Linear)]
+    """A digest of the model's linears (``Conv1D`` too): names and shapes, in order."""
+    linears = [f"{name}:{'x'.join(map(str, features(m)))}" for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) or is_conv1d(m)]
     return hashlib.sha256("\n".join(linears).encode()).hexdigest()[:16]
 
 
@@ -141,13 +142,13 @@ class PrecisionPlan:
             ValueError: the model's linears are not the plan's (another model), or it has lowered layers.
         """
         if fingerprint(model) != self.fingerprint:
-            names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+            names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)]
             raise ValueError(f"This plan was made for another model ({self.model}, linears fingerprint "
                              f"{self.fingerprint}; this {type(model).__name__} has {len(names)} linears, fingerprint "
                              f"{fingerprint(model)}): run ampkit.tune on this model.")
         lowered = {name: (model.get_submodule(name), format) for name, format in self.lowered().items()}
         for name, (current, _) in lowered.items():  # all checked before any is converted
-            if type(current) is not nn.Linear:
+            if type(current) is not nn.Linear and not is_conv1d(current):
                 raise ValueError(f"{name} is a {type(current).__name__} already: apply a plan to the model as "
                                  "built, before convert_to_fp8 or convert_to_block_scaled.")
         for name, (current, format) in lowered.items():

@@ -36,7 +36,7 @@ from torch import nn
 from ampkit.diagnostics.memory import saved_bytes_of_step
 from ampkit.formats.block_scaled import fake_quantize
 from ampkit.formats.fp8 import E4M3, cast_numerics, native_fp8
-from ampkit.formats.recipes import BlockScaledRecipe, unconverted_linears
+from ampkit.formats.recipes import BlockScaledRecipe, features, linear_layers, unconverted_linears
 from ampkit.planning.measure import untouched
 from ampkit.planning.precision_plan import (BASES, LOWER, LayerChoice, PrecisionPlan, block_of, fingerprint,
                                            lower_linear)
@@ -84,26 +84,28 @@ def _check(model: nn.Module, batches: Sequence[Any], formats: Sequence[str], tol
     if len(batches) < 2 or not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batches):
         raise ValueError(f"batches: {len(batches)} given; tune needs at least 2 (input, target) pairs: some to "
                          "measure on and one held out to check the combined plan.")
-    if not any(isinstance(m, nn.Linear) for m in model.modules()):
-        raise ValueError(f"{type(model).__name__} has no nn.Linear layer: tune chooses formats for linears.")
+    if not linear_layers(model):
+        raise ValueError(f"{type(model).__name__} has no nn.Linear or Conv1D layer: tune chooses formats for "
+                         "linears.")
     return lows, bases[0]
 
 
 def _candidates(model: nn.Module, lows: list[str], include: Sequence[str]) -> tuple[dict[str, list[str]],
                                                                                      dict[str, str]]:
     """The candidate linears and the formats each fits; the reasons the others are not candidates."""
-    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    linears = linear_layers(model)
     unknown = [p for p in include if p not in dict(linears)]
     if unknown:
         raise ValueError(f"include={list(include)!r}: {unknown[0]!r} is not a linear of the model; its linears are "
                          f"{[n for n, _ in linears][:12]}.")
     candidates, reasons = {}, {}
     for index, (name, linear) in enumerate(linears):
-        fits = [f for f in lows if linear.in_features % block_of(f) == 0 and linear.out_features % block_of(f) == 0]
+        in_features, out_features = features(linear)
+        fits = [f for f in lows if in_features % block_of(f) == 0 and out_features % block_of(f) == 0]
         if index in (0, len(linears) - 1) and name not in include:
             reasons[name] = "not a candidate: the " + ("first" if index == 0 else "last") + " linear (include= it)"
         elif not fits:
-            reasons[name] = (f"not a candidate: {linear.in_features}x{linear.out_features} is not a multiple of "
+            reasons[name] = (f"not a candidate: {in_features}x{out_features} is not a multiple of "
                              f"{sorted({block_of(f) for f in lows})}")
         else:
             candidates[name] = fits
@@ -242,7 +244,7 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
     tuning, held_out = list(batches[:-held]), list(batches[-held:])
     candidates, reasons = _candidates(model, lows, include)
     if skipped := unconverted_linears(model):
-        warnings.warn(f"tune chooses formats for nn.Linear layers only and leaves {len(skipped)} other linear-like "
+        warnings.warn(f"tune chooses formats for nn.Linear and Conv1D layers only and leaves {len(skipped)} other linear-like "
                       f"layer(s) as they are: {next(iter(skipped.values())).removeprefix('kept: ')}; "
                       f"{list(skipped)[:6]}{' ...' if len(skipped) > 6 else ''}.", stacklevel=2)
     evidence: dict[tuple[str, str], dict[str, Any]] = {}
@@ -250,7 +252,7 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
         reference = _run(model, tuning, loss_fn, policy, warm_up=False)  # 16 bits: nothing to warm up
         inputs = _inputs(model, list(candidates), tuning[0], policy)
         for name, fits in candidates.items():
-            linear: nn.Linear = model.get_submodule(name)  # type: ignore[assignment]
+            linear = model.get_submodule(name)
             ms = _layer_ms({base: linear, **{f: lower_linear(linear, f) for f in fits}}, inputs[name], policy)
             for format in fits:
                 with _swapped(model, {name: format}):
@@ -277,9 +279,7 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
             del chosen[name]
         order = order[:len(order) - len(backed_off)]
     layers = []
-    for name, m in model.named_modules():
-        if type(m) is not nn.Linear:
-            continue
+    for name, m in linear_layers(model):
         tried = {f: e for (n, f), e in evidence.items() if n == name}
         outlier = _outlier(inputs[name]) if name in inputs else None
         reason = reasons.get(name) or why[name]
@@ -288,7 +288,7 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
                 f"{e['underflow']:.1%} of the input flushes to zero in {f}" for f, e in tried.items())
         figures = {key: {f: e[key] for f, e in tried.items()} for key in (
             "loss_change", "gradient_change", "saturation", "underflow", "saving", "saving_ms", "saving_bytes")}
-        layers.append(LayerChoice(name, (m.in_features, m.out_features), chosen.get(name, base), reason,
+        layers.append(LayerChoice(name, features(m), chosen.get(name, base), reason,
                                   outlier=outlier, **figures))
 
     def total(key: str) -> float:  # over the chosen layers
