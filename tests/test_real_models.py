@@ -87,6 +87,36 @@ def test_o2_bert_returns_its_masked_lm_output_in_float32() -> None:
     assert _rel_l2(out.logits, out32.logits) < 0.03
 
 
+def _t5() -> nn.Module:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+                      dropout_rate=0.0)
+    return T5ForConditionalGeneration(config)
+
+
+def _bert() -> nn.Module:
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0))
+
+
+@pytest.mark.parametrize("build", [_bert, _t5], ids=["bert", "t5"])
+def test_o2_computes_the_loss_a_model_computes_itself_in_float32(build) -> None:  # type: ignore[no-untyped-def]
+    """BERT and T5 compute their loss inside ``forward``: on main, from bfloat16 logits in bfloat16 (O2's float32
+    boundary is the model's output, after the loss). Now the loss is float32's cross entropy of the logits the
+    model returns, to the last bit, as under torch.autocast."""
+    model, optimizer = _o2(build())
+    idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    out = model(idx, labels=idx)
+    assert out.loss.dtype == torch.float32 and out.logits.dtype == torch.float32
+    assert torch.equal(out.loss, torch.nn.functional.cross_entropy(out.logits.view(-1, 128), idx.view(-1)))
+    out.loss.backward()
+    optimizer.step()
+
+
 class _Scale(nn.Module):
     """A learned per-feature scale (LayerScale): vectors of one length, yet no normalization."""
 

@@ -38,8 +38,7 @@ from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import resolve_dtype
 from ampkit.optim import pure16
 from ampkit.optim.kept import add_input_casts, needs_input_casts
-from ampkit.optim.levels import cast_model_, check_keep_float32, check_settings, wrap_forward
-from ampkit.precision.decide import float32_ops
+from ampkit.optim.levels import cast_model_, check_keep_float32, check_settings, forward_wrappers, wrap_forward
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 
@@ -169,9 +168,7 @@ def fully_shard(
     if opt_level == "O1":
         wrap_forward(model, autocast(policy or Policy.default(device.type, dtype, compute=compute)))
     elif opt_level in ("O2", "O3"):
-        model16 = Policy.for_16bit_model(device.type, dtype, compute)
-        if float32_ops(model16):
-            wrap_forward(model, autocast(model16))
+        wrap_forward(model, *forward_wrappers(opt_level, Policy.for_16bit_model(device.type, dtype, compute)))
     model._ampkit_opt_level = opt_level  # type: ignore[assignment]
     model._ampkit_sharding = layout  # type: ignore[assignment]
     _remember_replaced(model, before)

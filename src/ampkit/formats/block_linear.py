@@ -159,7 +159,8 @@ class BlockScaledLinear(nn.Linear):
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = features(linear)
-        new.weight, new.bias = linear.weight, linear.bias  # the same Parameters: optimizers keep them
+        # the same Parameters: optimizers keep them
+        new.weight, new.bias = linear.weight, linear.bias  # type: ignore[assignment]
         new.transposed = is_conv1d(linear)
         new._init_recipe(recipe, seed)
         return new

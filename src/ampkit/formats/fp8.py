@@ -200,7 +200,8 @@ class Fp8Linear(nn.Linear):
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = features(linear)
-        new.weight, new.bias, new.transposed = linear.weight, linear.bias, is_conv1d(linear)
+        new.weight, new.bias = linear.weight, linear.bias  # type: ignore[assignment]  # its Parameters
+        new.transposed = is_conv1d(linear)
         new._init_fp8_state(recipe, process_group)
         return new
 
@@ -312,7 +313,8 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: t
     decisions = eligible(model, keep, include)
     if recipe.scaling == "current":  # torchao's float8 swaps nn.Linear layers alone
         decisions |= {name: "kept: torchao's current scaling converts nn.Linear layers only (scaling='delayed' "
-                      "converts a Conv1D)" for name, m in linear_layers(model) if is_conv1d(m) and decisions[name] == "fp8"}
+                            "converts a Conv1D)"
+                      for name, m in linear_layers(model) if is_conv1d(m) and decisions[name] == "fp8"}
     chosen = {name for name, decision in decisions.items() if decision == "fp8"}
     if recipe.scaling == "current":
         device = next((p.device for p in model.parameters()), torch.device("cpu"))

@@ -31,6 +31,7 @@ from ampkit.distributed import HookState, check_compression, compression_hook
 from ampkit.formats.fp8 import Fp8Recipe, convert_to_fp8
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import LOW_DTYPES, resolve_dtype
+from ampkit.optim.kept import Float32Losses
 from ampkit.optim.levels import MasterWeightOptimizer, cast_model_, check_settings
 from ampkit.precision.decide import float32_ops
 from ampkit.precision.policy import Policy
@@ -78,11 +79,14 @@ class _AmpkitCore:
     def _region(self) -> contextlib.AbstractContextManager[Any]:
         if self.opt_level == "O1":
             return autocast(self.policy)
+        region = contextlib.ExitStack()
+        if self.opt_level == "O2":
+            region.enter_context(Float32Losses())  # a loss computed inside the model, as initialize's O2
         if self.opt_level in ("O2", "O3"):
             model16 = Policy.for_16bit_model(self.device, self.dtype, self.compute)
             if float32_ops(model16):
-                return autocast(model16)
-        return contextlib.nullcontext()
+                region.enter_context(autocast(model16))
+        return region
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:

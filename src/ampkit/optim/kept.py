@@ -13,19 +13,28 @@
   floating inputs to the 16-bit dtype (``cast_inputs``).
 - The model's outputs become float32 through any container: tensors, tuples, lists, dicts, dataclasses and
   transformers' ``ModelOutput`` (a dict and a dataclass at once).
+- **Losses computed inside the model** (transformers' BERT and T5 compute theirs in ``forward``) take float32
+  inputs, as under torch.autocast: the loss functions of ``torch.nn.functional`` whose ops torch.autocast runs in
+  float32 on any device, read from the running torch (``Float32Losses``, a ``TorchFunctionMode`` entered around
+  the forward; it sees the outermost call of each function, which is the loss itself).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from ampkit import _torch
 from ampkit.modes import LOW_DTYPES
+from ampkit.precision.op_lists import DEVICE_TYPES
+from ampkit.precision.policy import Policy
 
 NORM_TYPES = (_torch.NORM_BASE, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
@@ -106,6 +115,9 @@ def to_float32(value: Any) -> Any:
     ``ModelOutput`` among them, which keeps its type) and dataclasses; anything else as it is."""
     if isinstance(value, torch.Tensor):
         return value.float() if value.dtype in LOW_DTYPES else value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # before dict: a ModelOutput is both
+        return dataclasses.replace(value, **{f.name: to_float32(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})
     if isinstance(value, dict):
         cast = {k: to_float32(v) for k, v in value.items()}
         if type(value) is dict:
@@ -118,12 +130,47 @@ def to_float32(value: Any) -> Any:
         return type(value)(*[to_float32(v) for v in value])
     if isinstance(value, (tuple, list)):
         return type(value)(to_float32(v) for v in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: to_float32(getattr(value, f.name))
-                                             for f in dataclasses.fields(value) if f.init})
     return value
 
 
 def cast_output_to_float32(module: nn.Module, args: tuple, output: Any) -> Any:
     """A forward hook: 16-bit tensors in the output become float32 (the O2/O3 model boundary)."""
     return to_float32(output)
+
+
+@functools.cache
+def loss_functions() -> frozenset[Callable[..., Any]]:
+    """The ``torch.nn.functional`` losses whose op torch.autocast runs in float32 on some device (``cross_entropy``
+    for ``cross_entropy_loss``, ``nll_loss``, ``kl_div``, ``mse_loss`` ...), read from the running torch's lists."""
+    ops = {op for device in DEVICE_TYPES for op in Policy.default(device, torch.bfloat16).deny
+           if "loss" in op or "entropy" in op or op == "kl_div"}
+    found = (getattr(F, name, None) for op in ops for name in (op, op.removesuffix("_loss")))
+    return frozenset(fn for fn in found if callable(fn))
+
+
+class Float32Losses(TorchFunctionMode):
+    """While entered, a loss function of ``loss_functions()`` takes its 16-bit tensors as float32 (O2's model
+    keeps a loss it computes itself in float32, as torch.autocast would)."""
+
+    def __init__(self, losses: frozenset[Callable[..., Any]] | None = None) -> None:
+        super().__init__()
+        self.losses = loss_functions() if losses is None else losses
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.losses:
+            args, kwargs = to_float32(args), to_float32(kwargs)
+        return func(*args, **kwargs)
+
+
+def losses_in_float32(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` run under ``Float32Losses`` (for ``levels.wrap_forward``)."""
+    losses = loss_functions()  # read here: torch.compile traces the forward, not a cached call
+
+    @functools.wraps(forward)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with Float32Losses(losses):
+            return forward(*args, **kwargs)
+
+    return wrapped

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -17,7 +17,14 @@ from torch import nn
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import check_compute, resolve_dtype
 from ampkit.optim import pure16
-from ampkit.optim.kept import add_input_casts, cast_inputs, cast_output_to_float32, kept_modules, needs_input_casts
+from ampkit.optim.kept import (
+    add_input_casts,
+    cast_inputs,
+    cast_output_to_float32,
+    kept_modules,
+    losses_in_float32,
+    needs_input_casts,
+)
 from ampkit.optim.master import MasterWeightOptimizer
 from ampkit.precision.decide import float32_ops
 from ampkit.precision.policy import Policy
@@ -107,9 +114,7 @@ def initialize(
     cast_model_(model, opt_level, dtype, tuple(keep_float32))
     if optimizer is not None and update != "plain":
         optimizer = pure16.pure16_optimizer(optimizer, update)
-    model16 = Policy.for_16bit_model(device.type, dtype, compute)
-    if float32_ops(model16):
-        wrap_forward(model, autocast(model16))
+    wrap_forward(model, *forward_wrappers(opt_level, Policy.for_16bit_model(device.type, dtype, compute)))
     return model, optimizer
 
 
@@ -180,8 +185,21 @@ def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype,
     model.register_forward_hook(cast_output_to_float32)
 
 
-def wrap_forward(model: nn.Module, region: autocast) -> None:
-    model.forward = types.MethodType(region(type(model).forward), model)  # type: ignore[method-assign]
+def forward_wrappers(opt_level: str, model16: Policy) -> list[Callable[..., Any]]:
+    """What an O2 or O3 model's forward runs in: O2's losses in float32 (``kept.losses_in_float32``), and
+    ``model16``'s region where it computes some ops in float32."""
+    wrappers: list[Callable[..., Any]] = [losses_in_float32] if opt_level == "O2" else []
+    return wrappers + ([autocast(model16)] if float32_ops(model16) else [])
+
+
+def wrap_forward(model: nn.Module, *wrappers: Callable[..., Any]) -> None:
+    """``model``'s forward wrapped in each of ``wrappers`` (the first innermost); nothing for none."""
+    if not wrappers:
+        return
+    forward = type(model).forward
+    for wrap in wrappers:
+        forward = wrap(forward)
+    model.forward = types.MethodType(forward, model)  # type: ignore[method-assign]
 
 
 def _cast_own(module: nn.Module, dtype: torch.dtype, kept: frozenset[int] | set[int] = frozenset(),
