@@ -117,6 +117,16 @@ def test_o2_computes_the_loss_a_model_computes_itself_in_float32(build) -> None:
     optimizer.step()
 
 
+def test_a_compiled_o2_model_returns_its_model_output() -> None:
+    """On main, compiled, O2's output boundary returned transformers' ``ModelOutput`` as a plain ``OrderedDict``
+    (``out.logits`` an AttributeError): dynamo traced its ``copy()`` as a dict's."""
+    model, _ = _o2(_bert())
+    idx = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="eager")(idx)
+    assert type(out) is MaskedLMOutput and out.logits.dtype == torch.float32
+
+
 class _Scale(nn.Module):
     """A learned per-feature scale (LayerScale): vectors of one length, yet no normalization."""
 
@@ -199,36 +209,55 @@ def _loss(out: CausalLMOutputWithPast) -> torch.Tensor:
     return out.logits.float().pow(2).mean()
 
 
-def test_the_planner_replays_llama_blocks_with_their_keyword_inputs_and_predicts_the_measured_bytes() -> None:
+def _planned_inputs(architecture: str) -> tuple[nn.Module, tuple]:
+    g = torch.Generator().manual_seed(1)
+    if architecture == "t5":
+        return _t5(), (torch.randint(0, 128, (2, 16), generator=g), None, torch.randint(0, 128, (2, 8), generator=g))
+    return (_llama() if architecture == "llama" else _gpt2()), (torch.randint(0, 128, (2, 32), generator=g),)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2", "t5"])
+def test_the_planner_replays_transformers_blocks_and_predicts_the_measured_bytes(architecture: str) -> None:
     """On main, ``plan_recompute`` replayed each block with its positional inputs only: a Llama decoder layer,
-    which takes its rotary ``position_embeddings`` by keyword, failed (``cannot unpack non-iterable NoneType``)."""
+    which takes its rotary ``position_embeddings`` by keyword, failed (``cannot unpack non-iterable NoneType``);
+    T5's decoder blocks, replayed on its cache, failed with checkpoint's ``CheckpointError``. Now the blocks
+    transformers' own gradient checkpointing wraps (decoder layers, T5 blocks) are planned, their bytes predicted
+    exactly and the gradients are the unplanned step's, bit for bit (dropout drawn alike: checkpoint restores
+    the generator for the recompute)."""
     from ampkit.diagnostics.memory import saved_bytes_of_step
 
-    model = _llama()
-    model.config.use_cache = False  # training keeps no key/value cache (see the refusal below)
-    idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    plan = ampkit.plan_recompute(model, (idx,), 0.5, loss_fn=_loss, repeats=1)
+    model, inputs = _planned_inputs(architecture)
+    for module in model.modules():  # training keeps no key/value cache (see the refusal below); T5's stacks
+        if hasattr(module, "config"):  # keep copies of the model's config
+            module.config.use_cache = False
+    plan = ampkit.plan_recompute(model, inputs, 0.5, loss_fn=_loss, repeats=1)
     assert plan.segments and plan.planned_bytes <= plan.budget_bytes
     planned = copy.deepcopy(model)
     plan.apply(planned)
-    loss, measured = saved_bytes_of_step(planned, lambda: _loss(planned(idx)))
+    torch.manual_seed(3)
+    loss, measured = saved_bytes_of_step(planned, lambda: _loss(planned(*inputs)))
     assert measured == plan.planned_bytes
     loss.backward()
-    reference = _loss(model(idx))
+    torch.manual_seed(3)
+    reference = _loss(model(*inputs))
     reference.backward()
     assert torch.equal(loss, reference)
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), planned.parameters()))
 
 
-def test_the_planner_refuses_a_block_that_takes_a_key_value_cache_naming_it_and_the_fix() -> None:
+@pytest.mark.parametrize("architecture", ["llama", "t5"])
+def test_the_planner_refuses_a_block_that_takes_a_key_value_cache_naming_it_and_the_fix(architecture: str) -> None:
     """A cache appends at every call: a block replayed on it attends over the first run's keys too (on main,
-    'Trying to backward through the graph a second time' on GPT-2, whose config keeps a cache by default)."""
-    model = _llama()
-    assert model.config.use_cache
+    'Trying to backward through the graph a second time' on GPT-2, whose config keeps a cache by default, and a
+    ``CheckpointError`` on T5). T5's decoder keeps its own copy of the config: the fix names it."""
+    model, inputs = _planned_inputs(architecture)
+    model.config.use_cache = architecture == "llama"  # T5: off in the model's config, on in its decoder's copy
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
-    with pytest.raises(ValueError, match=r"Block 'model\.layers\.0' takes a DynamicCache .*use_cache = False"):
-        ampkit.plan_recompute(model, (idx,), 0.5, loss_fn=_loss, repeats=1)
+    block, cache = ("model.layers.0", "DynamicCache") if architecture == "llama" else ("decoder.block.0",
+                                                                                       "EncoderDecoderCache")
+    with pytest.raises(ValueError, match=rf"Block '{block}' takes a {cache} .*model\.config\.use_cache = False.*"
+                                         r"model\.decoder\.config\.use_cache = False"):
+        ampkit.plan_recompute(model, inputs, 0.5, loss_fn=_loss, repeats=1)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 

@@ -242,8 +242,9 @@ def _check_replayable(name: str, args: tuple, kwargs: dict) -> None:
             raise ValueError(
                 f"Block {name!r} takes a {type(found).__name__} ({where}): the planner measures each block by running "
                 "it again alone, as a recompute does, and an object the block may change (a key/value cache appends "
-                "at every call) would not be as it was. Train without it: for a transformers model, "
-                "model.config.use_cache = False (as its own gradient checkpointing does).")
+                "at every call) would not be as it was. Train without it, as transformers' own gradient "
+                "checkpointing does: model.config.use_cache = False, and the same on each config a sub-model keeps "
+                "as its own copy (T5's: model.decoder.config.use_cache = False).")
 
 
 def _detached(value: Any) -> Any:
