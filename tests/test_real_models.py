@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import re
 import warnings
 
 import pytest
@@ -396,3 +397,43 @@ def test_an_unknown_transformers_architecture_is_refused_naming_the_choices(caps
 
     assert main(["compare", "--model", "hf:mamba", "--quiet"]) == 2
     assert "Unknown transformers architecture 'hf:mamba'. Choose one of ['hf:llama'" in capsys.readouterr().err
+
+
+def test_sizes_are_set_in_the_name_and_travel_with_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--model hf:<architecture>,d_model=N,n_layers=N,n_heads=N``: the sizes travel in the name, so the run's
+    record says what was trained and the defaults (text data, steps) still apply."""
+    import json
+
+    from ampkit.cli.main import main
+    from ampkit.experiment.models import build
+
+    model = build("hf:llama,d_model=32,n_layers=3,n_heads=2", vocab_size=96, context=16).model
+    assert (model.config.hidden_size, model.config.num_hidden_layers, model.config.num_attention_heads) == (32, 3, 2)
+    assert len(model.model.layers) == 3 and model.lm_head.weight.shape == (96, 32)
+    gpt2 = build("hf:gpt2,n_layers=1", vocab_size=96, context=16).model
+    assert (gpt2.config.n_embd, gpt2.config.n_layer, gpt2.config.n_head) == (64, 1, 4)
+
+    out = tmp_path / "run"
+    spec = "hf:qwen2,d_model=32,n_layers=1,n_heads=2"
+    assert main(["compare", "--model", spec, "--precision", "bf16", "--opt-level", "O1", "--steps", "2",
+                 "--batch-size", "4", "--quiet", "--no-probe", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["model"] == spec and results["config"]["data"] == "text"
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("hf:llama,width=32", r"Unknown size 'width' in 'hf:llama,width=32'. Choose from \['d_model', 'n_layers', "
+                          r"'n_heads'\], e\.g\. hf:llama,d_model=128"),
+    ("hf:llama,n_layers=0", r"n_layers='0' in 'hf:llama,n_layers=0' is invalid: a positive integer"),
+    ("hf:llama,d_model=30,n_heads=4", r"d_model=30 in .* is not a multiple of n_heads=4"),
+    ("hf:mamba,d_model=32", r"Unknown transformers architecture 'hf:mamba'. Choose one of \['hf:llama'"),
+])
+def test_a_wrong_size_is_refused_naming_the_choices(spec: str, message: str, capsys) -> None:  # type: ignore[no-untyped-def]
+    from ampkit.cli.main import main
+    from ampkit.experiment.hf_models import parse
+
+    with pytest.raises(ValueError, match=message):
+        parse(spec)
+    assert main(["compare", "--model", spec, "--quiet"]) == 2
+    assert re.search(message, capsys.readouterr().err)
+

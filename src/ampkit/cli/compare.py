@@ -17,6 +17,7 @@ from ampkit.experiment.comparison import Comparison, check_out_dir, compare, res
 from ampkit.experiment.config import COMPILE_MODES, LOSS_SCALES, PRECISIONS, RunConfig, low_dtype
 from ampkit.experiment.cost import Estimate, estimate
 from ampkit.experiment.data import DATASETS
+from ampkit.experiment.hf_models import HELP as HF_HELP
 from ampkit.experiment.models import MODELS
 from ampkit.experiment.process import RunFailed
 from ampkit.experiment.settings import plan
@@ -35,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description="With no arguments: ResNet-18 on the bundled handwritten digits, float32 vs the mixed "
         "settings this hardware supports.",
     )
-    parser.add_argument("--model", default="resnet18", help=f"{' | '.join(MODELS)} | hf:llama (transformers) | "
+    parser.add_argument("--model", default="resnet18", help=f"{' | '.join(MODELS)} | {HF_HELP} | "
                         "pkg.module:factory")
     parser.add_argument("--data", default=None, help=f"{' | '.join(DATASETS)} (default: digits; text for gpt)")
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, help="mixed precisions to run")

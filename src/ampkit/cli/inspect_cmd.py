@@ -20,8 +20,9 @@ from ampkit.diagnostics.nonfinite import find_nonfinite
 from ampkit.diagnostics.numerics import NumericsReport, inspect_numerics, write_histogram
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import CONTEXT
+from ampkit.experiment.hf_models import HELP as HF_HELP
 from ampkit.experiment.models import MODELS, build, check_output
-from ampkit.experiment.settings import MODEL_DEFAULTS
+from ampkit.experiment.settings import model_defaults
 from ampkit.files import strict_json, writable_directory
 from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe
 from ampkit.precision.decide import compute_label
@@ -32,7 +33,7 @@ MIB = 2**20
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("inspect", help="where a model overflows or underflows in 16 bits, and why")
-    parser.add_argument("--model", default="resnet18", help=f"{' | '.join(MODELS)} | hf:llama (transformers) | "
+    parser.add_argument("--model", default="resnet18", help=f"{' | '.join(MODELS)} | {HF_HELP} | "
                         "pkg.module:factory")
     parser.add_argument("--data", default=None, help="digits | mnist:DIR | text | synthetic (default: digits; text for gpt)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: 32 (8 for text models)")
@@ -50,7 +51,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    text_model = MODEL_DEFAULTS.get(args.model, {}).get("data") == "text"
+    text_model = (model_defaults(args.model) or {}).get("data") == "text"
     data_name = args.data or ("text" if text_model else "digits")
     if text_model and data_name != "text" or args.model in ("resnet18", "mlp") and data_name == "text":
         raise ValueError(f"--model {args.model} and --data {data_name} do not fit: text goes with gpt (or your own "

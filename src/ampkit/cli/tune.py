@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ampkit.experiment.data import DATASETS
+from ampkit.experiment.hf_models import HELP as HF_HELP
 from ampkit.experiment.models import MODELS
 from ampkit.experiment.tuning import run_tune
 from ampkit.planning.precision_plan import BASES, LOWER, PrecisionPlan
@@ -21,7 +22,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "tune", help="choose each linear's format (FP8, block-scaled, 16-bit) from measured sensitivity and cost",
         description="Lowers each candidate linear alone, measures the loss change and the saving, and keeps the "
         "plan within --tolerance; writes the plan for `ampkit compare --plan`.")
-    parser.add_argument("--model", default="gpt", help=f"{' | '.join(MODELS)} | hf:llama (transformers) | "
+    parser.add_argument("--model", default="gpt", help=f"{' | '.join(MODELS)} | {HF_HELP} | "
                         "pkg.module:factory (default gpt)")
     parser.add_argument("--data", default=None, help=f"{' | '.join(DATASETS)} (default: text for gpt, else digits)")
     parser.add_argument("--formats", nargs="+", default=["fp8", "bf16"], choices=[*LOWER, *BASES],

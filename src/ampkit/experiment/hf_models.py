@@ -4,8 +4,9 @@ line (tested for llama, gpt2 and bert; ``tune`` and ``--activation-budget`` buil
 
 Each is causal (BERT as a decoder: next-token prediction on the text data must not see the next token), keeps no
 key/value cache (training keeps none; the recompute planner refuses one) and returns its logits, the one tensor
-``ampkit compare`` trains on. Sizes: the factory's ``d_model``, ``n_layers``, ``n_heads`` (64, 2, 4; no command
-line flag sets them yet).
+``ampkit compare`` trains on. Sizes: ``d_model``, ``n_layers``, ``n_heads`` (64, 2, 4 by default), set on the
+command line in the name, ``--model hf:llama,d_model=256,n_layers=4,n_heads=8``, so that every subcommand and
+every run's record (``results.json``'s ``model``) carries them with the architecture.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 PREFIX = "hf:"
+SIZES = {"d_model": 64, "n_layers": 2, "n_heads": 4}  # the defaults; ",name=value" in the name sets one
 # architecture -> (its config class, its causal LM class, extra config)
 ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -25,6 +27,9 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
     "bert": ("BertConfig", "BertLMHeadModel", {"is_decoder": True}),
 }
+# --model's help for these models
+HELP = (f"{PREFIX}<{'|'.join(ARCHITECTURES)}>" + "".join(f"[,{name}={value}]" for name, value in SIZES.items())
+        + " (transformers)")
 
 
 class CausalLMLogits(nn.Module):
@@ -38,22 +43,48 @@ class CausalLMLogits(nn.Module):
         return self.model(input_ids=idx, use_cache=False).logits
 
 
-def factory(spec: str) -> Callable[..., nn.Module]:
-    """The factory ``hf:<architecture>`` names (ValueError for another name, naming the choices; ImportError
-    without transformers, naming the install)."""
-    architecture = spec.removeprefix(PREFIX)
+def family(spec: str) -> str:
+    """The model name without its sizes: ``hf:llama`` for ``hf:llama,d_model=256`` (any other name as it is)."""
+    return spec.partition(",")[0] if spec.startswith(PREFIX) else spec
+
+
+def parse(spec: str) -> tuple[str, dict[str, int]]:
+    """``hf:<architecture>[,d_model=N][,n_layers=N][,n_heads=N]`` as (architecture, sizes); ValueError for an
+    unknown architecture or size name, a size that is no positive integer, or ``d_model`` that ``n_heads`` does not
+    divide, each naming the choices."""
+    architecture, *options = family(spec).removeprefix(PREFIX), *spec.split(",")[1:]
     if architecture not in ARCHITECTURES:
-        raise ValueError(f"Unknown transformers architecture {spec!r}. Choose one of "
+        raise ValueError(f"Unknown transformers architecture {family(spec)!r}. Choose one of "
                          f"{[PREFIX + a for a in ARCHITECTURES]}.")
+    sizes = dict(SIZES)
+    example = f"{PREFIX}{architecture},d_model=128,n_layers=4,n_heads=4"
+    for option in options:
+        name, _, value = option.partition("=")
+        if name not in SIZES:
+            raise ValueError(f"Unknown size {name!r} in {spec!r}. Choose from {list(SIZES)}, e.g. {example}.")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{name}={value!r} in {spec!r} is invalid: a positive integer, e.g. {example}.")
+        sizes[name] = int(value)
+    if sizes["d_model"] % sizes["n_heads"]:
+        raise ValueError(f"d_model={sizes['d_model']} in {spec!r} is not a multiple of n_heads={sizes['n_heads']}: "
+                         f"each head takes d_model / n_heads features, e.g. {example}.")
+    return architecture, sizes
+
+
+def factory(spec: str) -> Callable[..., nn.Module]:
+    """The factory ``spec`` names (``parse``'s ValueError for a wrong name; ImportError without transformers,
+    naming the install). Its model takes the sizes in ``spec``; keyword arguments override them."""
+    architecture, sizes = parse(spec)
     try:
         transformers = importlib.import_module("transformers")
     except ImportError as error:
         raise ImportError(f"--model {spec} builds a transformers model: pip install transformers") from error
     config_name, model_name, extra = ARCHITECTURES[architecture]
 
-    def build(vocab_size: int, context: int, d_model: int = 64, n_layers: int = 2, n_heads: int = 4) -> nn.Module:
-        sizes = _sizes(architecture, vocab_size, context, d_model, n_layers, n_heads)
-        config = getattr(transformers, config_name)(**sizes, **extra, use_cache=False)
+    def build(vocab_size: int, context: int, **given: int) -> nn.Module:
+        chosen = sizes | given
+        names = _sizes(architecture, vocab_size, context, chosen["d_model"], chosen["n_layers"], chosen["n_heads"])
+        config = getattr(transformers, config_name)(**names, **extra, use_cache=False)
         return CausalLMLogits(getattr(transformers, model_name)(config))
 
     return build

@@ -23,7 +23,7 @@ from ampkit.experiment.config import (
     RunConfig,
     low_dtype,
 )
-from ampkit.experiment.hf_models import ARCHITECTURES, PREFIX
+from ampkit.experiment.hf_models import ARCHITECTURES, PREFIX, family
 from ampkit.experiment.models import build, load_factory
 from ampkit.formats.block_linear import eligible_block_scaled
 from ampkit.formats.fp8 import eligible
@@ -40,7 +40,12 @@ MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt-outlier": {"data": "text", "batch_size": 32, "steps": 400, "lr": 6e-3},
     **{PREFIX + name: {"data": "text", "batch_size": 32, "steps": 200, "lr": 3e-3} for name in ARCHITECTURES},
 }
-IMAGE_DEFAULTS = {"data": "digits", "batch_size": 64, "epochs": 2, "lr": 2e-3}
+IMAGE_DEFAULTS: dict[str, Any] = {"data": "digits", "batch_size": 64, "epochs": 2, "lr": 2e-3}
+
+
+def model_defaults(model: str) -> dict[str, Any] | None:
+    """A built-in text model's defaults (``hf:`` names with or without their sizes); None for any other model."""
+    return MODEL_DEFAULTS.get(family(model))
 
 
 PROBE_STEPS = 2  # one warm-up step, then one timed: native 16-bit steps can take tens of seconds
@@ -141,10 +146,10 @@ def plan(
     """
     parsed_device = check_device(device)
     load_factory(model)  # fail fast on an unknown model
-    defaults = MODEL_DEFAULTS.get(model, IMAGE_DEFAULTS)
+    defaults = model_defaults(model) or IMAGE_DEFAULTS
     data = data or defaults["data"]
     data_mod.check_spec(data)
-    if model in MODEL_DEFAULTS and data != "text" or model in ("resnet18", "mlp") and data == "text":
+    if model_defaults(model) and data != "text" or model in ("resnet18", "mlp") and data == "text":
         raise ValueError(f"model={model!r} and data={data!r} do not fit: text goes with gpt (or your own text "
                          "model), images with resnet18, mlp or your own image model.")
     for precision in precisions or ():

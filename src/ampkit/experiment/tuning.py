@@ -8,7 +8,7 @@ from torch import nn
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import CONTEXT
 from ampkit.experiment.models import build
-from ampkit.experiment.settings import MODEL_DEFAULTS
+from ampkit.experiment.settings import model_defaults
 from ampkit.planning.precision_plan import PrecisionPlan
 from ampkit.planning.tune import tune
 
@@ -24,7 +24,7 @@ def tuning_batches(dataset: data_mod.Dataset, batch_size: int, count: int, seed:
 def run_tune(model: str, data: str | None, formats: list[str], tolerance: float, objective: str, batches: int,
              batch_size: int | None, include: list[str], seed: int, device: str) -> tuple[PrecisionPlan, nn.Module]:
     """Build ``model`` on ``data`` (compare's defaults), seeded as compare seeds its runs, and tune it."""
-    defaults = MODEL_DEFAULTS.get(model, {"data": "digits", "batch_size": 64})
+    defaults = model_defaults(model) or {"data": "digits", "batch_size": 64}
     dataset = data_mod.load(data or defaults["data"])
     if isinstance(batches, bool) or not isinstance(batches, int) or batches < 2:
         raise ValueError(f"batches={batches!r} is invalid: tune needs at least 2 batches (one is held out).")
