@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import ampkit
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -88,13 +90,30 @@ def test_train_fsdp_example_shards_half_the_weights_and_its_checkpoint_loads_in_
 
 
 @pytest.mark.slow  # two Trainer runs of 20 steps: about 12 s here
-def test_trainer_example_trains_a_llama_at_o2_within_2_percent_of_float32(tmp_path: Path) -> None:
-    """transformers' Trainer, given the model and optimizer ampkit.initialize returns (issue 39's recipe)."""
-    losses = _load("trainer_llama").main(["--opt-level", "O2", "--steps", "20", "--out", str(tmp_path)])
-    assert len(losses["O2"]) == len(losses["fp32"]) == 4 and losses["O2"][-1] < losses["O2"][0] - 1.0  # it learns
-    assert abs(losses["O2"][-1] - losses["fp32"][-1]) <= 0.02 * losses["fp32"][-1]
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_trainer_example_trains_a_llama_at_o2_within_2_percent_of_float32(tmp_path: Path, dtype: str) -> None:
+    """transformers' Trainer, given the model and optimizer ampkit.initialize returns (issue 39's recipe); float16
+    with ampkit's loss scaler installed in the Trainer's Accelerator."""
+    losses = _load("trainer_llama").main(["--opt-level", "O2", "--dtype", dtype, "--steps", "20", "--out",
+                                          str(tmp_path)])
+    ours = losses[f"{dtype} O2"]
+    assert len(ours) == len(losses["fp32"]) == 4 and ours[-1] < ours[0] - 1.0  # it learns
+    assert abs(ours[-1] - losses["fp32"][-1]) <= 0.02 * losses["fp32"][-1]
+
+
+def test_the_trainer_skips_overflowed_float16_steps_and_their_schedule_steps(tmp_path: Path) -> None:
+    """A scale that overflows float16 at first: the Trainer's steps are skipped (their learning-rate steps too)
+    until the scale fits, then it trains; the Trainer's Accelerator holds ampkit's scaler, so its checkpoints
+    keep it."""
+    example = _load("trainer_llama")
+    scaler = ampkit.DynamicLossScaler(init_scale=2.0**20)
+    losses, trainer = example.train(example.llama(), "O2", 10, str(tmp_path), torch.float16, scaler)
+    assert trainer.accelerator.scaler is scaler
+    assert 0 < scaler.stats.skipped < 10 and scaler.stats.steps == 10 - scaler.stats.skipped
+    assert trainer.lr_scheduler.last_epoch == scaler.stats.steps  # the schedule moved on taken steps only
+    assert losses[-1] < losses[0]
 
 
 def test_trainer_example_at_o1(tmp_path: Path) -> None:
     losses = _load("trainer_llama").main(["--opt-level", "O1", "--steps", "5", "--out", str(tmp_path)])
-    assert abs(losses["O1"][-1] - losses["fp32"][-1]) <= 0.02 * losses["fp32"][-1]
+    assert abs(losses["bf16 O1"][-1] - losses["fp32"][-1]) <= 0.02 * losses["fp32"][-1]

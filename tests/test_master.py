@@ -76,6 +76,24 @@ def test_o2_with_float16_and_dynamic_scaling() -> None:
     assert scaler.stats.skipped == stepped.count(False) > 0
 
 
+@pytest.mark.parametrize("zero_grad", ["optimizer", "model"])
+def test_a_skipped_step_leaves_no_stale_master_gradients_whoever_clears_the_gradients(zero_grad: str) -> None:
+    """transformers' Trainer clears gradients with ``model.zero_grad()``, not the optimizer's: on main, the masters
+    kept the copies of the first overflowed step, and every later step was skipped (scale down to its floor)."""
+    x, y = _task(64)
+    model, opt = _setup("O2", torch.optim.SGD, "fp16", lr=0.1)
+    scaler = DynamicLossScaler(init_scale=2.0**24)
+    stepped = []
+    for _ in range(12):
+        scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
+        scaler.unscale_(opt)  # the copy into the masters, before the step (gradient clipping's place)
+        stepped.append(scaler.step(opt))
+        scaler.update()
+        (opt if zero_grad == "optimizer" else model).zero_grad()
+    assert not stepped[0] and all(stepped[-3:])
+    assert scaler.get_scale() >= 2.0**10
+
+
 @pytest.mark.parametrize(
     "level, linear_dtype, norm_dtype, wrapped",
     [

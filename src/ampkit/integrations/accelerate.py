@@ -109,11 +109,7 @@ def prepare(
         items[optimizers[0]] = optimizer
     if scaler is None:
         scaler = DynamicLossScaler(enabled=opt_level != "O0" and dtype == torch.float16)
-    if accelerator.num_processes > 1 and scaler.process_group is None:
-        scaler.process_group = torch.distributed.group.WORLD  # every rank skips the same steps
-    # Before accelerator.prepare: each AcceleratedOptimizer takes the accelerator's scaler when built.
-    accelerator.scaler = scaler
-    accelerator.unscale_gradients = types.MethodType(_unscale_gradients, accelerator)  # type: ignore[method-assign]
+    install_scaler(accelerator, scaler)
 
     prepared = accelerator.prepare(*items)
     prepared = list(prepared) if isinstance(prepared, tuple) else [prepared]
@@ -122,6 +118,31 @@ def prepare(
         accelerator.ampkit_hook_state = HookState()  # type: ignore[attr-defined]  # bytes sent, overflows
         wrapped.register_comm_hook(accelerator.ampkit_hook_state, compression_hook(compression, predivide_factor))
     return tuple(prepared) if len(prepared) > 1 else prepared[0]
+
+
+def install_scaler(accelerator: Accelerator, scaler: DynamicLossScaler | StaticLossScaler) -> None:
+    """Make ``scaler`` the loss scaler of ``accelerator`` (``prepare`` does it; so does the transformers Trainer
+    recipe, whose Trainer builds its own Accelerator): ``accelerator.backward`` scales, ``clip_grad_norm_``
+    unscales first, each prepared optimizer steps through it and reports a skipped step, and
+    ``save_state`` / the Trainer's checkpoints keep its state. Call it before the optimizer is prepared
+    (before ``accelerator.prepare``, or ``trainer.train()``).
+
+    Raises:
+        ValueError: Accelerate's own mixed precision is on (its GradScaler would scale as well), or
+            ``scaler`` is not ampkit's.
+    """
+    if accelerator.mixed_precision != "no":
+        raise ValueError(f"Accelerator(mixed_precision={accelerator.mixed_precision!r}) runs torch.autocast and its own "
+                         "GradScaler: turn it off (Accelerator(mixed_precision='no'); a Trainer's fp16=False and "
+                         "bf16=False) and let ampkit's scaler scale.")
+    check_scaler(scaler)
+    if scaler is None:
+        raise ValueError("scaler=None: pass the loss scaler to install, e.g. ampkit.DynamicLossScaler().")
+    if accelerator.num_processes > 1 and scaler.process_group is None:
+        scaler.process_group = torch.distributed.group.WORLD  # every rank skips the same steps
+    # Before accelerator.prepare: each AcceleratedOptimizer takes the accelerator's scaler when built.
+    accelerator.scaler = scaler
+    accelerator.unscale_gradients = types.MethodType(_unscale_gradients, accelerator)  # type: ignore[method-assign]
 
 
 def _unscale_gradients(self: Accelerator, optimizer: Any = None) -> None:

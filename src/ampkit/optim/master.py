@@ -8,6 +8,7 @@ float32 copy of every weight for the optimizer (Micikevicius et al., 2018,
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -16,6 +17,12 @@ from torch import nn
 from ampkit import _torch
 
 STATE_VERSION = 1
+
+
+def _stale(owner: weakref.ref) -> None:
+    optimizer = owner()
+    if optimizer is not None:
+        optimizer._grads_synced = False
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -54,6 +61,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             group["params"] = masters
         self.master_params: list[torch.Tensor] = [m for g in optimizer.param_groups for m in g["params"]]
         self._grads_synced = False
+        # A new backward makes the masters' copies stale, whoever clears the model's gradients: a skipped step
+        # followed by model.zero_grad() (transformers' Trainer) kept the overflowed copies for good otherwise.
+        owner = weakref.ref(self)  # the model's parameters must not keep the optimizer alive
+        for param in self.model_params:
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(lambda _, owner=owner: _stale(owner))
         optimizer._ampkit_masters = True  # type: ignore[attr-defined]  # its groups now hold masters
 
     # torch.optim.Optimizer's own attributes, delegated so schedulers and hooks work.
