@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -151,3 +152,17 @@ def test_inspect_checks_its_out_and_the_model_before_the_work(tmp_path: Path, mo
     err = capsys.readouterr().err  # was AttributeError; compare refuses the same model cleanly
     assert "returned a tuple; ampkit compare needs one tensor of class scores" in err and "Traceback" not in err
 
+
+
+def test_help_says_what_each_command_does_and_the_defaults_of_compares_settings(capsys) -> None:  # type: ignore[no-untyped-def]
+    """On main, `inspect --help` and `env --help` gave no description, and `compare --help` showed no help or
+    default for --batch-size, --epochs, --steps, --lr and --seed."""
+    texts = {}
+    for command in ("compare", "inspect", "env"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        texts[command] = " ".join(capsys.readouterr().out.split())
+    assert "value ranges" in texts["inspect"] and "measured speed of its 16-bit kernels" in texts["env"]
+    for flag, default in (("--batch-size", "64 for images"), ("--epochs", "2 for images"),
+                          ("--steps", "400 for gpt"), ("--lr", "0.002 for images"), ("--seed", "0")):
+        assert re.search(rf"{flag} \S+ (?:(?! --).)*?\(default:? {default}", texts["compare"]), flag

@@ -276,3 +276,17 @@ def test_a_refused_initialize_changes_nothing_and_the_retry_works(call: str) -> 
     assert model.weight.dtype == torch.float32 and getattr(model, "_ampkit_opt_level", None) is None
     model, optimizer = ampkit.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", torch.bfloat16)
     assert model.weight.dtype == torch.bfloat16 and isinstance(optimizer, MasterWeightOptimizer)
+
+
+def test_the_compute_mode_warning_points_at_the_users_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On main it pointed at ampkit's own optim/levels.py, whatever line of the user's led to it."""
+    import warnings
+
+    from ampkit.precision import state
+
+    monkeypatch.setattr(state, "_warned", set())  # warned once per process: as if none had been
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ampkit.initialize(_net(), None, "O2", dtype=torch.float16, compute="float32")
+    found = [w for w in caught if w.category is ampkit.ComputeModeWarning]
+    assert found and all(w.filename == __file__ for w in found)

@@ -289,6 +289,8 @@ def test_disabled_scaler_is_a_pass_through() -> None:
     assert scaler.step(opt)
     scaler.update()
     assert not torch.equal(before, model[0].weight) and scaler.get_scale() == 1.0
+    # what the README's print(scaler.stats) shows after a bfloat16 loop: the steps it ran, and why no scale moved
+    assert scaler.stats.steps == 1 and not scaler.stats.enabled and "enabled=False" in repr(scaler.stats)
 
 
 def test_init_scale_outside_bounds() -> None:

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 import warnings
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -20,13 +21,23 @@ from ampkit.experiment.data import DATASETS
 from ampkit.experiment.hf_models import HELP as HF_HELP
 from ampkit.experiment.models import MODELS
 from ampkit.experiment.process import RunFailed
-from ampkit.experiment.settings import plan
+from ampkit.experiment.settings import IMAGE_DEFAULTS, MODEL_DEFAULTS, plan
 from ampkit.files import atomic_write
 from ampkit.hardware import throughput
 from ampkit.modes import COMPUTE_MODES
 from ampkit.optim.levels import OPT_LEVELS
 from ampkit.optim.pure16 import UPDATES
 from ampkit.precision.decide import GEMM_OPS
+
+
+def _defaults(name: str) -> str:
+    """Each model's default for a setting, as --help shows it: ``64 for images, 32 for text models``."""
+    by_model = {"images": IMAGE_DEFAULTS.get(name), **{m: d.get(name) for m, d in MODEL_DEFAULTS.items()}}
+    values: dict[Any, list[str]] = {}
+    for model, value in by_model.items():
+        if value is not None:
+            values.setdefault(value, []).append(model)
+    return "; ".join(f"{value} for {', '.join(models)}" for value, models in values.items()) or "none"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -62,13 +73,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                                        "its base and its lowest format for every linear, unless --precision is given)")
     parser.add_argument("--no-probe", action="store_true",
                         help="skip the short native 16-bit probe run added where auto computes in float32")
-    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--batch-size", type=int, help=f"examples per step (default: {_defaults('batch_size')})")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--epochs", type=int)
-    group.add_argument("--steps", type=int)
-    parser.add_argument("--lr", type=float)
+    group.add_argument("--epochs", type=int, help=f"passes over the training data (default: {_defaults('epochs')})")
+    group.add_argument("--steps", type=int, help=f"optimizer steps, instead of epochs (default: {_defaults('steps')})")
+    parser.add_argument("--lr", type=float, help=f"AdamW's learning rate, cosine-decayed (default: {_defaults('lr')})")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches of every run "
+                        "alike (default 0)")
     parser.add_argument("--out", type=directory, help="output directory (default: ./ampkit-runs/<timestamp>/)")
     parser.add_argument("--json", action="store_true", help="print results.json to stdout instead of the table")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")

@@ -17,7 +17,11 @@ from ampkit.hardware.throughput import OP_CLASSES, Throughput, cache_path
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("env", help="show 16-bit support of this CPU/GPU and the recommended settings")
+    parser = subparsers.add_parser(
+        "env", help="show 16-bit support of this CPU/GPU and the recommended settings",
+        description="What this machine supports in 16 bits (CPU flags, GPU compute capability), the measured speed "
+        "of its 16-bit kernels against float32 (cached per machine), and the dtype, compute mode and opt level "
+        "ampkit recommends here.")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--remeasure", action="store_true",
                         help="time the 16-bit kernels again instead of reading this machine's cached figures")

@@ -32,7 +32,11 @@ MIB = 2**20
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("inspect", help="where a model overflows or underflows in 16 bits, and why")
+    parser = subparsers.add_parser(
+        "inspect", help="where a model overflows or underflows in 16 bits, and why",
+        description="Runs one batch of the model under a 16-bit policy and reports each layer's value ranges "
+        "against the format's (overflow, underflow), the memory the opt level would take and the dimensions "
+        "that do not suit 16-bit GEMMs; with --find-nonfinite, the first op that makes inf/NaN.")
     parser.add_argument("--model", default="resnet18", help=f"{' | '.join(MODELS)} | {HF_HELP} | "
                         "pkg.module:factory")
     parser.add_argument("--data", default=None, help="digits | mnist:DIR | text | synthetic (default: digits; text for gpt)")

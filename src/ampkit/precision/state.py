@@ -6,6 +6,8 @@ and decide per call from this thread-local stack (innermost last).
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import warnings
 from typing import Any, NamedTuple
@@ -52,11 +54,24 @@ state = ThreadState()
 _warned: set[str] = set()
 
 
+# ampkit's and torch's own files: a warning points past them, at the line of the user's that led to it.
+_LIBRARIES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules["ampkit"]))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` at which a ``warnings.warn`` in the calling function names the first frame outside
+    ampkit and torch: the user's ``ampkit.initialize(...)`` or ``model(x)``, not ampkit's file."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> None:
-    """Warn ``message`` the first time ``key`` is seen in this process."""
+    """Warn ``message`` the first time ``key`` is seen in this process, at the user's line."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, category, stacklevel=3)
+        warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
 def current_region(device_type: str) -> Region | None:

@@ -53,20 +53,18 @@ class DynamicLossScaler:
         growth_factor: multiplier after ``growth_interval`` clean steps (default 2.0).
         backoff_factor: multiplier on overflow (default 0.5).
         growth_interval: clean steps before growing (default 2000).
-        hysteresis: overflowing steps tolerated before a back-off (default 1: every
-            overflow backs off, as torch's GradScaler; DeepSpeed uses 2). Steps that
-            overflow are skipped either way.
+        hysteresis: overflowing steps tolerated before a back-off (default 1: every overflow backs off, as
+            torch's GradScaler; DeepSpeed uses 2). Steps that overflow are skipped either way.
         min_scale: the lower bound of the scale (default 1.0).
         max_scale: the upper bound of the scale (default 2**24).
-        max_min_scale_overflows: overflowing steps in a row at ``min_scale`` before
-            raising NonFiniteError (default 10).
-        enabled: False makes every method a pass-through (``scale`` returns its input,
-            ``step`` just steps).
-        process_group: with torch.distributed, a process group (``dist.group.WORLD`` for
-            all ranks): the overflow finding is all-reduced over it (one scalar) before
-            deciding, so every rank skips the same steps even when ranks check different
-            gradients. None (default): locally, or over the group FSDP2 gradients (DTensors)
-            are sharded over (a rank skipping alone would leave the model half-updated).
+        max_min_scale_overflows: overflowing steps in a row at ``min_scale`` before NonFiniteError (default 10).
+        enabled: False makes every method a pass-through (``scale`` returns its input, ``step`` just
+            steps, and counts it in ``stats``).
+        process_group: with torch.distributed, a process group (``dist.group.WORLD`` for all ranks):
+            the overflow finding is all-reduced over it (one scalar) before deciding, so every rank skips
+            the same steps even when ranks check different gradients. None (default): locally, or over the
+            group FSDP2 gradients (DTensors) are sharded over (a rank skipping alone would leave the model
+            half-updated).
 
     Raises:
         ValueError: a constant out of range.
@@ -167,6 +165,7 @@ class DynamicLossScaler:
         if not self.enabled:
             for opt in optimizers:
                 opt.step(*args, **kwargs)
+            self._steps += 1
             return True
         if "closure" in kwargs:
             raise RuntimeError("step(closure=...) is not supported with loss scaling: run the closure yourself.")
@@ -231,8 +230,9 @@ class DynamicLossScaler:
 
     @property
     def stats(self) -> ScalerStats:
-        """Steps taken and skipped, overflows, the scale and a bounded history."""
-        return ScalerStats(self._steps, self._skipped, self._overflows, self.get_scale(), tuple(self._history))
+        """Steps taken and skipped, overflows, the scale, a bounded history, whether enabled."""
+        stats = (self._steps, self._skipped, self._overflows, self.get_scale(), tuple(self._history))
+        return ScalerStats(*stats, self.enabled)
 
     def clip_grad_norm_(
         self,

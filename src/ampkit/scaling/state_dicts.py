@@ -26,6 +26,8 @@ class ScalerStats:
         overflows: updates that saw an overflow (a skipped step, or a tolerated one).
         scale: the current loss scale.
         history: the last 1000 updates as (update index, scale used, skipped).
+        enabled: False for a disabled scaler (``enabled=False``, as for bfloat16): it steps every time, scales
+            nothing, and its ``steps`` count the steps it passed through.
     """
 
     steps: int
@@ -33,6 +35,7 @@ class ScalerStats:
     overflows: int
     scale: float
     history: tuple[tuple[int, float, bool], ...]
+    enabled: bool = True
 
 
 def check_scale(scale: object, rule: ScaleRule, name: str) -> None:
