@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import types
 import warnings
 from typing import Any, NamedTuple
 
@@ -55,13 +56,14 @@ _warned: set[str] = set()
 
 
 # ampkit's and torch's own files: a warning points past them, at the line of the user's that led to it.
-_LIBRARIES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (torch, sys.modules["ampkit"]))
+_LIBRARIES = tuple(os.path.dirname(os.path.abspath(str(m.__file__))) + os.sep for m in (torch, sys.modules["ampkit"]))
 
 
 def user_stacklevel() -> int:
     """The ``stacklevel`` at which a ``warnings.warn`` in the calling function names the first frame outside
     ampkit and torch: the user's ``ampkit.initialize(...)`` or ``model(x)``, not ampkit's file."""
-    frame, level = sys._getframe(1), 1
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 1
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
         frame, level = frame.f_back, level + 1
     return level
