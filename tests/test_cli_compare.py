@@ -6,6 +6,7 @@ The repros of the issue "Bad input gets a clear error and nothing is lost", as a
 from __future__ import annotations
 
 import json
+import re
 import stat
 import sys
 import textwrap
@@ -355,3 +356,12 @@ def test_corrupt_and_constant_mnist_files_are_named(tmp_path: Path, capsys: pyte
     assert main(argv) == 2  # was: every input NaN, reported as "diverged: lower --lr"
     assert "The training images are constant (every value 0)" in capsys.readouterr().err
 
+
+
+def test_progress_is_plain_lines_where_the_output_is_no_terminal(tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]
+    """On main, `ampkit compare > log` printed nothing until the table (about 5 minutes for the default job)."""
+    argv = [arg for arg in C if arg != "--quiet"]
+    assert main(["compare", *argv, "--steps", "3", "--out", str(tmp_path / "run")]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ampkit compare [")]
+    assert lines and all(re.match(r"ampkit compare \[\d+ s\]: fp32 step \d/3 loss \d", line) for line in lines)
+    assert "step 3/3" in lines[-1] and lines[-1].count("step 3/3") == len(lines[-1].split("; "))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 
 import pytest
@@ -133,8 +134,11 @@ def test_ampkit_tune_writes_a_plan_that_compare_runs_beside_its_references(tmp_p
     args = ["tune", "--model", "gpt-outlier", "--batches", "4", "--batch-size", "8", "--objective", "memory",
             "--tolerance", "0.05", "--out", str(out)]
     assert main(args) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert PLANTED in printed and "channel 7" in printed and f"wrote {out}" in printed
+    # each layer as it is measured (on main, minutes of silence): one line per candidate and format
+    assert re.search(rf"ampkit tune: {re.escape(PLANTED)} in fp8: loss [+-]\d", captured.err)
     assert main(args) == 2 and "exists: pass --force" in capsys.readouterr().err  # never overwritten silently
     configs = plan(model="gpt-outlier", steps=2, precision_plan=str(out), probe=False, computes=["native"])
     assert [c.label for c in configs] == ["fp32", "bf16 O1", "fp8-delayed-hybrid O1", "bf16 O1 tuned"]
@@ -163,3 +167,26 @@ def test_a_user_factory_is_tuned_as_compare_builds_it() -> None:
     assert all(layer.why for layer in tuned.layers)
     with pytest.raises(ValueError, match="batches=1 is invalid"):
         run_tune("mlp", "digits", ["fp8", "bf16"], 0.05, "memory", 1, 16, [], 0, "cpu")
+
+
+def test_the_cli_table_is_readable_at_80_columns() -> None:
+    """On main, at 80 columns every header and layer name was cut ("satura...", "blocks...") and the reason wrapped
+    a word a line; now the names are whole and the figures and reason share one wrapped column."""
+    from rich.console import Console
+
+    from ampkit.cli.tune import table
+
+    torch.manual_seed(0)
+    model = GPT(d_model=32, n_layers=2, n_heads=2, context=16)
+    g = torch.Generator().manual_seed(1)
+    windows = [torch.randint(0, 256, (8, 17), generator=g) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = ampkit.tune(model, [(w[:, :-1], w[:, 1:]) for w in windows], formats=("fp8", "bf16"))
+    console = Console(width=80)
+    with console.capture() as captured:
+        console.print(table(plan, console.width))
+    text = captured.get()
+    assert "…" not in text and max(map(len, text.splitlines())) <= 80
+    assert all(f" {layer.name} " in text for layer in plan.layers)
+    assert "fp8: loss" in text and "saturation / underflow" in text

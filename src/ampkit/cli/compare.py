@@ -147,8 +147,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: Estimate,
              console: Console) -> Comparison:
-    if args.quiet or args.json or not console.is_terminal:
+    if args.quiet:
         return compare(configs, estimated_s=estimate.total_s)
+    if args.json or not console.is_terminal:  # a log file, CI, a pipe: plain lines on stderr, never a long silence
+        return compare(configs, PlainProgress(), estimated_s=estimate.total_s)
     with Progress(
         TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
         TimeElapsedColumn(), console=console,
@@ -158,6 +160,25 @@ def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: Estim
             configs, lambda label, step, total, loss: bars.update(tasks[label], completed=step, loss=f"{loss:.4f}"),
             estimated_s=estimate.total_s,
         )
+
+
+class PlainProgress:
+    """Progress as plain lines on stderr, where the output is no terminal: every ``interval_s`` seconds and at the
+    end of each run, the step, the total and the loss of every run, and the time since the start."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        self.interval_s, self.start = interval_s, time.perf_counter()
+        self.last = self.start
+        self.latest: dict[str, tuple[int, int, float]] = {}
+
+    def __call__(self, label: str, step: int, total: int, loss: float) -> None:
+        self.latest[label] = (step, total, loss)
+        now = time.perf_counter()
+        if step == total or now - self.last >= self.interval_s:
+            self.last = now
+            runs = "; ".join(f"{name} step {done}/{steps} loss {value:.4f}"
+                             for name, (done, steps, value) in self.latest.items())
+            print(f"ampkit compare [{now - self.start:.0f} s]: {runs}", file=sys.stderr, flush=True)
 
 
 def print_plan(console: Console, configs: list[RunConfig], estimate: Estimate) -> None:

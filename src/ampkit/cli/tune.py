@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import warnings
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("plan.json"), help="the plan file (default plan.json)")
     parser.add_argument("--force", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--quiet", action="store_true", help="no line per layer measured")
     parser.set_defaults(run=run)
 
 
@@ -46,8 +48,11 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the compute-mode notice: the table says what ran
         plan, _ = run_tune(args.model, args.data, args.formats, args.tolerance, args.objective, args.batches,
-                           args.batch_size, args.include, args.seed, args.device)
-    Console().print(table(plan))
+                           args.batch_size, args.include, args.seed, args.device,
+                           None if args.quiet else lambda line: print(f"ampkit tune: {line}", file=sys.stderr,
+                                                                      flush=True))
+    console = Console()
+    console.print(table(plan, console.width))
     plan.save(args.out, overwrite=args.force)
     print(f"wrote {args.out}: {len(plan.lowered())} of {len(plan.layers)} linears lowered; held-out loss change "
           f"{plan.measured_loss_change:.3%} (predicted {plan.predicted_loss_change:.3%}, tolerance "
@@ -55,21 +60,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def table(plan: PrecisionPlan) -> Table:
+WIDE = 140  # columns from which each figure gets a column of its own
+
+
+def table(plan: PrecisionPlan, width: int = WIDE) -> Table:
+    """The plan, a row per linear: on a console ``width`` columns wide, a column per figure (``WIDE`` and more), else
+    the layer's name whole and its figures and reason wrapped in one column (at 80 columns every column was cut)."""
     unit = "ms/step" if plan.objective == "time" else "bytes"
     result = Table(title=f"ampkit tune: {plan.model}, base {plan.base}, objective {plan.objective}"
                    + (" (the lowered formats run emulated here: their cost is emulation's)" if plan.emulated else ""))
-    for column in ("layer", "shape", "format", "loss change", "gradient change", "saturation / underflow",
-                   f"saving ({unit})", "why"):
-        result.add_column(column)
+    wide = width >= WIDE
+    result.add_column("layer", no_wrap=True)
+    for column in ("shape", "format"):
+        result.add_column(column, no_wrap=not wide)
+    for column in (("loss change", "gradient change", "saturation / underflow", f"saving ({unit})", "why") if wide
+                   else ("measured, and why",)):
+        result.add_column(column, ratio=1 if not wide else None)
     for layer in plan.layers:
         tried = list(layer.loss_change)
-        result.add_row(
-            layer.name, f"{layer.shape[0]}x{layer.shape[1]}", layer.format,
-            " ".join(f"{f} {layer.loss_change[f]:.3%}" for f in tried),
-            " ".join(f"{f} {layer.gradient_change[f]:.3%}" for f in tried),
-            " ".join(f"{f} {'-' if layer.saturation[f] is None else f'{layer.saturation[f]:.1%}'} / "
-                     f"{layer.underflow[f]:.1%}" for f in tried),
-            " ".join(f"{f} {layer.saving[f]:+.3g}" for f in tried),
-            layer.why)
+        saturation = {f: f"{'-' if layer.saturation[f] is None else f'{layer.saturation[f]:.1%}'} / "
+                         f"{layer.underflow[f]:.1%}" for f in tried}
+        if wide:
+            cells = [" ".join(f"{f} {layer.loss_change[f]:.3%}" for f in tried),
+                     " ".join(f"{f} {layer.gradient_change[f]:.3%}" for f in tried),
+                     " ".join(f"{f} {saturation[f]}" for f in tried),
+                     " ".join(f"{f} {layer.saving[f]:+.3g}" for f in tried), layer.why]
+        else:
+            cells = ["\n".join([*(f"{f}: loss {layer.loss_change[f]:.3%}, gradients {layer.gradient_change[f]:.3%}, "
+                                  f"saturation / underflow {saturation[f]}, saves {layer.saving[f]:+.3g} {unit}"
+                                  for f in tried), layer.why])]
+        result.add_row(layer.name, f"{layer.shape[0]}x{layer.shape[1]}", layer.format, *cells)
     return result

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -22,7 +24,8 @@ def tuning_batches(dataset: data_mod.Dataset, batch_size: int, count: int, seed:
 
 
 def run_tune(model: str, data: str | None, formats: list[str], tolerance: float, objective: str, batches: int,
-             batch_size: int | None, include: list[str], seed: int, device: str) -> tuple[PrecisionPlan, nn.Module]:
+             batch_size: int | None, include: list[str], seed: int, device: str,
+             progress: Callable[[str], None] | None = None) -> tuple[PrecisionPlan, nn.Module]:
     """Build ``model`` on ``data`` (compare's defaults), seeded as compare seeds its runs, and tune it."""
     defaults = model_defaults(model) or {"data": "digits", "batch_size": 64}
     dataset = data_mod.load(data or defaults["data"])
@@ -31,4 +34,5 @@ def run_tune(model: str, data: str | None, formats: list[str], tolerance: float,
     torch.manual_seed(seed)
     built = build(model, **dataset.model_kwargs(CONTEXT)).to(device)
     pairs = tuning_batches(dataset, batch_size or defaults["batch_size"], batches, seed, torch.device(device))
-    return tune(built, pairs, formats=formats, tolerance=tolerance, objective=objective, include=include), built
+    return tune(built, pairs, formats=formats, tolerance=tolerance, objective=objective, include=include,
+                progress=progress), built

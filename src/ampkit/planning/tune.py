@@ -208,7 +208,8 @@ def _outlier(x: torch.Tensor) -> str | None:
 
 def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.Tensor] | None = None,
          formats: Sequence[str] = ("fp8", "bf16"), tolerance: float = 0.01, objective: str = "time",
-         include: Sequence[str] = (), gradient_tolerance: float = 0.1) -> PrecisionPlan:
+         include: Sequence[str] = (), gradient_tolerance: float = 0.1,
+         progress: Callable[[str], None] | None = None) -> PrecisionPlan:
     """Choose each linear's format from measured sensitivity and cost.
 
     Args:
@@ -227,6 +228,7 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
             changes them by a percent or two for an ordinary layer of the GPT, by more than half for one whose
             input a 10^6x channel flushes (BENCHMARKS.md, the tune table). A layer over it is kept whatever its
             loss change.
+        progress: called with a line for each layer and format as it is measured (default None).
 
     Returns:
         A ``PrecisionPlan``: ``plan.apply(model)`` converts the chosen linears; ``plan.save(path)``.
@@ -265,6 +267,11 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
                     "saturation": saturation, "underflow": underflow,
                     "saving_ms": ms[base] - ms[format], "saving_bytes": reference.saved_bytes - run.saved_bytes}
                 evidence[name, format]["saving"] = evidence[name, format][f"saving_{UNITS[objective]}"]
+                if progress is not None:
+                    found = evidence[name, format]
+                    progress(f"{name} in {format}: loss {found['loss_change']:+.3%}, saves "
+                             f"{found['saving_ms']:.3g} ms and {found['saving_bytes']:,} bytes "
+                             f"({time.perf_counter() - started:.0f} s)")
         chosen, order, why = _choose(evidence, tolerance, gradient_tolerance)
         held_reference = _run(model, held_out, loss_fn, policy, warm_up=False)
 
