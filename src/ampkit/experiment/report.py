@@ -88,13 +88,20 @@ def write_curves(comparison: Comparison, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.ticker import FuncFormatter
+
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    for run in comparison.runs:
-        if not run.probe:  # a probe's few steps say nothing of convergence
-            ax.plot(range(1, len(run.losses) + 1), run.losses, label=run.label, linewidth=1.4)
+    shown = [run for run in comparison.runs if not run.probe]  # a probe's few steps say nothing of convergence
+    for index, run in enumerate(shown):
+        # a style of its own per run, drawn thinner on top: two runs with equal losses both stay visible
+        ax.plot(range(1, len(run.losses) + 1), run.losses, label=run.label, linewidth=2.2 - 1.4 * index / len(shown),
+                linestyle=("-", "--", "-.", ":")[index % 4], alpha=0.9)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 5, not 5x10^0
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
     divisor = comparison.config.get("loss_divisor", 1)
     divided = f" (trained on the loss / {divisor:g})" if divisor != 1 else ""
     ax.set_title(f"{comparison.config['model']} on {comparison.config['data']}: loss per step{divided}")
@@ -115,7 +122,7 @@ def write_summary(comparison: Comparison, path: Path) -> None:
     labels = [run.label for run in comparison.runs]
     panels = [
         ("ms per step", [run.ms_per_step for run in comparison.runs]),
-        ("peak memory (MiB)", [run.peak_memory_bytes / MIB for run in comparison.runs]),
+        ("memory added (MiB)", [run.peak_memory_bytes / MIB for run in comparison.runs]),  # the table's name
         ("saved for backward (MiB)", [run.saved_for_backward_bytes / MIB for run in comparison.runs]),
     ]
     fig, axes = plt.subplots(1, len(panels), figsize=(12, 4), dpi=120)

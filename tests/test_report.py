@@ -1,0 +1,55 @@
+"""What ``ampkit compare`` draws (``experiment/report.py``): looked at, then held by these checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+import pytest
+
+from ampkit.experiment import report
+from ampkit.experiment.comparison import Comparison
+from ampkit.experiment.config import RunResult
+
+matplotlib.use("Agg")
+
+
+def _run(label: str, losses: list[float]) -> RunResult:
+    return RunResult(label, "bf16", "O1", [], False, 10.0, 100.0, 2**20, 2**19, losses[-1], 0.5, 0, None,
+                     len(losses), losses, 1.0)
+
+
+def _comparison() -> Comparison:
+    same = [5.0 / (1 + step) ** 0.3 for step in range(50)]
+    runs = [_run("fp32", [v * 1.01 for v in same]), _run("bf16 O1", same), _run("bf16 O2", list(same))]
+    return Comparison(runs, {"model": "gpt", "data": "text"}, {"device_name": "a CPU"}, "now")
+
+
+@pytest.fixture
+def figures(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Each figure ``report`` saves, kept for a look at its parts."""
+    from matplotlib.figure import Figure
+
+    saved: list = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: saved.append(self))
+    return saved
+
+
+def test_runs_with_equal_losses_stay_visible_and_the_log_axis_reads_plain_numbers(figures: list,
+                                                                                    tmp_path: Path) -> None:
+    """On main, bf16 O1's line lay hidden under O2's when their losses were equal (one style, one width), and the
+    GPT plot's axis read "5x10^0"."""
+    report.write_curves(_comparison(), tmp_path / "curves.png")
+    (ax,) = figures[0].axes
+    styles = [(line.get_linestyle(), line.get_linewidth()) for line in ax.get_lines()]
+    assert len(styles) == 3 and len(set(styles)) == 3
+    figures[0].canvas.draw()
+    labels = [t.get_text() for t in ax.get_yticklabels(minor=True) + ax.get_yticklabels()]
+    assert any(labels) and not any("10^" in t or "times" in t for t in labels)
+
+
+def test_the_summary_names_memory_as_the_table_does(figures: list, tmp_path: Path) -> None:
+    """On main, summary.png said "peak memory" where the table and the docs say "memory added"."""
+    report.write_summary(_comparison(), tmp_path / "summary.png")
+    titles = [ax.get_title() for ax in figures[0].axes]
+    assert "memory added (MiB)" in titles and not any("peak" in t for t in titles)
