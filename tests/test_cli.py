@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from ampkit.cli.main import main
 
@@ -166,3 +167,17 @@ def test_help_says_what_each_command_does_and_the_defaults_of_compares_settings(
     for flag, default in (("--batch-size", "64 for images"), ("--epochs", "2 for images"),
                           ("--steps", "400 for gpt"), ("--lr", "0.002 for images"), ("--seed", "0")):
         assert re.search(rf"{flag} \S+ (?:(?! --).)*?\(default:? {default}", texts["compare"]), flag
+
+
+def test_inspect_reads_whole_at_80_columns_and_advises_no_padding_without_a_gpu(capsys, monkeypatch,  # type: ignore[no-untyped-def]
+                                                                                  tmp_path) -> None:
+    """On main, at 80 columns module names were cut ("layers.0.shor..."), and a CPU-only machine was told to pad
+    dimensions for tensor cores it does not have."""
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["inspect", "--model", "resnet18", "--batch-size", "8", "--out", str(tmp_path / "inspect")]) == 0
+    out = capsys.readouterr().out
+    table = out.split("Memory estimate")[0]
+    assert "…" not in table and " layers.0.shortcut " in table and max(map(len, table.splitlines())) <= 80
+    if not torch.cuda.is_available():
+        words = " ".join(out.split())
+        assert "this machine has none, so nothing to change here" in words and "-> pad to" not in words

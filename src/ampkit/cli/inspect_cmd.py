@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -102,17 +103,22 @@ def run(args: argparse.Namespace) -> int:
         payload["non_finite"] = non_finite
         print(json.dumps(payload, indent=2, allow_nan=False))
         return 0
-    console = Console(width=max(Console().width, 120))
-    table = Table(title=f"ampkit inspect: {args.model} on {data_name}, batch {batch} (float32 pass)")
-    for header in ("module", "type", "max |act|", "act > 65504", "max |grad|", "grad fp16 subnormal",
-                   "grad fp16 -> 0", "grad bf16 -> 0"):
-        table.add_column(header, justify="left" if header in ("module", "type") else "right")
+    console = Console()
+    # No name or figure cut at 80 columns: light borders, headers on two lines, and the module's type only where
+    # there is room for it (at 80 columns it cut every other column).
+    typed = console.width >= 100
+    table = Table(title=f"ampkit inspect: {args.model} on {data_name}, batch {batch} (float32 pass)",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    for header in ("module", *(["type"] if typed else []), "max\n|act|", "act >\n65504", "max\n|grad|",
+                   "grad fp16\nsubnormal", "grad\nfp16 -> 0", "grad\nbf16 -> 0"):
+        table.add_column(header, justify="left" if header in ("module", "type") else "right", no_wrap=True)
     for m in report.modules:
         g = m.gradient
         table.add_row(
-            m.name, m.type, f"{m.activation.max_abs:.3g}", f"{100 * m.activation.fp16_overflow:.2f}%",
-            "-" if g is None else f"{g.max_abs:.3g}", "-" if g is None else f"{100 * g.fp16_subnormal:.2f}%",
-            "-" if g is None else f"{100 * g.fp16_zero:.2f}%", "-" if g is None else f"{100 * g.bf16_zero:.2f}%",
+            m.name, *([m.type] if typed else []), f"{m.activation.max_abs:.3g}",
+            f"{100 * m.activation.fp16_overflow:.2f}%", "-" if g is None else f"{g.max_abs:.3g}",
+            "-" if g is None else f"{100 * g.fp16_subnormal:.2f}%", "-" if g is None else f"{100 * g.fp16_zero:.2f}%",
+            "-" if g is None else f"{100 * g.bf16_zero:.2f}%",
         )
     console.print(table)
     if args.fp8:
@@ -128,12 +134,14 @@ def run(args: argparse.Namespace) -> int:
         mem.add_row(row.label, *(f"{v / MIB:.1f} MiB" for v in (row.weights, row.gradients, row.master_weights,
                                                              row.optimizer_states, row.activations, row.total)))
     console.print(mem)
+    # tensor cores are a GPU's: on a machine without one, the dimensions are listed for a later GPU run, not advised
+    where = "" if torch.cuda.is_available() else " (it matters on a GPU; this machine has none, so nothing to change here)"
     if alignment:
-        console.print(f"Tensor-core alignment: {len(alignment)} dimensions are not multiples of 8:")
+        console.print(f"Tensor-core alignment{where}: {len(alignment)} dimension(s) not a multiple of 8:")
         for a in alignment:
-            console.print(f"  {a.module} ({a.type}) {a.dimension} = {a.size} -> pad to {a.padded}")
+            console.print(f"  {a.module} ({a.type}) {a.dimension} = {a.size}: a GPU run would pad it to {a.padded}")
     else:
-        console.print("Tensor-core alignment: every Linear/Conv/Embedding dimension is a multiple of 8.")
+        console.print(f"Tensor-core alignment{where}: every Linear/Conv/Embedding dimension is a multiple of 8.")
     if args.find_nonfinite:
         console.print(f"First inf/NaN under {args.find_nonfinite} (compute: {compute_label(policy)}): " + (
             "none" if nonfinite is None else
@@ -145,9 +153,10 @@ def run(args: argparse.Namespace) -> int:
 def _casts_table(report: NumericsReport, title: str, headers: tuple[str, ...], layer: Any, cells: Any) -> Table:
     """Per linear, one row per cast tensor (input, weight, output gradient): ``layer(module)`` gives the
     module's casts (or None), ``cells(cast)`` the figures after the module, tensor and format columns."""
-    table = Table(title=title)
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)  # as the ranges' table
     for header in ("module", "tensor", "format", *headers):
-        table.add_column(header, justify="left" if header in ("module", "tensor", "format") else "right")
+        named = header in ("module", "tensor", "format")
+        table.add_column(header, justify="left" if named else "right", no_wrap=named)
     for m in report.modules:
         casts = layer(m)
         if casts is None:
