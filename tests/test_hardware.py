@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -133,3 +134,52 @@ def test_a_cache_file_whose_entries_are_a_list_is_measured_again(monkeypatch: py
     monkeypatch.setattr(throughput, "_measure", lambda *a: fresh)
     assert throughput.measure("cpu") == fresh  # was: AttributeError in env, compare and inspect alike
 
+
+
+@pytest.mark.parametrize(("speedup", "flags_native", "native"), [
+    (0.95, True, True),    # float32 5% faster, inside a 10% noise: native bf16 flags keep native
+    (0.80, True, False),   # beyond the noise: float32
+    (1.05, False, False),  # 16-bit 5% faster inside the noise, on a CPU that emulates it: float32
+    (1.30, False, True),   # beyond the noise: native
+])
+def test_the_compute_mode_never_flips_inside_the_measurements_noise(speedup: float, flags_native: bool,
+                                                                   native: bool) -> None:
+    """On main one measurement taken under load (a float32 conv at 47 ms for 0.7 ms) decided the mode for good,
+    and two quiet ones, conv 1.05x and 0.90x, disagreed: a difference inside the noise flipped it."""
+    measured = dataclasses.replace(fake_throughput({"conv": speedup}), noise={"conv": 0.10},
+                                   native_flags={"bfloat16": flags_native})
+    assert measured.native_is_faster("conv", torch.bfloat16) is native
+
+
+def test_a_busy_measurement_serves_its_process_and_is_not_cached(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AMPKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(throughput, "_memo", {})
+    busy = dataclasses.replace(fake_throughput({"conv": 5.7}), noise={op: 0.1 for op in throughput.OP_CLASSES})
+    busy.noise["conv"] = 66.0  # a float32 conv timed at 47 ms between repeats of 0.7 ms
+    tries = []
+    monkeypatch.setattr(throughput, "_measure", lambda *a: tries.append(1) or busy)
+    with pytest.warns(RuntimeWarning, match=r"while it was busy \(2 tries; conv's repeats spread 6600%"):
+        assert throughput.measure("cpu") is busy
+    assert len(tries) == 2 and not (tmp_path / "throughput-v1.json").exists()
+    assert throughput.measure("cpu") is busy and len(tries) == 2  # this process keeps it
+
+
+def test_the_cache_key_names_the_cpus_16_bit_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(flags, "cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    assert " | avx512_bf16 | " in throughput.device_key("cpu")[2]
+    monkeypatch.setattr(flags, "cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr(throughput, "cpu_flags", flags.cpu_flags)
+    assert " | no 16-bit flags | " in throughput.device_key("cpu")[2]
+
+
+def test_env_shows_the_figures_age_and_noise() -> None:
+    from rich.console import Console
+
+    from ampkit.cli.env import speed_table
+
+    measured = dataclasses.replace(fake_throughput({"conv": 2.0}), noise={op: 0.04 for op in throughput.OP_CLASSES})
+    console = Console(width=200)
+    with console.capture() as captured:
+        console.print(speed_table(measured))
+    text = captured.get()
+    assert "2026-01-01T00:00:00 (" in text and " ago)" in text and "noise" in text and "4%" in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 
 import torch
@@ -70,18 +71,35 @@ def run(args: argparse.Namespace) -> int:
 def speed_table(measured: Throughput) -> Table:
     """Measured speed of native 16-bit kernels against float32, with the flags that explain it."""
     device = measured.device.split(":")[0]
-    table = Table(title=f"Measured on {measured.device_name} ({measured.device}), {measured.measured_at}",
-                  caption="speed of the native 16-bit kernel over float32's (above 1: faster); "
-                  f"best of several calls, cached in {cache_path()}")
+    table = Table(title=f"Measured on {measured.device_name} ({measured.device}), {measured.measured_at} "
+                        f"({_age(measured.measured_at)})",
+                  caption="speed of the native 16-bit kernel over float32's (above 1: faster); best of several "
+                  "calls; noise: the spread of the repeats (a difference inside it does not change the compute "
+                  f"mode); cached in {cache_path()}; `ampkit env --remeasure` measures again")
     table.add_column("op class")
     for dtype in (torch.bfloat16, torch.float16):
         table.add_column(str(dtype).removeprefix("torch."), justify="right")
     table.add_column("float32 time", justify="right")
+    table.add_column("noise", justify="right")
     for op in OP_CLASSES:
         shape = "x".join(map(str, measured.shapes[op]))
         cells = [f"{measured.speedup(op, dtype):.3g}x" for dtype in (torch.bfloat16, torch.float16)]
-        table.add_row(f"{op} ({shape})", *cells, f"{measured.time_us[op]['float32']:.0f} us")
+        noise = f"{measured.noise[op]:.0%}" if op in measured.noise else "-"
+        table.add_row(f"{op} ({shape})", *cells, f"{measured.time_us[op]['float32']:.0f} us", noise)
     table.add_row(
-        "why", *(native_support(device, dtype) for dtype in (torch.bfloat16, torch.float16)), ""
+        "why", *(native_support(device, dtype) for dtype in (torch.bfloat16, torch.float16)), "", ""
     )
     return table
+
+
+def _age(measured_at: str) -> str:
+    """How long ago ``measured_at`` (ISO 8601, local time) was: ``3 days ago``, ``just now``."""
+    try:
+        seconds = (datetime.datetime.now() - datetime.datetime.fromisoformat(measured_at)).total_seconds()
+    except ValueError:
+        return "when unknown"
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size:
+            count = int(seconds // size)
+            return f"{count} {unit}{'s' if count > 1 else ''} ago"
+    return "just now"

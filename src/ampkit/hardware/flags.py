@@ -17,6 +17,10 @@ class SlowPrecisionWarning(UserWarning):
     """Native 16-bit kernels were chosen where this hardware runs them slower than float32."""
 
 
+# The CPU flags that make 16-bit arithmetic native (``native_support``): they key the throughput cache.
+SIXTEEN_BIT_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16"})
+
+
 @functools.cache
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags from /proc/cpuinfo (empty where there is none, e.g. macOS)."""
@@ -72,7 +76,7 @@ def native_support(device: torch.device | str, dtype: torch.dtype) -> str:
             return f"{name} tensor cores (compute capability {major}.{minor})"
         return f"no {name} tensor cores (compute capability {major}.{minor} < {needed[0]}.{needed[1]})"
     if dtype == torch.bfloat16:
-        found = sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())
+        found = sorted({"avx512_bf16", "amx_bf16"} & cpu_flags())  # in SIXTEEN_BIT_FLAGS
         if found or _arm_has("bf16"):
             return f"native ({', '.join(found) or 'Arm bf16'})"
         return "software-emulated (no avx512_bf16 / amx_bf16)"

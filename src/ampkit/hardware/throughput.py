@@ -14,10 +14,18 @@ mixed precision step:
   computing GEMMs in float32 on 16-bit values).
 
 Each class runs in every dtype in alternation and keeps its best time (other
-processes only ever add time), within about a second on the first call. The
-result is cached in ``files.cache_dir()`` under a key of device name, torch
-version and thread count, so later processes read it instead. ``recommend()``
-and the ``auto`` compute mode decide from these figures.
+processes only ever add time), within about a second on the first call; the
+spread of its repeats (the median's excess over the best) is its noise. The
+result is cached in ``files.cache_dir()`` under a key of device name, the CPU's
+16-bit flags, torch version and thread count, so later processes read it instead.
+``recommend()`` and the ``auto`` compute mode decide from these figures, and
+never on a difference inside the noise: there the device's flags decide (a CPU
+whose flags say native bf16 keeps native bf16 unless float32 is faster beyond
+the noise). A measurement whose repeats disagree beyond ``BUSY_NOISE`` (the
+machine was busy) is taken again, twice at most; still busy, it serves this
+process and is not cached, with a warning, so one busy moment does not decide
+for every later run. ``ampkit env`` shows the figures, their age and noise;
+``ampkit env --remeasure`` measures again.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -36,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ampkit import files
-from ampkit.hardware.flags import cpu_model_name
+from ampkit.hardware.flags import SIXTEEN_BIT_FLAGS, cpu_flags, cpu_model_name, native_support
 
 CACHE_VERSION = 1
 OP_CLASSES = ("matmul", "conv", "elementwise", "cast")
@@ -50,6 +59,8 @@ SHAPES: dict[str, dict[str, tuple[int, ...]]] = {
 }
 _BUDGET_S = 0.12  # per op class and dtype, after the warm-up call
 _MAX_REPEATS = 7
+BUSY_NOISE = 1.0  # a median twice the best time: other processes took the machine during the measurement
+_ATTEMPTS = 2
 
 _memo: dict[str, Throughput] = {}
 
@@ -66,6 +77,9 @@ class Throughput:
         shapes: op class -> the shape timed.
         measured_at: when (ISO 8601, local time).
         seconds: how long the measurement took.
+        noise: op class -> the spread of its repeats: the median's excess over the best time, the largest over
+            the dtypes (0.05: 5%).
+        native_flags: dtype name -> whether the device's flags say its arithmetic is native (``flags``).
     """
 
     key: str
@@ -75,6 +89,8 @@ class Throughput:
     shapes: dict[str, list[int]]
     measured_at: str
     seconds: float
+    noise: dict[str, float] = dataclasses.field(default_factory=dict)
+    native_flags: dict[str, bool] = dataclasses.field(default_factory=dict)
 
     def speedup(self, op_class: str, dtype: torch.dtype | str) -> float:
         """float32's time over ``dtype``'s for ``op_class``: above 1 the 16-bit kernel is faster."""
@@ -83,8 +99,12 @@ class Throughput:
         return times["float32"] / times[name]
 
     def native_is_faster(self, op_class: str, dtype: torch.dtype | str) -> bool:
-        """Whether ``dtype``'s own kernels beat float32 for ``op_class`` here."""
-        return self.speedup(op_class, dtype) >= 1.0
+        """Whether ``dtype``'s own kernels beat float32 for ``op_class`` here; where the two differ by less than
+        the measurement's noise, what the device's flags say (native or emulated)."""
+        speedup, margin = self.speedup(op_class, dtype), self.noise.get(op_class, 0.0)
+        if 1 / (1 + margin) <= speedup <= 1 + margin:
+            return self.native_flags.get(_dtype_name(dtype), speedup >= 1.0)
+        return speedup >= 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -121,7 +141,8 @@ def device_key(device: torch.device | str) -> tuple[torch.device, str, str]:
     if device.type != "cpu":
         raise ValueError(f"Cannot measure device {str(device)!r}: choose 'cpu' or 'cuda'.")
     name = cpu_model_name()
-    return device, name, f"{name} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    found = sorted(SIXTEEN_BIT_FLAGS & cpu_flags()) or ["no 16-bit flags"]
+    return device, name, f"{name} | {' '.join(found)} | torch {torch.__version__} | {torch.get_num_threads()} threads"
 
 
 def measure(device: torch.device | str = "cpu", refresh: bool = False) -> Throughput:
@@ -147,10 +168,23 @@ def measure(device: torch.device | str = "cpu", refresh: bool = False) -> Throug
         if cached is not None:
             _memo[key] = cached
             return cached
-    measured = _measure(device, name, key)
+    for _ in range(_ATTEMPTS):
+        measured = _measure(device, name, key)
+        if max(measured.noise.values(), default=0.0) <= BUSY_NOISE:
+            break
     _memo[key] = measured
-    _write_cache(measured)
+    if max(measured.noise.values(), default=0.0) > BUSY_NOISE:
+        warnings.warn(f"ampkit timed this machine's 16-bit kernels while it was busy ({_attempts_text(measured)}): "
+                      "the figures serve this process only and are not cached; a quieter moment will record "
+                      "them (or run `ampkit env --remeasure`).", RuntimeWarning, stacklevel=2)
+    else:
+        _write_cache(measured)
     return measured
+
+
+def _attempts_text(measured: Throughput) -> str:
+    worst = max(measured.noise, key=measured.noise.__getitem__)
+    return f"{_ATTEMPTS} tries; {worst}'s repeats spread {measured.noise[worst]:.0%}, over {BUSY_NOISE:.0%}"
 
 
 def cache_path() -> Path:
@@ -226,11 +260,13 @@ def _measure(device: torch.device, name: str, key: str) -> Throughput:
         return time.perf_counter() - t0
 
     best: dict[str, dict[str, float]] = {}
+    noise: dict[str, float] = {}
     with torch.no_grad():
         for op, calls in _workloads(device).items():
             for fn in calls.values():
                 once(fn)  # warm-up: primitive creation, caches
             best[op] = {dtype: float("inf") for dtype in calls}
+            repeats: dict[str, list[float]] = {dtype: [] for dtype in calls}
             spent = dict.fromkeys(calls, 0.0)
             for _ in range(_MAX_REPEATS):
                 # In alternation, so a busy moment of the machine hits every dtype alike.
@@ -241,6 +277,8 @@ def _measure(device: torch.device, name: str, key: str) -> Throughput:
                     seconds = once(calls[dtype])
                     spent[dtype] += seconds
                     best[op][dtype] = min(best[op][dtype], seconds)
+                    repeats[dtype].append(seconds)
+            noise[op] = max(statistics.median(times) / min(times) - 1 for times in repeats.values())
     return Throughput(
         key=key,
         device=str(device),
@@ -249,4 +287,7 @@ def _measure(device: torch.device, name: str, key: str) -> Throughput:
         shapes={op: list(shape) for op, shape in SHAPES[device.type].items()},
         measured_at=datetime.datetime.now().isoformat(timespec="seconds"),
         seconds=time.perf_counter() - start,
+        noise=noise,
+        native_flags={name: native_support(device, dtype).startswith(("native", "bfloat16 tensor", "float16 tensor"))
+                      for name, dtype in DTYPES.items() if dtype != torch.float32},
     )
