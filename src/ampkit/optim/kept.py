@@ -15,7 +15,7 @@
   transformers' ``ModelOutput`` (a dict and a dataclass at once).
 - **Losses computed inside the model** (transformers' BERT and T5 compute theirs in ``forward``) take float32
   inputs, as under torch.autocast: the loss functions of ``torch.nn.functional`` whose ops torch.autocast runs in
-  float32 on any device, read from the running torch (``Float32Losses``, a ``TorchFunctionMode`` entered around
+  float32 on some device, read from the running torch (``Float32Losses``, a ``TorchFunctionMode`` entered around
   the forward; it sees the outermost call of each function, which is the loss itself).
 """
 
