@@ -10,7 +10,13 @@ cd "$(dirname "$0")/.."
 bash benchmarks/device_wheels.sh >/dev/null
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-python3 -m venv --system-site-packages --without-pip "$work/venv"  # pip and setuptools: the system's, as on the image
+# The Python that runs the rehearsal (the test suite's own: AMPKIT_REHEARSAL_PYTHON), else python3.
+caller=${AMPKIT_REHEARSAL_PYTHON:-python3}
+"$caller" -m venv --system-site-packages --without-pip "$work/venv"  # pip and setuptools: the caller's, as on the image
+# --system-site-packages sees the base interpreter's packages only; where the caller is itself a venv (a user's
+# plain venv holding torch), its own site-packages come in through a .pth file, ahead of the base's.
+"$caller" -c 'import sysconfig; print("\n".join(dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))))' \
+  > "$("$work/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/caller.pth"
 mkdir "$work/out"
 OUT="$work/out" PYTHON="$work/venv/bin/python" AMPKIT_DEVICE_SITE="$work/site" AMPKIT_DEVICE_REHEARSAL=1 \
   bash benchmarks/device_check.sh

@@ -3,8 +3,10 @@ installs everything offline (--no-index) in a fresh venv and runs the steps that
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,8 +35,9 @@ def test_at_least_25_gpu_tests_are_collected() -> None:
 
 @pytest.mark.slow  # about 35 s: a venv, an offline install, a tiny compare
 def test_the_rehearsal_installs_offline_and_runs_the_cpu_steps() -> None:
+    # the suite's own Python: in a plain venv (a user's) the rehearsal must see the venv's torch, not its base's
     done = subprocess.run(["bash", "benchmarks/device_rehearsal.sh"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, env={**os.environ, "AMPKIT_REHEARSAL_PYTHON": sys.executable})
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
     assert "steps that failed: none" in out and "torch privates missing here: none" in out
