@@ -7,7 +7,8 @@
 # never a silent pass; any other failure fails the run.
 # The oldest release also runs the compiled slow tier (tests/test_compiling.py -m slow: inductor, whose privates
 # differ most from the first release's; 2.11's inductor failed every compile under an edited policy, which only
-# that tier saw).
+# that tier saw) and the offline device rehearsal (tests/test_device_scripts.py: in a plain venv, what a user has,
+# it once saw the base interpreter's packages instead of the venv's, and a setuptools that could not build).
 # AMPKIT_TORCH_VERSIONS="2.14.1 2.11.0" picks releases by hand; --list prints the releases and stops.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,11 +41,12 @@ for version in $versions; do
     failed+=("$version")
   fi
   if [ "$version" = "$oldest" ] && [ "${AMPKIT_MATRIX_SLOW:-0}" != 1 ]; then
-    echo "=== torch $version, the oldest: the compiled slow tier"
-    if (source "$work/$version/bin/activate" && python -m pytest -q -m slow tests/test_compiling.py); then
-      echo "torch $version: the compiled slow tier passed"
+    echo "=== torch $version, the oldest: the compiled slow tier and the device rehearsal"
+    if (source "$work/$version/bin/activate" && python -m pytest -q -m slow tests/test_compiling.py \
+          tests/test_device_scripts.py); then
+      echo "torch $version: the compiled slow tier and the device rehearsal passed"
     else
-      failed+=("$version (the compiled slow tier)")
+      failed+=("$version (the compiled slow tier or the device rehearsal)")
     fi
   fi
   rm -rf "${work:?}/$version"

@@ -39,7 +39,9 @@ setup() {
   ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: run bash benchmarks/device_wheels.sh first"; exit 1; }
   # --target: the image's own packages stay as they are; the carried ones come first on the path.
   "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$SITE" .whl/*.whl
-  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .
+  # ampkit's own build through the carried setuptools (a bdist_wheel of its own): a fresh venv's setuptools 65 has
+  # none without the wheel package, and offline nothing can fetch it
+  PYTHONPATH="$SITE" "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e .
   PYTHONPATH="$SITE" "$PY" - <<'PY'
 import sys, torch, torchao, optimi, ampkit
 from ampkit import _torch

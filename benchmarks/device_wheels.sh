@@ -5,8 +5,9 @@
 #   bash benchmarks/device_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# ampkit[fp8], ampkit[pure16] and expecttest (PyTorch's autocast test lists import it), as CI tests them
-WHEELS=("torchao==0.18.0" "torch-optimi==0.3.3" "expecttest==0.3.0")
+# ampkit[fp8], ampkit[pure16] and expecttest (PyTorch's autocast test lists import it), as CI tests them; setuptools
+# to build ampkit offline where the Python's own is too old to (a fresh venv's 65, without bdist_wheel)
+WHEELS=("torchao==0.18.0" "torch-optimi==0.3.3" "expecttest==0.3.0" "setuptools==80.9.0")
 mkdir -p .whl
 for wheel in "${WHEELS[@]}"; do
   name=${wheel%%==*}; version=${wheel##*==}

@@ -587,7 +587,8 @@ def torch_versions_blocks() -> dict[str, str]:
               f"above install where no torch is, then {others} from the package registry (CUDA builds, which run on "
               "a CPU too), each in a venv of its own, with the same test command less the slow tier (`-m \"not slow\"`: the three "
               f"whole suites would not fit CI's 45 minutes on 2 cores), and on {ordered[0]}, the oldest, the slow tier's "
-              "compiled tests too; a release the registry does not serve is a SKIPPED line there, never a silent pass.")
+              "compiled tests and the offline device rehearsal too (what a user's plain venv sees); a release the "
+              "registry does not serve is a SKIPPED line there, never a silent pass.")
     return {"torch-versions": f"Both keep a torch you already have (a CUDA build). {tested}",
             "torch-versions-docs": f"Torch versions: `{bound}`. {tested} The list is `[tool.ampkit] tested-torch` "
                                    "in pyproject.toml, the one place it is written."}
