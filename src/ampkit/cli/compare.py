@@ -31,7 +31,7 @@ from ampkit.precision.decide import GEMM_OPS
 
 
 def _defaults(name: str) -> str:
-    """Each model's default for a setting, as --help shows it: ``64 for images, 32 for text models``."""
+    """Each model's default for a setting, as --help shows it: ``64 for images; 32 for gpt, gpt-outlier, ...``."""
     by_model = {"images": IMAGE_DEFAULTS.get(name), **{m: d.get(name) for m, d in MODEL_DEFAULTS.items()}}
     values: dict[Any, list[str]] = {}
     for model, value in by_model.items():
@@ -83,7 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "alike (default 0)")
     parser.add_argument("--out", type=directory, help="output directory (default: ./ampkit-runs/<timestamp>/)")
     parser.add_argument("--json", action="store_true", help="print results.json to stdout instead of the table")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--quiet", action="store_true", help="no progress (bars on a terminal, else lines on stderr)")
     parser.set_defaults(run=run)
 
 
@@ -163,8 +163,8 @@ def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: Estim
 
 
 class PlainProgress:
-    """Progress as plain lines on stderr, where the output is no terminal: every ``interval_s`` seconds and at the
-    end of each run, the step, the total and the loss of every run, and the time since the start."""
+    """Progress as plain lines on stderr, where the output is no terminal (or is JSON): every ``interval_s`` seconds
+    and at the end of each run, the step, the total and the loss of every run, and the time since the start."""
 
     def __init__(self, interval_s: float = 10.0) -> None:
         self.interval_s, self.start = interval_s, time.perf_counter()
