@@ -589,6 +589,12 @@ def torch_versions_blocks() -> dict[str, str]:
               f"whole suites would not fit CI's 45 minutes on 2 cores), and on {ordered[0]}, the oldest, the slow tier's "
               "compiled tests and the offline device rehearsal too (what a user's plain venv sees); a release the "
               "registry does not serve is a SKIPPED line there, never a silent pass.")
+    suite = RESULTS / "test-suite.json"
+    if suite.exists():  # benchmarks/bench_test_suite.py
+        record = json.loads(suite.read_text())
+        counts = ", ".join(f"{n} {kind}" for kind, n in record["counts"].items())
+        tested += (f" The whole suite (`{record['command']}`) took {record['seconds'] / 60:.0f} minutes ({counts}) on "
+                   f"{machine_line(record['machine'])}, {record['created'][:10]}.")
     return {"torch-versions": f"Both keep a torch you already have (a CUDA build). {tested}",
             "torch-versions-docs": f"Torch versions: `{bound}`. {tested} The list is `[tool.ampkit] tested-torch` "
                                    "in pyproject.toml, the one place it is written."}
