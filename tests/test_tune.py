@@ -190,3 +190,62 @@ def test_the_cli_table_is_readable_at_80_columns() -> None:
     assert "…" not in text and max(map(len, text.splitlines())) <= 80
     assert all(f" {layer.name} " in text for layer in plan.layers)
     assert "fp8: loss" in text and "saturation / underflow" in text
+
+
+def _small_plan() -> tuple[nn.Module, PrecisionPlan]:
+    torch.manual_seed(0)
+    model = GPT(d_model=32, n_layers=2, n_heads=2, context=16)
+    g = torch.Generator().manual_seed(1)
+    windows = [torch.randint(0, 256, (8, 17), generator=g) for _ in range(3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = ampkit.tune(model, [(w[:, :-1], w[:, 1:]) for w in windows], formats=("fp8", "bf16"),
+                           objective="memory", tolerance=0.5)
+    return model, plan
+
+
+@pytest.mark.parametrize("broken", ["format", "layer"])
+def test_a_plan_with_an_unknown_format_or_layer_changes_nothing(broken: str) -> None:
+    """Issue 40: a format that does not exist on a later layer converted the earlier layers, then KeyError; a
+    layer the model lacks was a traceback."""
+    model, plan = _small_plan()
+    lowered = list(plan.lowered())
+    assert len(lowered) >= 2
+    last = next(i for i, layer in enumerate(plan.layers) if layer.name == lowered[-1])
+    edited = plan.layers[last]
+    edited = (dataclasses.replace(edited, format="fp7") if broken == "format"
+              else dataclasses.replace(edited, name="blocks.9.mlp.0"))
+    bad = dataclasses.replace(plan, layers=(*plan.layers[:last], edited, *plan.layers[last + 1:]))
+    message = r"lowers blocks\.\S+ to 'fp7', which is no format" if broken == "format" else "does not have"
+    with pytest.raises(ValueError, match=message):
+        bad.apply(model)
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())  # nothing converted before the refusal
+
+
+@pytest.mark.parametrize("first", ["fp8", "block-scaled"])
+def test_a_model_in_one_narrow_format_is_refused_by_the_next_and_by_tune(first: str) -> None:
+    """Issue 40: convert_to_fp8 after convert_to_block_scaled replaced the MXFP8 layers silently, and tune on a
+    converted model left its converted linears out of the plan."""
+    torch.manual_seed(0)
+    model = GPT(d_model=32, n_layers=2, n_heads=2, context=16)
+    if first == "fp8":
+        ampkit.convert_to_fp8(model)
+    else:
+        ampkit.convert_to_block_scaled(model, ampkit.BlockScaledRecipe("mxfp8"))
+    before = {name: type(m) for name, m in model.named_modules()}
+    for convert, what in ((lambda: ampkit.convert_to_block_scaled(model), "convert_to_block_scaled"),
+                          (lambda: ampkit.convert_to_fp8(model), "convert_to_fp8"),
+                          (lambda: ampkit.tune(model, [(torch.zeros(2, 16, dtype=torch.long),) * 2] * 2), "tune")):
+        expected = "trains in FP8 already" if first == "fp8" and what == "convert_to_fp8" else (
+            rf"{what} takes a model as built, and \d+ of this model's linears are converted already: blocks\.0\.")
+        with pytest.raises(ValueError, match=expected):
+            convert()
+        assert {name: type(m) for name, m in model.named_modules()} == before
+
+
+def test_ampkit_tune_refuses_a_batch_size_of_0(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 40: `ampkit tune --batch-size 0` exited 0, having tuned at batch 64 (-3 was refused)."""
+    from ampkit.cli.main import main
+
+    assert main(["tune", "--model", "gpt", "--batch-size", "0", "--out", str(tmp_path / "plan.json")]) == 2
+    assert "--batch-size 0 is invalid: use an integer >= 1" in capsys.readouterr().err

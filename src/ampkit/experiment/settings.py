@@ -193,9 +193,9 @@ def plan(
     if activation_budgets and precisions is not None and set(precisions) == {"fp32"}:
         raise ValueError(f"activation_budgets={list(activation_budgets)!r} plan the mixed runs: add a 16-bit "
                          "precision, e.g. precisions=['bf16'].")
-    _check_positive_int(batch_size, "batch_size")
-    _check_positive_int(epochs, "epochs")
-    _check_positive_int(steps, "steps")
+    check_positive_int(batch_size, "batch_size")
+    check_positive_int(epochs, "epochs")
+    check_positive_int(steps, "steps")
     if lr is not None and not (math.isfinite(lr) and lr > 0):
         raise ValueError(f"lr={lr} is invalid: use a finite learning rate > 0, e.g. lr=0.002.")
     if not (isinstance(loss_divisor, (int, float)) and math.isfinite(loss_divisor) and loss_divisor > 0):
@@ -318,7 +318,8 @@ def _lowest(tuned: PrecisionPlan) -> str:
     return min(used or {"fp8"}, key=lambda f: (f not in ("mxfp4", "nvfp4"), f))
 
 
-def _check_positive_int(value: int | None, name: str) -> None:
+def check_positive_int(value: int | None, name: str) -> None:
+    """A count the user may leave out (None) must be an integer >= 1 (ValueError naming it otherwise)."""
     if value is not None and value < 1:
         raise ValueError(f"{name}={value} is invalid: use an integer >= 1 (or leave it out for the default).")
 

@@ -10,7 +10,7 @@ from torch import nn
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import CONTEXT
 from ampkit.experiment.models import build
-from ampkit.experiment.settings import model_defaults
+from ampkit.experiment.settings import check_positive_int, model_defaults
 from ampkit.planning.precision_plan import PrecisionPlan
 from ampkit.planning.tune import tune
 
@@ -31,8 +31,10 @@ def run_tune(model: str, data: str | None, formats: list[str], tolerance: float,
     dataset = data_mod.load(data or defaults["data"])
     if isinstance(batches, bool) or not isinstance(batches, int) or batches < 2:
         raise ValueError(f"batches={batches!r} is invalid: tune needs at least 2 batches (one is held out).")
+    check_positive_int(batch_size, "batch_size")  # 0 once tuned at the default batch, silently
     torch.manual_seed(seed)
     built = build(model, **dataset.model_kwargs(CONTEXT)).to(device)
-    pairs = tuning_batches(dataset, batch_size or defaults["batch_size"], batches, seed, torch.device(device))
+    pairs = tuning_batches(dataset, batch_size if batch_size is not None else defaults["batch_size"], batches, seed,
+                           torch.device(device))
     return tune(built, pairs, formats=formats, tolerance=tolerance, objective=objective, include=include,
                 progress=progress), built

@@ -26,7 +26,14 @@ from torch import nn
 
 from ampkit import _torch
 from ampkit.formats.block_scaled import MX_ELEMENTS, Draws, Quantized, counter_draws, quantize_mx, quantize_nvfp4
-from ampkit.formats.recipes import BlockScaledRecipe, features, is_conv1d, linear_layers, unconverted_linears
+from ampkit.formats.recipes import (
+    BlockScaledRecipe,
+    features,
+    is_conv1d,
+    linear_layers,
+    refuse_converted,
+    unconverted_linears,
+)
 from ampkit.modes import without_autocast
 
 
@@ -221,9 +228,11 @@ def convert_to_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None =
         Each linear's name and what was done: ``"block-scaled"`` or ``"kept: <why>"``.
 
     Raises:
-        ValueError: no linear can be block-scaled (the reasons are named).
+        ValueError: no linear can be block-scaled (the reasons are named), or some are in a narrow format
+            already (FP8 or block-scaled: named).
     """
     recipe = recipe or BlockScaledRecipe()
+    refuse_converted(model, "convert_to_block_scaled")
     decisions = eligible_block_scaled(model, recipe)
     if "block-scaled" not in decisions.values():
         raise ValueError(f"No linear of {type(model).__name__} can take {recipe.label}: "

@@ -39,6 +39,7 @@ from ampkit.formats.recipes import (
     features,
     is_conv1d,
     linear_layers,
+    refuse_converted,
     unconverted_linears,
 )
 from ampkit.formats.torchao import convert_current
@@ -295,7 +296,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: t
 
     Raises:
         ValueError: a pattern in ``keep`` or ``include`` matches no linear (a typo would silently
-            convert or keep the wrong layers), or the model has FP8 layers already.
+            convert or keep the wrong layers), or the model has FP8 or block-scaled layers already.
         ImportError: current scaling without torchao (``pip install ampkit[fp8]``).
     """
     recipe = recipe or Fp8Recipe()
@@ -304,6 +305,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: t
         raise ValueError(f"The model trains in FP8 already ({', '.join(converted[:3])}{' ...' if len(converted) > 3 else ''}): "
                          "convert_to_fp8 converts a model once (a second call would reset its amax histories and "
                          "scales). To try another recipe, convert a fresh copy of the float32 model.")
+    refuse_converted(model, "convert_to_fp8")  # block-scaled layers: once replaced by FP8 ones, silently
     keep, include = tuple(keep), tuple(include)
     names = [name for name, _ in linear_layers(model)]
     for pattern in keep + include:

@@ -157,7 +157,7 @@ class BlockScaledRecipe:
         return "nvfp4" + "".join(f"-no-{name}" for name in off)
 
 
-CONVERTED_BY = ("ampkit.", "torchao.")  # the packages whose layers are converted ones already
+CONVERTED_BY = ("ampkit.formats.", "torchao.")  # the modules whose linears are converted ones already
 
 
 def is_conv1d(module: torch.nn.Module) -> bool:
@@ -201,3 +201,20 @@ def unconverted_linears(model: torch.nn.Module) -> dict[str, str]:
         found[name] = (f"kept: a {type(module).__name__} {kind}; ampkit converts plain nn.Linear and transformers' "
                        "Conv1D layers only")
     return found
+
+
+def converted_layers(model: torch.nn.Module) -> dict[str, str]:
+    """The model's linears in a narrow format already (ampkit's FP8 and block-scaled layers, torchao's): each
+    name with its class. A conversion or ``tune`` refuses such a model: one format over another is not a plan."""
+    return {name: type(m).__name__ for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear) and type(m).__module__.startswith(CONVERTED_BY)}
+
+
+def refuse_converted(model: torch.nn.Module, what: str) -> None:
+    """ValueError naming the layers ``converted_layers`` finds, for ``what`` (``"convert_to_block_scaled"``)."""
+    if found := converted_layers(model):
+        named = ", ".join(f"{name} ({kind})" for name, kind in list(found.items())[:3])
+        raise ValueError(f"{what} takes a model as built, and {len(found)} of this model's linears are converted "
+                         f"already: {named}{' ...' if len(found) > 3 else ''}. Apply it to a fresh copy of the "
+                         "float32 model (one narrow format over another would replace or skip them silently).")
+

@@ -146,8 +146,18 @@ class PrecisionPlan:
             raise ValueError(f"This plan was made for another model ({self.model}, linears fingerprint "
                              f"{self.fingerprint}; this {type(model).__name__} has {len(names)} linears, fingerprint "
                              f"{fingerprint(model)}): run ampkit.tune on this model.")
+        # all checked before any is converted: a refused plan leaves the model as it was
+        for name, format in self.lowered().items():
+            if format not in LOWER:
+                raise ValueError(f"The plan lowers {name} to {format!r}, which is no format ampkit converts to: "
+                                 f"choose one of {list(LOWER)} (or make the plan again with ampkit.tune).")
+            try:
+                model.get_submodule(name)
+            except AttributeError:
+                raise ValueError(f"The plan names {name}, which {type(model).__name__} does not have: make the "
+                                 "plan again with ampkit.tune on this model.") from None
         lowered = {name: (model.get_submodule(name), format) for name, format in self.lowered().items()}
-        for name, (current, _) in lowered.items():  # all checked before any is converted
+        for name, (current, _) in lowered.items():
             if type(current) is not nn.Linear and not is_conv1d(current):
                 raise ValueError(f"{name} is a {type(current).__name__} already: apply a plan to the model as "
                                  "built, before convert_to_fp8 or convert_to_block_scaled.")

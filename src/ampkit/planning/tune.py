@@ -36,7 +36,7 @@ from torch import nn
 from ampkit.diagnostics.memory import saved_bytes_of_step
 from ampkit.formats.block_scaled import fake_quantize
 from ampkit.formats.fp8 import E4M3, cast_numerics, native_fp8
-from ampkit.formats.recipes import BlockScaledRecipe, features, linear_layers, unconverted_linears
+from ampkit.formats.recipes import BlockScaledRecipe, features, linear_layers, refuse_converted, unconverted_linears
 from ampkit.planning.measure import untouched
 from ampkit.planning.precision_plan import (BASES, LOWER, LayerChoice, PrecisionPlan, block_of, fingerprint,
                                            lower_linear)
@@ -84,6 +84,7 @@ def _check(model: nn.Module, batches: Sequence[Any], formats: Sequence[str], tol
     if len(batches) < 2 or not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batches):
         raise ValueError(f"batches: {len(batches)} given; tune needs at least 2 (input, target) pairs: some to "
                          "measure on and one held out to check the combined plan.")
+    refuse_converted(model, "tune")  # its converted linears were left out of the plan, silently
     if not linear_layers(model):
         raise ValueError(f"{type(model).__name__} has no nn.Linear or Conv1D layer: tune chooses formats for "
                          "linears.")
@@ -235,7 +236,8 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
 
     Raises:
         ValueError: an unknown format, no base or no lowered format, tolerance <= 0, an unknown objective,
-            fewer than 2 batches, a model without linears, an ``include`` that names no linear.
+            fewer than 2 batches, a model without linears or with converted ones (FP8, block-scaled), an
+            ``include`` that names no linear.
     """
     started = time.perf_counter()
     lows, base = _check(model, batches, formats, tolerance, objective, gradient_tolerance)
