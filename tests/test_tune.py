@@ -176,13 +176,7 @@ def test_the_cli_table_is_readable_at_80_columns() -> None:
 
     from ampkit.cli.tune import table
 
-    torch.manual_seed(0)
-    model = GPT(d_model=32, n_layers=2, n_heads=2, context=16)
-    g = torch.Generator().manual_seed(1)
-    windows = [torch.randint(0, 256, (8, 17), generator=g) for _ in range(3)]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = ampkit.tune(model, [(w[:, :-1], w[:, 1:]) for w in windows], formats=("fp8", "bf16"))
+    _, plan = _small_plan()
     console = Console(width=80)
     with console.capture() as captured:
         console.print(table(plan, console.width))
