@@ -12,8 +12,10 @@ into place, as ``save_checkpoint`` does for files.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from ampkit._torch import pytree
 from ampkit.checkpoint import check_plain
 
 SHARDED_VERSION = 1
+_SHARD = re.compile(r"__\d+_\d+\.distcp")  # a DCP shard file: rank, then file number
 _META = "ampkit_sharded_checkpoint"
 
 
@@ -82,6 +85,10 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
     if path.is_file():
         raise ValueError(f"{path} is a file; a sharded checkpoint is a folder: pass a folder path (ampkit's "
                          "save_checkpoint writes single files).")
+    if foreign := _not_ours(path):  # replaced, the folder's own files went with it
+        raise ValueError(f"{path} holds files a sharded checkpoint does not ({', '.join(foreign[:3])}"
+                         f"{' ...' if len(foreign) > 3 else ''}): saving would replace the folder and lose them. "
+                         "Pass a new folder (run/step-100), or move those files out first.")
     for name, obj in objects.items():
         if not callable(getattr(obj, "state_dict", None)):
             raise TypeError(f"{name}={type(obj).__name__} has no state_dict(): pass loss scalers and schedulers by "
@@ -114,6 +121,29 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
     _barrier()
 
 
+def _recover(path: Path) -> None:
+    """Put a checkpoint back at ``path`` where a save was killed between its two renames (the previous folder moved
+    aside as ``.<name>.old-*``, the new one complete as ``.<name>.partial-*``, nothing at ``path``): the newest
+    complete one (its ``.metadata`` written last), with a warning. Nothing where ``path`` exists."""
+    if path.exists():
+        return
+    complete = [p for pattern in (f".{path.name}.partial-*", f".{path.name}.old-*")
+                for p in path.parent.glob(pattern) if (p / ".metadata").is_file()]
+    if complete and _is_rank0():
+        newest = max(complete, key=lambda p: (p / ".metadata").stat().st_mtime)
+        newest.rename(path)
+        warnings.warn(f"{path} was missing: a save was stopped between its renames. The newest complete checkpoint, "
+                      f"{newest.name}, is back at {path}.", RuntimeWarning, stacklevel=3)
+    _barrier()
+
+
+def _not_ours(path: Path) -> list[str]:
+    """The entries of an existing folder ``path`` that DCP's save does not write (``.metadata``, ``__R_N.distcp``)."""
+    if not path.is_dir():
+        return []
+    return sorted(p.name for p in path.iterdir() if p.name != ".metadata" and not _SHARD.fullmatch(p.name))
+
+
 def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                             **objects: Any) -> dict[str, Any]:
     """Restore what ``save_sharded_checkpoint`` saved, on any world size; every rank calls it.
@@ -142,6 +172,7 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
+    _recover(path)
     if not path.is_dir():
         raise FileNotFoundError(f"No sharded checkpoint at {path}{' (it is a file: use load_checkpoint)' if path.is_file() else ''}: "
                                 "pass the folder save_sharded_checkpoint wrote.")
