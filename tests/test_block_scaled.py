@@ -91,10 +91,13 @@ def f32(v: float) -> float:
 
 def reference_nvfp4(values: list[float]) -> list[float]:
     """NVFP4 (Transformer Engine): s = 448 * 6 / amax; block scale e4m3((amax_b / 6) * s); elements
-    e2m1(v * (s / scale)); decoded q * scale / s. Every step rounded to float32, in that order."""
+    e2m1(v * (s / scale)); decoded q * scale / s. Every step rounded to float32, in that order; ampkit's one
+    departure: s and s / scale are clamped to float32's largest (where amax < ~8e-36 Transformer Engine's s
+    overflows to inf, every zero decodes to 0 x inf = NaN and every other value to 0)."""
     finite = [abs(v) for v in values if math.isfinite(v)]
     amax = max(finite, default=0.0)
-    s = f32(f32(448.0 * 6.0) / amax) if amax > 0 else 1.0
+    largest = float(torch.finfo(torch.float32).max)
+    s = min(f32(f32(448.0 * 6.0) / amax), largest) if amax > 0 else 1.0
     out = []
     for start in range(0, len(values), 16):
         block = values[start:start + 16]
@@ -102,7 +105,7 @@ def reference_nvfp4(values: list[float]) -> list[float]:
             out += [math.nan] * len(block)
             continue
         scale = round_nearest_even(f32(f32(max(abs(v) for v in block) / 6.0) * s), E4M3_CODES)
-        factor = f32(s / scale) if scale > 0 else 0.0
+        factor = min(f32(s / scale), largest) if scale > 0 else 0.0
         out += [f32(f32(round_nearest_even(f32(v * factor), E2M1_CODES) * scale) / s) for v in block]
     return out
 
@@ -237,3 +240,14 @@ def test_torchao_to_nvfp4_agrees_with_the_reference_within_its_decoding_rounding
     # divides by 2688 / amax, a float32 rounding apart (at most one unit in the last place).
     ulp = torch.finfo(torch.float32).eps * expected.abs()
     assert ((got - expected).abs() <= ulp).all()  # a different element or scale would be a grid step apart
+
+
+@pytest.mark.parametrize("largest", [1e-37, 3e-38, 8e-36, torch.finfo(torch.float32).tiny])
+def test_nvfp4_of_a_tiny_tensor_stays_finite_and_keeps_its_zeros(largest: float) -> None:
+    """Issue 40: below an amax of about 8e-36 the per-tensor scale overflowed to inf and every zero decoded to NaN
+    (0 x inf): in NVFP4 training one tiny output gradient made every weight-gradient value NaN."""
+    x = torch.zeros(2, 32)
+    x[0, 3], x[1, 20] = largest, -largest / 2
+    q = quantize_nvfp4(x)
+    assert torch.isfinite(q.values).all() and torch.equal(q.values[x == 0], torch.zeros(62))
+    assert 0.5 * largest <= q.values[0, 3].item() <= 1.5 * largest

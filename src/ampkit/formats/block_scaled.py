@@ -227,7 +227,10 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
     x = x.float()
     finite = torch.isfinite(x)
     amax = torch.where(finite, x.abs(), torch.zeros_like(x)).amax()
-    tensor_scale = torch.where(amax > 0, (E4M3_MAX * E2M1_MAX) / amax, torch.ones_like(amax))
+    # Clamped to float32's largest: below an amax of about 8e-36 the quotient overflows to inf, and a block of
+    # zeros then decoded to 0 x inf = NaN (one tiny output gradient made every weight-gradient value NaN).
+    tensor_scale = torch.where(amax > 0, (E4M3_MAX * E2M1_MAX) / amax, torch.ones_like(amax)).clamp(
+        max=torch.finfo(torch.float32).max)
     if tile is not None:
         if x.dim() != 2:
             raise ValueError(f"NVFP4 tiles need a 2-D tensor, got shape {tuple(x.shape)}.")
@@ -242,8 +245,8 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
     block_amax = torch.where(torch.isfinite(blocks), blocks.abs(), torch.zeros_like(blocks)).amax(-1, keepdim=True)
     scale = (block_amax / E2M1_MAX * tensor_scale).clamp(max=E4M3_MAX).to(E4M3).float()
     # Transformer Engine's order of float32 operations: the elements' factor is s / scale, one division.
-    factor = torch.where(scale > 0, tensor_scale / scale.clamp(min=torch.finfo(torch.float32).tiny),
-                         torch.zeros_like(scale))
+    factor = torch.where(scale > 0, (tensor_scale / scale.clamp(min=torch.finfo(torch.float32).tiny)).clamp(
+        max=torch.finfo(torch.float32).max), torch.zeros_like(scale))  # finite: a zero times it stays zero
     scaled = blocks * factor
     elements = round_e2m1(scaled, generator, stochastic)
     elements = torch.where(bad, torch.full_like(elements, math.nan), elements)
