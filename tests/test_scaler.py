@@ -755,3 +755,17 @@ def test_a_grad_scaler_state_with_a_missing_key_is_named() -> None:
 def test_enabled_must_be_a_bool(make) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="is not a bool: pass True or False"):
         make()
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("hysteresis_left", 99, r"hysteresis_left=99 is more than hysteresis=1 allows"),
+    ("growth_tracker", 2000, r"growth_tracker=2000 is not below growth_interval=2000"),
+])
+def test_an_impossible_scaler_state_is_refused_and_changes_nothing(key: str, value: int, message: str) -> None:
+    """Issue 40 (from the second sweep): a state with hysteresis_left=99 under hysteresis=1 was taken, and the
+    scaler then tolerated 98 overflows its rule does not allow."""
+    scaler = DynamicLossScaler()
+    before = scaler.state_dict()
+    with pytest.raises(RuntimeError, match=rf"Cannot load loss scaler state: {message}"):
+        scaler.load_state_dict({**before, key: value})
+    assert scaler.state_dict() == before

@@ -120,6 +120,12 @@ def checked_state(state_dict: Any, rule: ScaleRule, required: set[str]) -> tuple
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if key == "hysteresis_left" else 0):
                 raise ValueError(f"{key}={value!r} is invalid: use an integer >= "
                                  f"{1 if key == 'hysteresis_left' else 0}")
+        if counters["hysteresis_left"] > rule.hysteresis:  # overflows still tolerated: at most the rule's
+            raise ValueError(f"hysteresis_left={counters['hysteresis_left']} is more than hysteresis={rule.hysteresis}"
+                             " allows")
+        if counters["growth_tracker"] >= rule.growth_interval:  # the scale grows when it reaches the interval
+            raise ValueError(f"growth_tracker={counters['growth_tracker']} is not below growth_interval="
+                             f"{rule.growth_interval}")
     except ValueError as error:
         raise RuntimeError(f"Cannot load loss scaler state: {error}") from error
     return rule, {**counters, "scale": float(state_dict["scale"])}
