@@ -226,7 +226,8 @@ def test_master_weight_optimizer_takes_an_optimizer() -> None:
         (None, "Cannot load None into MasterWeightOptimizer"),
         ({"version": 1, "master_params": []}, r"misses \['optimizer'\]"),  # was KeyError
         ({"version": 99, "optimizer": {}, "master_params": []}, "version 99 is not 1"),  # was accepted
-        ({"version": 1, "optimizer": None, "master_params": []},  # issue 40: was a raw AttributeError
+        # issue 40: was a raw AttributeError
+        ({"version": 1, "optimizer": None, "master_params": [torch.zeros(2, 2), torch.zeros(2)]},
          r"'optimizer' is NoneType, not the inner optimizer's state dict"),
     ],
 )

@@ -176,11 +176,6 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if state_dict["version"] != STATE_VERSION:
             raise RuntimeError(f"MasterWeightOptimizer state version {state_dict['version']!r} is not "
                                f"{STATE_VERSION!r}: this ampkit reads version {STATE_VERSION} state dicts.")
-        inner = state_dict["optimizer"]
-        if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
-            raise RuntimeError(f"MasterWeightOptimizer state's 'optimizer' is {type(inner).__name__}, not the inner "
-                               "optimizer's state dict ('state' and 'param_groups'): pass the dict from its "
-                               "state_dict().")
         masters = state_dict["master_params"]
         if len(masters) != len(self.master_params):
             raise RuntimeError(
@@ -192,6 +187,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
                 raise RuntimeError(f"Master weight {index} in the checkpoint is {shape}, this model's "
                                    f"{tuple(master.shape)}: the checkpoint is from another model.")
+        inner = state_dict["optimizer"]
+        if not isinstance(inner, dict) or not {"state", "param_groups"} <= set(inner):
+            raise RuntimeError(f"MasterWeightOptimizer state's 'optimizer' is {type(inner).__name__}, not the inner "
+                               "optimizer's state dict ('state' and 'param_groups'): pass the dict from its "
+                               "state_dict().")
         self.optimizer.load_state_dict(state_dict["optimizer"])
         with torch.no_grad():
             for master, saved in zip(self.master_params, masters):
