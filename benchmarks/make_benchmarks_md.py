@@ -384,6 +384,14 @@ def compile_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def startup_table(results: dict[str, Any]) -> str:
+    """bench_startup.py: each start a fresh process, medians of interleaved rounds, against ``import torch``."""
+    rows = ["| start (a fresh process) | median s | min-max s | / import torch |", "|---|---|---|---|"]
+    rows += [f"| {row['variant']} | {row['median_s']:.2f} | {row['min_s']:.2f}-{row['max_s']:.2f} | "
+             f"{row['ratio_to_import_torch']:.2f}x |" for row in results["rows"]]
+    return "\n".join([machine_line(results["machine"]) + f". {results['rounds']} rounds in alternation.", "", *rows])
+
+
 def inspect_section(results: dict[str, Any]) -> str:
     ms = results["ms"]
     report, memory = results["report"], results["memory"]
@@ -687,6 +695,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     compiled = load(directory, "compile.json")
     if compiled:
         sections += [f"{level} torch.compile under every kind of policy", "", compile_table(compiled), ""]
+    startup = load(directory, "startup.json")
+    if startup:
+        sections += [f"{level} Start-up: `import ampkit` and `ampkit --help` against `import torch`", "",
+                     startup_table(startup), ""]
     integrations = load(directory, "integrations.json")
     if integrations:
         sections += [f"{level} Lightning and Accelerate: per-step cost", "", integrations_table(integrations), ""]

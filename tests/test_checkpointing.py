@@ -55,15 +55,31 @@ def test_the_public_context_fn_route_cannot_serve_reentrant_checkpoints() -> Non
         checkpoint(block, x, use_reentrant=True, context_fn=contexts)
 
 
-def test_a_region_that_needs_kernels_installs_the_wrappers_where_torch_looks_them_up() -> None:
+def test_a_region_that_needs_kernels_installs_the_wrappers_where_torch_looks_them_up_and_removes_them() -> None:
     from torch.utils import checkpoint as cp
+
+    # the generator torch's checkpoint calls: its _impl from 2.14 on (the old name is then a shim torch never calls)
+    called = "_checkpoint_without_reentrant_generator" + ("_impl" if hasattr(cp, "_checkpoint_without_reentrant_"
+                                                                       "generator_impl") else "")
+    torch_own = (cp.CheckpointFunction, getattr(cp, called))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with autocast(CPU.with_ops(deny=["gelu"])):
+            assert cp.CheckpointFunction.__module__ == "ampkit.precision.checkpointing"
+            assert getattr(cp, called).__module__ == "ampkit.precision.checkpointing"
+    assert (cp.CheckpointFunction, getattr(cp, called)) == torch_own  # torch's own, once no region needs them
+
+
+def test_entry_points_someone_else_replaced_meanwhile_are_left_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils import checkpoint as cp
+
+    class Theirs(cp.CheckpointFunction):  # type: ignore[misc, name-defined]
+        pass
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with autocast(CPU.with_ops(deny=["gelu"])):
-            pass
-    assert cp.CheckpointFunction.__module__ == "ampkit.precision.checkpointing"
-    # the generator torch's checkpoint calls: its _impl from 2.14 on (the old name is then a shim torch never calls)
-    called = "_checkpoint_without_reentrant_generator" + ("_impl" if hasattr(cp, "_checkpoint_without_reentrant_"
-                                                                       "generator_impl") else "")
-    assert getattr(cp, called).__module__ == "ampkit.precision.checkpointing"
+            monkeypatch.setattr(cp, "CheckpointFunction", Theirs)
+    assert cp.CheckpointFunction is Theirs  # and torch's generator is back
+    assert all(getattr(cp, name).__module__ == "torch.utils.checkpoint" for name in dir(cp)
+               if name.startswith("_checkpoint_without_reentrant_generator"))

@@ -33,13 +33,22 @@ def test_at_least_25_gpu_tests_are_collected() -> None:
     assert found and int(found.group(1)) >= 25, done.stdout[-500:]
 
 
+def _checkout_files() -> set[str]:
+    """What git lists in the checkout, ignored files included (Python's own bytecode caches aside)."""
+    done = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    return {line for line in done.stdout.splitlines() if "__pycache__" not in line and ".pytest_cache" not in line}
+
+
 @pytest.mark.slow  # about 35 s: a venv, an offline install, a tiny compare
 def test_the_rehearsal_installs_offline_and_runs_the_cpu_steps() -> None:
+    before = _checkout_files()
     # the suite's own Python: in a plain venv (a user's) the rehearsal must see the venv's torch, not its base's
     done = subprocess.run(["bash", "benchmarks/device_rehearsal.sh"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "AMPKIT_REHEARSAL_PYTHON": sys.executable})
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
+    assert _checkout_files() == before  # its downloads and ampkit's build stay in its temporary folder
     assert "steps that failed: none" in out and "torch privates missing here: none" in out
     carried = re.search(r"^torchao \S+ (\S+)", out, re.M)
     assert carried and "/site/torchao/" in carried.group(1)  # the carried wheel, not this machine's torchao

@@ -2,11 +2,21 @@
 
 Each says the torch versions it was checked on and what ampkit does where it is missing; ``_torch.missing()``
 checks every one of them, so a torch release that moves one fails ``tests/test_torch_shim.py``.
+
+Nothing here imports torch's compiler at import: ``torch.compiler.disable`` and its kin import dynamo (1.4 s, a
+third of ampkit's start), which code that never compiles does not need. ``on_dynamo_import`` runs ampkit's marks
+(which functions dynamo must not trace, which it takes as constants or graph ops) the moment ``torch._dynamo`` is
+imported, by ``torch.compile`` or anyone, through a ``sys.meta_path`` finder: before dynamo can trace anything.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -16,24 +26,96 @@ from torch import nn
 
 from ampkit._torch import _module, at_least, fallback_once, is_compiling
 
-# inductor's custom pass base (``torch._inductor.custom_graph_pass.CustomGraphPass``, 2.6-2.14.1): its ``uuid()``
-# enters inductor's and AOTAutograd's cache keys, which is how compiled graphs are keyed by policy.
-CustomGraphPass: Any = getattr(_module("torch._inductor.custom_graph_pass"), "CustomGraphPass", object)
+# ---------------------------------------------------------------------------
+# Marks applied when dynamo is imported
+
+_DYNAMO = "torch._dynamo"
+_lock = threading.RLock()
+_waiting: list[Callable[[], None]] = []
 
 
-class _Passes(CustomGraphPass):  # type: ignore[misc, valid-type]
-    """Several custom passes as one, for a torch whose inductor calls a single one (2.11: a list is not callable)."""
+def on_dynamo_import(mark: Callable[[], None]) -> None:
+    """Call ``mark`` now if dynamo is imported, else right after ``torch._dynamo`` is (before any trace)."""
+    with _lock:
+        if _DYNAMO not in sys.modules:
+            if not _waiting:
+                sys.meta_path.insert(0, _DynamoFinder())
+            _waiting.append(mark)
+            return
+    mark()
 
-    def __init__(self, *passes: Any) -> None:
-        self.passes = passes
 
-    def __call__(self, graph: torch.fx.graph.Graph) -> None:
-        for graph_pass in self.passes:
-            graph_pass(graph)
+def _run_marks() -> None:
+    with _lock:
+        marks = list(_waiting)
+        _waiting.clear()
+    for mark in marks:
+        mark()
 
-    def uuid(self) -> Any:
-        ids = [getattr(p, "uuid", lambda: None)() for p in self.passes]
-        return None if None in ids else repr(ids)  # None: inductor caches nothing (a pass without an id)
+
+class _DynamoFinder(importlib.abc.MetaPathFinder):
+    """Finds ``torch._dynamo`` as the other finders do, and runs the waiting marks once it has executed."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _DYNAMO:
+            return None
+        sys.meta_path.remove(self)  # once; the other finders find the spec
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenMark(spec.loader)
+        return spec
+
+
+class _ThenMark(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.loader.exec_module(module)
+        _run_marks()
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package... as the real loader answers
+        return getattr(self.loader, name)
+
+
+def mark(namespace: Any, name: str, decorator: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace ``name`` in ``namespace`` (a module's ``globals()``, or a class) by ``decorator`` applied to it
+    (``torch.compiler.disable``, ``assume_constant_result``...) the moment dynamo is imported; until then it stays
+    as written, which nothing can trace. Callers look it up at call time, as a global or an attribute."""
+    if isinstance(namespace, dict):
+        on_dynamo_import(lambda: namespace.__setitem__(name, decorator(namespace[name])))
+    else:
+        on_dynamo_import(lambda: setattr(namespace, name, decorator(namespace.__dict__[name])))
+
+
+def custom_graph_pass_base() -> Any:
+    """inductor's custom pass base (``torch._inductor.custom_graph_pass.CustomGraphPass``, 2.6-2.14.1), else
+    ``object``: its ``uuid()`` enters inductor's and AOTAutograd's cache keys, which is how compiled graphs are keyed
+    by policy."""
+    return getattr(_module("torch._inductor.custom_graph_pass"), "CustomGraphPass", object)
+
+
+@functools.cache
+def _passes_class() -> type:
+    class _Passes(custom_graph_pass_base()):  # type: ignore[misc]
+        """Several custom passes as one, for a torch whose inductor calls a single one (2.11: a list is not
+        callable)."""
+
+        def __init__(self, *passes: Any) -> None:
+            self.passes = passes
+
+        def __call__(self, graph: torch.fx.graph.Graph) -> None:
+            for graph_pass in self.passes:
+                graph_pass(graph)
+
+        def uuid(self) -> Any:
+            ids = [getattr(p, "uuid", lambda: None)() for p in self.passes]
+            return None if None in ids else repr(ids)  # None: inductor caches nothing (a pass without an id)
+
+    return _Passes
 
 
 def add_inductor_key_pass(key_pass: Any) -> None:
@@ -42,7 +124,7 @@ def add_inductor_key_pass(key_pass: Any) -> None:
     2.13-2.14.1), else with the user's as one pass. Missing: AOTAutograd's and inductor's on-disk graph caches are
     turned off instead (said once)."""
     config: Any = _module("torch._inductor.config")
-    if CustomGraphPass is object or not hasattr(config, "post_grad_custom_pre_pass"):
+    if custom_graph_pass_base() is object or not hasattr(config, "post_grad_custom_pre_pass"):
         fallback_once("torch._inductor.custom_graph_pass.CustomGraphPass", "the on-disk caches of compiled graphs are "
                       "turned off (they could not tell two ampkit policies apart)")
         for name, flag in (("torch._functorch.config", "enable_autograd_cache"),
@@ -51,7 +133,7 @@ def add_inductor_key_pass(key_pass: Any) -> None:
         return
     current = config.post_grad_custom_pre_pass
     passes = list(current) if isinstance(current, (list, tuple)) else [] if current is None else [current]
-    passes = [p for q in passes for p in (q.passes if isinstance(q, _Passes) else (q,))]
+    passes = [p for q in passes for p in (q.passes if isinstance(q, _passes_class()) else (q,))]
     if key_pass in passes:
         return
     if not passes:
@@ -59,12 +141,14 @@ def add_inductor_key_pass(key_pass: Any) -> None:
     elif hasattr(_module("torch._inductor.custom_graph_pass"), "get_custom_graph_passes"):
         config.post_grad_custom_pre_pass = [*passes, key_pass]
     else:
-        config.post_grad_custom_pre_pass = _Passes(*passes, key_pass)
+        config.post_grad_custom_pre_pass = _passes_class()(*passes, key_pass)
 
 
 def compiled_original(module: nn.Module) -> nn.Module:
     """The module a ``torch.compile(module)`` wrapper holds (``OptimizedModule._orig_mod``, 2.0-2.14.1), else
     ``module`` itself: module names are the model's own."""
+    if _DYNAMO not in sys.modules:
+        return module  # no torch.compile wrapper without dynamo
     wrapper = getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", ())
     return module._orig_mod if isinstance(module, wrapper) else module  # type: ignore[return-value]
 
@@ -72,12 +156,16 @@ def compiled_original(module: nn.Module) -> nn.Module:
 def skip_as_frame(fn: Callable[..., Any]) -> None:
     """Never compile ``fn`` as a frame of its own, yet inline it where dynamo traces a caller (``torch._dynamo.
     eval_frame.skip_code``, 2.4-2.14.1; ``torch._dynamo.skip`` would make callers break). Missing: dynamo may
-    compile it alone (recompiles to its limit, then eager: slower, never wrong)."""
-    skip_code = getattr(_module("torch._dynamo.eval_frame"), "skip_code", None)
-    if skip_code is None:
-        fallback_once("torch._dynamo.eval_frame.skip_code", "dynamo may compile ampkit's policy guard on its own")
-    else:
-        skip_code(fn.__code__)
+    compile it alone (recompiles to its limit, then eager: slower, never wrong). Done when dynamo is imported."""
+
+    def apply() -> None:
+        skip_code = getattr(_module("torch._dynamo.eval_frame"), "skip_code", None)
+        if skip_code is None:
+            fallback_once("torch._dynamo.eval_frame.skip_code", "dynamo may compile ampkit's policy guard on its own")
+        else:
+            skip_code(fn.__code__)
+
+    on_dynamo_import(apply)
 
 
 def _translator() -> Any:
@@ -116,11 +204,17 @@ def on_trace_end(fn: Callable[[], None]) -> None:
 
 def graph_op_with_side_effects(fn: Callable[..., None]) -> Callable[..., None]:
     """``fn`` as a node of dynamo's graph, kept though nothing uses its result (``torch.fx.node.has_side_effect``,
-    2.1-2.14.1). Missing: ``can_trace_module_regions()`` says False, and the function is never traced."""
-    mark = getattr(torch.fx.node, "has_side_effect", None)
-    if mark is not None:
-        mark(fn)
-    return torch.compiler.allow_in_graph(fn)
+    2.1-2.14.1), marked when dynamo is imported. Missing: ``can_trace_module_regions()`` says False, and the
+    function is never traced."""
+
+    def apply() -> None:
+        keep = getattr(torch.fx.node, "has_side_effect", None)
+        if keep is not None:
+            keep(fn)
+        torch.compiler.allow_in_graph(fn)  # marks ``fn`` itself (by id)
+
+    on_dynamo_import(apply)
+    return fn
 
 
 def trace_backward_without_autocast() -> None:
@@ -151,14 +245,25 @@ def can_trace_module_regions() -> bool:
     return found
 
 
-# Looked up once: dynamo cannot trace an import where the traced code calls the wrapper.
-_funcol: Any = _module("torch.distributed._functional_collectives")
+# Looked up when dynamo is imported (it cannot trace an import where the traced code calls the wrapper), or at
+# the first eager call before that.
+_funcol: Any = None
+
+
+def _load_funcol() -> None:
+    global _funcol
+    _funcol = _module("torch.distributed._functional_collectives")
+
+
+on_dynamo_import(_load_funcol)
 
 
 def all_reduce_max(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     """The maximum of ``tensor`` over ``group``'s ranks, as a new tensor: torch's functional collective
     (``torch.distributed._functional_collectives.all_reduce``, 2.2-2.14.1), which torch.compile traces into its
     graph. Missing: ``torch.distributed.all_reduce`` in place (eager code only; dynamo breaks its graph there)."""
+    if _funcol is None:
+        _load_funcol()
     if _funcol is None or not hasattr(_funcol, "all_reduce"):
         fallback_once("torch.distributed._functional_collectives.all_reduce", "amaxes are reduced in place, and "
                       "compiled code breaks its graph at each reduction")

@@ -158,8 +158,7 @@ def excluding_key(device_type: str) -> contextlib.AbstractContextManager[Any]:
 
 
 def is_mutable(overload: Any) -> bool:
-    """Whether an op overload writes to an argument (``out=``, in-place): ``OpOverload._schema``
-    (2.4-2.14.1)."""
+    """Whether an op overload writes to an argument (``out=``, in-place): ``OpOverload._schema`` (2.4-2.14.1)."""
     return bool(overload._schema.is_mutable)
 
 
@@ -196,13 +195,10 @@ def forward_used_autocast(ctx: Any) -> bool:
 
 
 def saved_tensors_hooks_now() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """The innermost ``saved_tensors_hooks`` pair, or None (``torch._C._autograd.
-    _top_saved_tensors_default_hooks``, 2.4-2.14.1). Missing: the GELU recompute is skipped,
-    as it is under others' hooks."""
+    """The innermost ``saved_tensors_hooks`` pair, or None (``torch._C._autograd._top_saved_tensors_default_hooks``,
+    2.4-2.14.1). Missing: the GELU recompute is skipped, as it is under others' hooks."""
     getter = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    if getter is None:
-        return (_unknown_hook, _unknown_hook)
-    return getter(False)
+    return (_unknown_hook, _unknown_hook) if getter is None else getter(False)
 
 
 def _unknown_hook(value: Any) -> Any:
@@ -210,15 +206,13 @@ def _unknown_hook(value: Any) -> Any:
 
 
 def forward_class(node: Any) -> type | None:
-    """The autograd Function class of a graph node (``BackwardCFunction._forward_cls``,
-    2.4-2.14.1); None for built-in ops."""
+    """The autograd Function class of a graph node (``BackwardCFunction._forward_cls``, 2.4-2.14.1); None: built-in."""
     return getattr(node, "_forward_cls", None)
 
 
 def gelu_saved(node: Any) -> tuple[torch.Tensor, str] | None:
-    """What a ``GeluBackward0`` node saved: its input and approximation mode
-    (``_saved_self``, ``_saved_approximate``, 2.4-2.14.1). None where they are missing: then
-    no GELU output is recomputed (it is saved, as without ampkit)."""
+    """What a ``GeluBackward0`` node saved: its input and approximation mode (``_saved_self``, ``_saved_approximate``,
+    2.4-2.14.1). None where they are missing: then no GELU output is recomputed (it is saved, as without ampkit)."""
     try:
         return node._saved_self, node._saved_approximate
     except (AttributeError, RuntimeError):
@@ -243,10 +237,9 @@ def _tracing_context() -> Any:
 
 def fused_sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                      scale: float | None) -> int | None:
-    """The attention backend torch picks for these inputs (``torch._fused_sdp_choice``,
-    2.4-2.14.1); None where missing, and attention takes float32 compute's generic path."""
-    choice = getattr(torch, "_fused_sdp_choice", None)
-    if choice is None:
+    """The attention backend torch picks for these inputs (``torch._fused_sdp_choice``, 2.4-2.14.1); None where
+    missing, and attention takes float32 compute's generic path."""
+    if (choice := getattr(torch, "_fused_sdp_choice", None)) is None:
         return None
     if is_compiling():
         # Traced inputs are fake tensors, for which the choice answers MATH where the real kernel, and torch's
@@ -282,8 +275,8 @@ def scaled_mm(*args: Any, **kwargs: Any) -> Any:
 
 
 def amp_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """``torch._amp_foreach_non_finite_check_and_unscale_``: GradScaler's fused unscale and
-    inf/NaN check (2.4-2.14.1)."""
+    """``torch._amp_foreach_non_finite_check_and_unscale_``: GradScaler's fused unscale and inf/NaN check
+    (2.4-2.14.1)."""
     fused = _lookup("torch._amp_foreach_non_finite_check_and_unscale_")
     if fused is not None:
         fused(tensors, found_inf, inv_scale)
@@ -379,10 +372,17 @@ _NEEDED: dict[str, Callable[[], object]] = {
 }
 
 
-def missing() -> list[str]:
-    """The privates above that the running torch lacks (empty on a supported torch)."""
+# Looking these up imports torch.compile's modules (1.4 s): the check at import leaves them to the features using them.
+_COMPILE_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.distributed", "Instruc", "OutputG")
+
+
+def missing(*, compile_modules: bool = True) -> list[str]:
+    """The privates above that the running torch lacks (empty on a supported torch); without
+    ``compile_modules``, those in torch.compile's modules are not looked up."""
     absent = []
     for name, get in _NEEDED.items():
+        if not compile_modules and name.startswith(_COMPILE_MODULES):
+            continue
         try:
             if get() is None:
                 absent.append(name)
@@ -391,10 +391,9 @@ def missing() -> list[str]:
     return absent
 
 
-
 # Checked once, at import, against the running torch: one warning naming what is missing (each feature
-# then says what it does without it, at its first call).
-if absent := missing():
+# then says what it does without it, at its first call; torch.compile's are said by the features that use them).
+if absent := missing(compile_modules=False):
     warnings.warn(f"torch {torch.__version__} lacks {', '.join(absent)}, which ampkit was checked with "
                   f"({_CHECKED_ON}); the features that need them fall back or refuse at their first call, saying so.",
                   TorchVersionWarning, stacklevel=2)

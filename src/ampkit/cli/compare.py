@@ -40,10 +40,10 @@ def _defaults(name: str) -> str:
     return "; ".join(f"{value} for {', '.join(models)}" for value, models in values.items()) or "none"
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
+    """Add this command's parser; ``line`` is its help line in ``ampkit --help`` (cli/main.py)."""
     parser = subparsers.add_parser(
-        "compare",
-        help="train in float32 and mixed precision, compare time, memory and accuracy",
+        "compare", help=line,
         description="With no arguments: ResNet-18 on the bundled handwritten digits, float32 vs the mixed "
         "settings this hardware supports.",
     )

@@ -17,9 +17,10 @@ from ampkit.hardware.flags import native_support
 from ampkit.hardware.throughput import OP_CLASSES, Throughput, cache_path
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
+    """Add this command's parser; ``line`` is its help line in ``ampkit --help`` (cli/main.py)."""
     parser = subparsers.add_parser(
-        "env", help="show 16-bit support of this CPU/GPU and the recommended settings",
+        "env", help=line,
         description="What this machine supports in 16 bits (CPU flags, GPU compute capability), the measured speed "
         "of its 16-bit kernels against float32 (cached per machine), and the dtype, compute mode and opt level "
         "ampkit recommends here.")

@@ -32,9 +32,10 @@ from ampkit.precision.policy import Policy
 MIB = 2**20
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
+    """Add this command's parser; ``line`` is its help line in ``ampkit --help`` (cli/main.py)."""
     parser = subparsers.add_parser(
-        "inspect", help="where a model overflows or underflows in 16 bits, and why",
+        "inspect", help=line,
         description="Runs one batch of the model under a 16-bit policy and reports each layer's value ranges "
         "against the format's (overflow, underflow), the memory the opt level would take and the dimensions "
         "that do not suit 16-bit GEMMs; with --find-nonfinite, the first op that makes inf/NaN.")

@@ -3,22 +3,36 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
-from ampkit.cli import compare, env, inspect_cmd, ops, tune
 from ampkit.cli.flags import as_flags
 
-SUBCOMMANDS = [compare, tune, inspect_cmd, env, ops]
+# Each command's module and the line ``ampkit --help`` shows for it. The modules import torch (2 s and more), so
+# only the command being run, or whose help is asked, is imported: ``ampkit --help`` needs none of them.
+COMMANDS = {
+    "compare": ("ampkit.cli.compare", "train in float32 and mixed precision, compare time, memory and accuracy"),
+    "tune": ("ampkit.cli.tune", "choose each linear's format (FP8, block-scaled, 16-bit) from measured sensitivity "
+             "and cost"),
+    "inspect": ("ampkit.cli.inspect_cmd", "where a model overflows or underflows in 16 bits, and why"),
+    "env": ("ampkit.cli.env", "show 16-bit support of this CPU/GPU and the recommended settings"),
+    "ops": ("ampkit.cli.ops", "print the op lists of the default policy"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: Iterable[str] | None = None) -> argparse.ArgumentParser:
+    """The parser, with the full parsers of ``commands`` (default: all) and a name and help line for the rest."""
     parser = argparse.ArgumentParser(prog="ampkit", description="Mixed precision training toolkit for PyTorch.")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in SUBCOMMANDS:
-        module.add_parser(subparsers)
+    full = set(COMMANDS if commands is None else commands)
+    for name, (module, line) in COMMANDS.items():
+        if name in full:
+            importlib.import_module(module).add_parser(subparsers, line)
+        else:
+            subparsers.add_parser(name, help=line)
     return parser
 
 
@@ -33,7 +47,9 @@ def _on_sigterm(signum: int, frame: object) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the subcommand; returns the exit code (2 for bad input,
     130 on Ctrl-C, 143 on SIGTERM)."""
-    args = build_parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    command = next((word for word in words if not word.startswith("-")), None)  # ampkit's own options take no value
+    args = build_parser([command] if command in COMMANDS else []).parse_args(words)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:

@@ -11,8 +11,9 @@ from ampkit.precision.op_lists import CATEGORIES
 from ampkit.precision.policy import Policy
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("ops", help="print the op lists of the default policy")
+def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
+    """Add this command's parser; ``line`` is its help line in ``ampkit --help`` (cli/main.py)."""
+    parser = subparsers.add_parser("ops", help=line)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="device type (default: cpu)")
     parser.add_argument("--dtype", choices=["bf16", "fp16"], default=None, help="default: bf16 on cpu, fp16 on cuda")
     parser.set_defaults(run=run)

@@ -18,9 +18,10 @@ from ampkit.planning.precision_plan import BASES, LOWER, PrecisionPlan
 from ampkit.planning.tune import OBJECTIVES
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
+    """Add this command's parser; ``line`` is its help line in ``ampkit --help`` (cli/main.py)."""
     parser = subparsers.add_parser(
-        "tune", help="choose each linear's format (FP8, block-scaled, 16-bit) from measured sensitivity and cost",
+        "tune", help=line,
         description="Lowers each candidate linear alone, measures the loss change and the saving, and keeps the "
         "plan within --tolerance; writes the plan for `ampkit compare --plan`.")
     parser.add_argument("--model", default="gpt", help=f"{' | '.join(MODELS)} | {HF_HELP} | "

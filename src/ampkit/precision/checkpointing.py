@@ -28,11 +28,8 @@ from ampkit.precision.state import current_policy, current_region, torch_nesting
 # Activation checkpointing
 
 _lock = threading.Lock()
-_installed = False
-
-# Enters a region for a policy: ampkit.autocast, handed over by regions.py (which imports
-# this module, so it cannot be imported here).
-EnterRegion = Callable[[Policy], contextlib.AbstractContextManager[Any]]
+_count = 0  # the open regions that need the replacements
+_installed: tuple[Any, Any] | None = None  # (torch's, ampkit's) entry points while replaced
 
 
 def _reentering(fn: Callable[..., Any], enter: EnterRegion) -> Callable[..., Any]:
@@ -57,33 +54,54 @@ def _reentering(fn: Callable[..., Any], enter: EnterRegion) -> Callable[..., Any
     return recompute
 
 
-def install(enter: EnterRegion) -> None:
-    """Make torch.utils.checkpoint (both modes) recompute under the policy of its forward,
-    re-entered with ``enter(policy)``; once per process.
+@functools.cache  # one class per process: torch's entry points and ``enter`` are the same at every region
+def _replacements(original: Any, generator: Any, enter: EnterRegion) -> tuple[Any, Any]:
+    def without_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return generator(_reentering(fn, enter), *args, **kwargs)
 
-    Wraps the segment function where torch's checkpoint hands it over: the reentrant
-    ``CheckpointFunction`` and the non-reentrant generator, both looked up at call time,
-    so ``from torch.utils.checkpoint import checkpoint`` is covered too.
+    class CheckpointFunction(original):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def forward(ctx: Any, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+            return original.forward(ctx, _reentering(run_function, enter), preserve_rng_state, *args)
+
+    return CheckpointFunction, without_reentrant
+
+
+def acquire(enter: EnterRegion) -> None:
+    """Make torch.utils.checkpoint (both modes) recompute under the policy of its forward, re-entered with
+    ``enter(policy)``, while a region that needs it is open (``release`` undoes it after the last one).
+
+    Wraps the segment function where torch's checkpoint hands it over: the reentrant ``CheckpointFunction`` and
+    the non-reentrant generator, both looked up at call time, so ``from torch.utils.checkpoint import checkpoint``
+    is covered too. The wrapped function is taken at the forward, inside the region, so a recompute in the
+    backward, after the region exited, still re-enters it.
     """
-    global _installed
+    global _count, _installed
     with _lock:
-        if _installed:
+        _count += 1
+        if _count > 1:
             return
-        _installed = True
         found = _torch.checkpoint_entry_points()
         if found is None:
             warn_once("checkpoint", f"ampkit cannot hook torch.utils.checkpoint of torch {torch.__version__}: "
                       "checkpointed segments inside an edited or float32-compute region recompute without "
                       "its policy.")
             return
-        original, generator = found
+        ours = _replacements(*found, enter)
+        _torch.replace_checkpoint_entry_points(*ours)
+        _installed = (found, ours)
 
-        def without_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-            return generator(_reentering(fn, enter), *args, **kwargs)
 
-        class CheckpointFunction(original):  # type: ignore[misc, valid-type]
-            @staticmethod
-            def forward(ctx: Any, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
-                return original.forward(ctx, _reentering(run_function, enter), preserve_rng_state, *args)
-
-        _torch.replace_checkpoint_entry_points(CheckpointFunction, without_reentrant)
+def release() -> None:
+    """Put torch's entry points back after the last region that needed them, each unless someone else replaced ours
+    since (theirs stays)."""
+    global _count, _installed
+    with _lock:
+        _count -= 1
+        if _count or _installed is None:
+            return
+        torch_own, ours = _installed
+        _installed = None
+        now = _torch.checkpoint_entry_points() or ours
+        _torch.replace_checkpoint_entry_points(*(own if current is mine else current
+                                                 for own, current, mine in zip(torch_own, now, ours)))

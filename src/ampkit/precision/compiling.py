@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,7 @@ def open_guards() -> list[str]:
     return [region.guard.key for region in state.stack if region.guard is not None]
 
 
-class PolicyKey(_compile_torch.CustomGraphPass):  # type: ignore[misc]
+class PolicyKey:
     """Adds the calling thread's open policies to inductor's and AOTAutograd's cache keys; changes no graph.
 
     Both caches hash the inductor config's custom passes by their ``uuid()``, evaluated in the thread that
@@ -129,9 +130,18 @@ def _kernel_source_hash() -> str:
     return digest.hexdigest()
 
 
-_KEY = PolicyKey()
+@functools.cache
+def _key() -> Any:
+    """The one ``PolicyKey``, as a subclass of inductor's custom pass base (imported with inductor, on first need)."""
+    base = _compile_torch.custom_graph_pass_base()
+    return type("PolicyKey", (PolicyKey, base) if base is not object else (PolicyKey,), {"__module__": __name__})()
 
 
 def _install_cache_key() -> None:
-    """Put ``PolicyKey`` among inductor's post-grad passes, beside any the user set (checked per policy)."""
-    _compile_torch.add_inductor_key_pass(_KEY)
+    """Put ``PolicyKey`` among inductor's post-grad passes, beside any the user set (checked per policy), where
+    torch.compile is in use (dynamo imported); else when it first is."""
+    if "torch._dynamo" in sys.modules:
+        _compile_torch.add_inductor_key_pass(_key())
+
+
+_compile_torch.on_dynamo_import(_install_cache_key)

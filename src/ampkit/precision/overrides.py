@@ -36,7 +36,7 @@ _module_names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictio
 _hooks_lock = threading.Lock()
 _hook_handles: list[Any] = []
 _hooks_count = 0  # the open regions that need the hooks
-_traceable = False  # whether torch.compile can trace the hooks (_compile_torch.can_trace_module_regions)
+_traceable = False  # whether torch.compile can trace the hooks (_compile_torch.can_trace_module_regions), once imported
 
 
 def _override_for(module: nn.Module, policy: Policy) -> torch.dtype | None:
@@ -75,7 +75,6 @@ def _post_hook(module: nn.Module, args: tuple, output: Any) -> None:
         _exit_traced()
 
 
-@torch.compiler.disable  # never compiled as frames; called from a trace only where it cannot trace the hooks
 def _eager_pre_hook(module: nn.Module, args: tuple) -> tuple | None:
     top = state.stack[-1] if state.stack else None
     if top is None or top.policy is None or not top.policy.overrides:
@@ -103,7 +102,6 @@ def _eager_pre_hook(module: nn.Module, args: tuple) -> tuple | None:
     return args
 
 
-@torch.compiler.disable
 def _eager_post_hook(module: nn.Module) -> None:
     if state.module_stack and state.module_stack[-1][0] is module:
         _, ctx = state.module_stack.pop()
@@ -119,7 +117,6 @@ def _eager_post_hook(module: nn.Module) -> None:
 _FLOAT32, _LOW = 1, 2  # what a module's override opens: a float32 region, or the policy's 16-bit dtype for all
 
 
-@torch.compiler.assume_constant_result  # the policy is guarded by its mode's type, the module by dynamo
 def _enters_at_trace(module: nn.Module) -> tuple[str, int]:
     """(device type, _FLOAT32 or _LOW) where ``module`` opens an override region, else ("", 0)."""
     top = state.stack[-1] if state.stack else None
@@ -134,7 +131,6 @@ def _enters_at_trace(module: nn.Module) -> tuple[str, int]:
     return top.policy.device_type, _FLOAT32 if dtype == torch.float32 else _LOW
 
 
-@torch.compiler.assume_constant_result
 def _leaves_at_trace(module: nn.Module) -> bool:
     if state.traced_modules and state.traced_modules[-1] is module:
         state.traced_modules.pop()
@@ -202,6 +198,21 @@ def _forget(stack: list, item: object) -> None:
 # frames of their own (a graph ending with the region open); they are traced only inline, in a caller's graph.
 for _hook in (_pre_hook, _post_hook, _traced_pre_hook):
     _compile_torch.skip_as_frame(_hook)
+# The eager hooks are never compiled as frames (called from a trace only where it cannot trace the hooks); the policy
+# is guarded by its mode's type, the module by dynamo, so which modules match is a constant of the trace. Marked when
+# dynamo is imported.
+for _name in ("_eager_pre_hook", "_eager_post_hook"):
+    _compile_torch.mark(globals(), _name, torch.compiler.disable)
+for _name in ("_enters_at_trace", "_leaves_at_trace"):
+    _compile_torch.mark(globals(), _name, torch.compiler.assume_constant_result)
+
+
+def _learn_traceable() -> None:
+    global _traceable
+    _traceable = _compile_torch.can_trace_module_regions()
+
+
+_compile_torch.on_dynamo_import(_learn_traceable)
 
 
 def install_hooks() -> None:
@@ -213,12 +224,12 @@ def install_hooks() -> None:
     module call, in this process only after such a region ran, as the dispatcher kernels stay (issue 38 replaces
     both with per-region mechanisms).
     Where dynamo cannot trace them (torch 2.11) they break every compiled graph at each module call, override
-    region or not: there they go with the last region that needs them (``release_hooks``).
+    region or not: there they go with the last region that needs them (``release_hooks``), as they do in a process
+    that has not imported dynamo (nothing compiles there).
     """
-    global _hooks_count, _traceable
+    global _hooks_count
     with _hooks_lock:
         if not _hook_handles:
-            _traceable = _compile_torch.can_trace_module_regions()
             from torch.nn.modules import module as module_mod
 
             _hook_handles.append(module_mod.register_module_forward_pre_hook(_pre_hook))  # type: ignore[arg-type]

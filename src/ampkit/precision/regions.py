@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ampkit import _torch
+from ampkit import _compile_torch, _torch
 from ampkit.hardware.advice import slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
 from ampkit.modes import ComputeModeWarning
@@ -99,7 +99,6 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             if slow:
                 warn_once(f"slow:{self.policy.device_type}:{self.policy.dtype}", slow, SlowPrecisionWarning)
 
-    @torch.compiler.disable  # the region opens and closes eagerly; what runs inside it compiles
     def __enter__(self) -> autocast:
         policy = self.policy
         if policy.enabled:
@@ -110,7 +109,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             overrides.install_hooks()
         if self._kernel_ops:
             registry.acquire(policy.device_type, self._kernel_ops)
-            checkpointing.install(autocast)  # torch restores its own autocast state on recompute, not ampkit's
+            checkpointing.acquire(autocast)  # torch restores its own autocast state on recompute, not ampkit's
         ctx.__enter__()
         guard_type = self._guard
         if guard_type is None and any(region.guard is not None for region in state.stack):
@@ -125,7 +124,6 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
                                     torch_nesting(), guard))
         return self
 
-    @torch.compiler.disable
     def __exit__(self, *exc: object) -> None:
         if not state.stack:
             raise RuntimeError("ampkit.autocast.__exit__() without __enter__(): use `with ampkit.autocast(policy):`.")
@@ -137,23 +135,34 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             overrides.release_hooks()
         if self._kernel_ops:
             registry.release(self.policy.device_type, self._kernel_ops)
+            checkpointing.release()
         if not state.stack:
             state.weight_cache.clear()
 
     def __call__(self, fn: F) -> F:
-        # torch.compile opens the region eagerly (this frame only, not recursive) and compiles `fn` inside
-        # it, guarded by the region's policy (precision/compiling.py): in a compiled module whose forward
-        # is decorated, the graph starts at the forward, as it would under torch.autocast.
         # torch.jit.script meeting `with ampkit.autocast(...)` fails here, showing these lines:
-        @functools.partial(torch.compiler.disable, recursive=False)
         @functools.wraps(fn)  # torch.jit.script cannot compile an ampkit region: use torch.autocast in scripted code
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if self.policy.overrides and args and isinstance(args[0], nn.Module):
-                overrides.name_modules(args[0])  # a decorated forward: names are relative to its module
-            with self:
-                return fn(*args, **kwargs)
+            return _run_in_region(self, fn, args, kwargs)
 
         # torch.jit.script would compile the undecorated function (it follows __wrapped__) and
         # silently drop the policy; this attribute makes it refuse instead.
         setattr(wrapper, "__script_unsupported", _SCRIPT_UNSUPPORTED)
         return wrapper  # type: ignore[return-value]
+
+
+def _run_in_region(region: autocast, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    """A decorated function's call. torch.compile opens the region eagerly (this frame only, not recursive:
+    ``_compile_torch.mark`` below) and compiles ``fn`` inside it, guarded by the region's policy
+    (precision/compiling.py): in a compiled module whose forward is decorated, the graph starts at the forward,
+    as it would under torch.autocast."""
+    if region.policy.overrides and args and isinstance(args[0], nn.Module):
+        overrides.name_modules(args[0])  # a decorated forward: names are relative to its module
+    with region:
+        return fn(*args, **kwargs)
+
+
+# The region opens and closes eagerly; what runs inside it compiles. Marked when torch.compile first imports dynamo.
+_compile_torch.mark(autocast, "__enter__", torch.compiler.disable)
+_compile_torch.mark(autocast, "__exit__", torch.compiler.disable)
+_compile_torch.mark(globals(), "_run_in_region", functools.partial(torch.compiler.disable, recursive=False))

@@ -1,0 +1,89 @@
+"""Start-up: ``import ampkit`` and ``ampkit --help`` load no more than they need (issue 41).
+
+Timed by ``benchmarks/bench_startup.py`` (never by a test); here, what each start imports, which is what makes it
+slow: torch's compiler (dynamo, 1.4 s here) only once torch.compile is used, torch not at all for ``--help``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def _run(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def test_import_and_eager_use_never_import_torchs_compiler() -> None:
+    """Regions (edited, float32 compute, module overrides) and a scaler, eagerly. (torch's own optimizers import
+    dynamo when built, from torch.optim.Optimizer.__init__: a training script pays that with or without ampkit.)"""
+    code = """
+import sys, warnings
+warnings.simplefilter("ignore")
+import ampkit
+print("torch" in sys.modules)
+import torch
+from torch import nn
+for name in ampkit.__all__:
+    getattr(ampkit, name)
+model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+policy = ampkit.Policy.default("cpu", torch.bfloat16, compute="float32").with_ops(deny=["gelu"]).with_modules(
+    nn.LayerNorm, dtype=torch.float32)
+with ampkit.autocast(policy):
+    loss = model(torch.randn(2, 8)).float().sum()
+scaler = ampkit.DynamicLossScaler()
+scaler.scale(loss).backward()
+print(sorted(m for m in sys.modules if m.startswith(("torch._dynamo", "torch._inductor"))))
+"""
+    assert _run(code).splitlines() == ["False", "[]"]
+
+
+def test_help_imports_no_torch_and_a_commands_help_its_own_module_only() -> None:
+    code = """
+import contextlib, io, sys
+from ampkit.cli.main import main
+for argv in (["--help"], ["ops", "--help"]):
+    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):
+        main(argv)
+    print("torch" in sys.modules, sorted(m for m in sys.modules if m.startswith("ampkit.cli.") and m not in (
+        "ampkit.cli.main", "ampkit.cli.flags")))
+"""
+    assert _run(code).splitlines() == ["False []", "True ['ampkit.cli.ops']"]
+
+
+@pytest.mark.slow  # a compile: over 5 s here
+def test_compiling_after_eager_use_marks_ampkit_for_dynamo_as_it_is_imported() -> None:
+    """The marks (``torch.compiler.disable`` on a region's entry, the override hooks' constants) are made when
+    torch.compile first imports dynamo, before it traces: a model whose forward is decorated, compiled after eager
+    regions ran, gives the eager dtypes, and the region's entry is not traced."""
+    code = """
+import sys, warnings
+warnings.simplefilter("ignore")
+import torch
+from torch import nn
+import ampkit
+policy = ampkit.Policy.default("cpu", torch.bfloat16, compute="native").with_ops(deny=["linear"]).with_modules(
+    nn.LayerNorm, dtype=torch.float32)
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    @ampkit.autocast(policy)
+    def forward(self, x):
+        return self.norm(self.linear(x)).to(torch.bfloat16) @ self.linear.weight.T
+
+model, x = Net(), torch.randn(4, 8)
+eager = model(x)
+print("torch._dynamo" in sys.modules)
+compiled = torch.compile(model, backend="aot_eager")
+got = compiled(x)
+print(got.dtype == eager.dtype, torch.equal(got, eager))
+print(getattr(ampkit.autocast.__enter__, "_torchdynamo_disable", False))
+"""
+    assert _run(code).splitlines() == ["False", "True True", "True"]
