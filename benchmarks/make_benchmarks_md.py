@@ -513,13 +513,15 @@ def estimate_section(directory: Path) -> str | None:
         if results.get("estimated_s") is None or results.get("wall_s") is None:
             continue
         method = "each setting timed" if results["created"] >= ESTIMATE_TIMES_EACH_SETTING else "float32's step"
-        rows.append(f"| {path.parent.name.removeprefix('compare-')} | {results['created'][:16]} | {method} | "
+        native = results.get("machine", {}).get("cpu_native_bf16")
+        cpu = {True: "native bf16", False: "AVX2 (bf16 emulated)"}.get(native, "?")
+        rows.append(f"| {path.parent.name.removeprefix('compare-')} | {cpu} | {results['created'][:16]} | {method} | "
                     f"{results['estimated_s']:.0f} | {results['wall_s']:.0f} | "
                     f"{results['wall_s'] / results['estimated_s']:.2f}x |")
     if not rows:
         return None
-    return "\n".join(["| record | created | estimate | estimated s | took s | took / estimated |",
-                      "|---|---|---|---|---|---|", *rows])
+    return "\n".join(["| record | CPU | created | estimate | estimated s | took s | took / estimated |",
+                      "|---|---|---|---|---|---|---|", *rows])
 
 
 def underflow_section(directory: Path, relative: str) -> str | None:

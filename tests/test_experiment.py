@@ -132,7 +132,7 @@ def test_estimate_scales_a_measured_float32_step(fake_machine, monkeypatch) -> N
     configs = settings.plan(model="mlp", steps=4, batch_size=8)
     estimate = cost.estimate(configs)
     assert len(estimate.run_s) == len(configs) == 4 and estimate.float32_step_s > 0
-    # the 4 runs start at once on 2 cores: each imports what this process imported (at most its CPU time)
+    # the 4 runs start at once on 2 cores: each does what this process did before its first step (at most its CPU time)
     assert estimate.startup_s == pytest.approx(3.0 * 4 / 2)
     assert cost.estimate(configs[:1]).startup_s == pytest.approx(3.0)  # one run: no wait for a core
     assert estimate.native_speedup == {"bf16": pytest.approx(0.05)}
@@ -140,11 +140,15 @@ def test_estimate_scales_a_measured_float32_step(fake_machine, monkeypatch) -> N
     assert estimate.total_s == pytest.approx(estimate.startup_s + sum(estimate.run_s))
     # the probe: its own native steps, timed here (not the 20x the measured kernels predict), no evaluation
     assert set(estimate.setting_step_s) == {"bf16 O1 auto plain", "bf16 O2 auto plain", "bf16 O1 native plain"}
-    assert probe == pytest.approx(settings.PROBE_STEPS * estimate.setting_step_s["bf16 O1 native plain"])
+    # each run's first step as much slower as float32's warm-up step here
+    first = max(estimate.first_step_s - estimate.float32_step_s, 0.0)
+    assert first > 0
+    native = estimate.setting_step_s["bf16 O1 native plain"]
+    assert probe == pytest.approx((settings.PROBE_STEPS + first / estimate.float32_step_s) * native)
     # its 4 steps, then evaluation: the test set (360 digits, batch 8) and precise BN's batches, each a timed forward
     assert 0 < estimate.float32_forward_s < estimate.float32_step_s
     evaluation = (360 / 8 + config.PRECISE_BN_BATCHES) * estimate.float32_forward_s
-    assert fp32 == pytest.approx(4 * estimate.float32_step_s + evaluation)
+    assert fp32 == pytest.approx(4 * estimate.float32_step_s + first + evaluation)
 
 
 def test_runs_evaluate_one_after_another(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,8 +36,8 @@ class Estimate:
         float32_step_s: a float32 training step of the model with the runs' optimizer,
             timed here (median of ``ESTIMATE_STEPS``).
         float32_forward_s: the forward of those steps (median): what evaluation costs per batch.
-        startup_s: starting the runs: each imports what this process imported before
-            the estimate (Python, torch, ampkit, the data), all at once on the CPU's cores.
+        startup_s: starting the runs: each does what this process did before its first float32
+            step (imports, the data, the model and its optimizer), all at once on the CPU's cores.
         run_s: per configuration, in plan order: its training steps and evaluation.
         native_speedup: per mixed precision, float32's time over native 16-bit's for
             this model's GEMMs (measured kernel speeds weighted by the model's FLOPs).
@@ -45,6 +45,8 @@ class Estimate:
             what each compiled run is estimated to spend compiling (0 without compiled runs).
         setting_step_s: per mixed setting (precision, opt level, compute, update), a training step of
             its own model timed here (after a warm-up step); its runs are costed at it.
+        first_step_s: the float32 warm-up step here; each run's first step is as much slower than the
+            others (at its setting's ratio to float32).
     """
 
     float32_step_s: float
@@ -54,6 +56,7 @@ class Estimate:
     native_speedup: dict[str, float]
     compile_s: float = 0.0
     setting_step_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    first_step_s: float = 0.0
 
     @property
     def total_s(self) -> float:
@@ -65,15 +68,17 @@ def estimate(configs: list[RunConfig]) -> Estimate:
     the model in this process (after one warm-up step) and one step of each mixed setting's own
     model, then scale by steps, evaluation (at the same ratio to float32) and start-up.
     """
-    # What each run repeats before its set-up: starting Python, importing torch and ampkit. This process's
-    # CPU time so far, at most its age (a long-lived notebook has spent its age on other things).
-    import_s = min(_process_age_s(), time.process_time())
     first = configs[0]
     device = torch.device(first.device)
     dataset = data_mod.load(first.data)
     torch.manual_seed(first.seed)
     model = build(first.model, **dataset.model_kwargs(CONTEXT)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the runs' optimizer; lr 0: this model is not trained
+    # What each run repeats before its first step: starting Python, importing torch and ampkit (and torch's compiler,
+    # which torch's optimizers import when built), loading the data, building the model and its optimizer. This
+    # process has just done the same: its CPU time so far, at most its age (a long-lived notebook has spent its age on
+    # other things).
+    setup_s = min(_process_age_s(), time.process_time())
     index = torch.arange(first.batch_size) % len(dataset.train_x if dataset.kind == "text" else dataset.train_y)
     if dataset.kind == "text":
         x, y = data_mod.windows(dataset.train_x, index % (len(dataset.train_x) - CONTEXT - 1), CONTEXT)
@@ -92,7 +97,7 @@ def estimate(configs: list[RunConfig]) -> Estimate:
 
     try:
         with FlopCounterMode(display=False) as flops:
-            step()  # also the warm-up
+            first_s = step()[0]  # also the warm-up: a run's first step is as slow (it also counts what it saves)
         timed = [step() for _ in range(ESTIMATE_STEPS)]
     except ModelMistake:
         raise
@@ -133,15 +138,15 @@ def estimate(configs: list[RunConfig]) -> Estimate:
         if config.precision != "fp32":
             distinct.setdefault(_setting(config), config)
     setting_s = {key: _setting_step(c, dataset, device, x, y, sync) for key, c in distinct.items()}
-    startup = import_s * max(1.0, len(configs) / (os.cpu_count() or 1))
+    startup = setup_s * max(1.0, len(configs) / (os.cpu_count() or 1))  # the runs start at once, on every core
     n_eval = len(dataset.test_y) if dataset.kind == "image" else 64
     runs = []
     for config in configs:
         factor = 1.0 if config.precision == "fp32" else setting_s[_setting(config)] / step_s
-        train = config.steps * step_s * factor + (compile_s if config.compiled else 0.0)
+        train = (config.steps * step_s + max(first_s - step_s, 0.0)) * factor + (compile_s if config.compiled else 0.0)
         evaluation = 0.0 if config.probe else (n_eval / config.batch_size + PRECISE_BN_BATCHES) * forward_s * factor
         runs.append(train + evaluation)
-    return Estimate(step_s, forward_s, startup, runs, speedups, compile_s, setting_s)
+    return Estimate(step_s, forward_s, startup, runs, speedups, compile_s, setting_s, first_s)
 
 
 def _setting(config: RunConfig) -> str:
