@@ -31,7 +31,9 @@ from ampkit.hardware.advice import machine_summary
 from ampkit.experiment.config import RunResult
 from ampkit.experiment.cost import Estimate
 
-EXAMPLES = settings(max_examples=int(__import__("os").environ.get("AMPKIT_PROPERTY_EXAMPLES", "60")), deadline=None, suppress_health_check=list(HealthCheck))
+# database=None: no example database in the checkout (the test command writes only in temporary folders)
+EXAMPLES = settings(max_examples=int(__import__("os").environ.get("AMPKIT_PROPERTY_EXAMPLES", "60")), deadline=None,
+                    suppress_health_check=list(HealthCheck), database=None)
 EXIT_CODES = {0, 1, 2, 130, 143}
 
 some = st.sampled_from
