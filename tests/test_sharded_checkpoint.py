@@ -56,3 +56,58 @@ def test_a_save_killed_between_its_renames_leaves_a_loadable_checkpoint(tmp_path
     assert not run.exists()
     with pytest.warns(RuntimeWarning, match=r"run was missing: a save was stopped between its renames"):
         assert load_sharded_checkpoint(run, model, optimizer) == {"step": 2}  # the new one, complete
+
+
+def test_a_byte_flipped_in_a_saved_file_is_refused_by_name_and_nothing_changes(tmp_path: Path) -> None:
+    """On main, a sharded checkpoint with one flipped byte in a weight loaded without an error."""
+    model, optimizer = _model()
+    save_sharded_checkpoint(tmp_path / "run", model, optimizer)
+    shard = next((tmp_path / "run").glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=rf"run is damaged: {shard.name} differ from the files the save wrote"):
+        load_sharded_checkpoint(tmp_path / "run", model, optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_keys(tmp_path: Path) -> None:
+    """On main, a 2-layer model's checkpoint loaded into a 1-layer model without a word (DCP reads what the model
+    asks for and ignores the rest)."""
+    two = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    save_sharded_checkpoint(tmp_path / "run", two)
+    one = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(RuntimeError, match=r"checkpoint of another model: it lacks \[\] and has \['1.bias', "
+                                           r"'1.weight'\] the model does not"):
+        load_sharded_checkpoint(tmp_path / "run", one)
+
+
+def test_other_shapes_raise_a_runtime_error_not_dcps_base_exception(tmp_path: Path) -> None:
+    """On main, torch.distributed.checkpoint's CheckpointException (a BaseException) escaped: `except Exception`
+    missed it and the documented RuntimeError was never raised."""
+    save_sharded_checkpoint(tmp_path / "run", torch.nn.Linear(4, 4))
+    wider = torch.nn.Linear(4, 8)
+    with pytest.raises(RuntimeError, match=r"could not be read into this model, nothing was changed: rank 0: "
+                                           r".*Load it into the model it was saved from"):
+        load_sharded_checkpoint(tmp_path / "run", wider)
+
+
+def test_a_failed_write_raises_a_runtime_error_and_keeps_the_previous_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write failing inside DCP (a full disk, a read-only folder) escaped as CheckpointException on main."""
+    from torch.distributed.checkpoint import filesystem
+
+    model, optimizer = _model()
+    save_sharded_checkpoint(tmp_path / "run", model, optimizer, extra={"step": 1})
+
+    def full_disk(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(filesystem.FileSystemWriter, "write_data", full_disk)
+    with pytest.raises(RuntimeError, match=r"Saving the sharded checkpoint .*run failed, the previous one \(if any\) "
+                                           r"is as it was: rank 0: OSError: .*No space left on device"):
+        save_sharded_checkpoint(tmp_path / "run", model, optimizer, extra={"step": 2})
+    monkeypatch.undo()
+    assert load_sharded_checkpoint(tmp_path / "run", model, optimizer) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]  # no partial folder left

@@ -6,11 +6,15 @@ a 2-rank checkpoint loads into 1 process, or into 4). The model's and optimizer'
 ``torch.distributed.checkpoint.state_dict.get_state_dict`` (keys by parameter name, so they do not
 depend on how the model is sharded); loss scalers, schedulers, FP8 amax histories (module buffers
 and extra state) and counters travel with them. Written into a folder beside the target and renamed
-into place, as ``save_checkpoint`` does for files.
+into place, as ``save_checkpoint`` does for files. The folder also holds a SHA-256 of each file DCP wrote and
+the model's key set (``ampkit.json``): a damaged file, or a checkpoint of another model, is refused at load with
+its name, where DCP would load it silently. Every failure inside DCP (its ``CheckpointException`` is a
+``BaseException``, which ``except Exception`` misses) comes out as one ``RuntimeError`` naming the folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shutil
@@ -29,6 +33,7 @@ from ampkit.checkpoint import check_plain
 SHARDED_VERSION = 1
 _SHARD = re.compile(r"__\d+_\d+\.distcp")  # a DCP shard file: rank, then file number
 _META = "ampkit_sharded_checkpoint"
+_SUMS = "ampkit.json"  # beside DCP's files: each file's SHA-256 and the model's keys
 
 
 def _rank0_decides(value: Any) -> Any:
@@ -106,9 +111,16 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         path.parent.mkdir(parents=True, exist_ok=True)
     _barrier()
     try:
-        dcp.save(state, checkpoint_id=temporary)
+        try:
+            dcp.save(state, checkpoint_id=temporary)
+        except _dcp_failures() as error:
+            raise RuntimeError(f"Saving the sharded checkpoint {path} failed, the previous one (if any) is as it was: "
+                               f"{_first_line(error)}. Check that the folder is writable and the disk has room.") from None
         _barrier()
         if _is_rank0():
+            sums = {"files": {p.name: _sha256(p) for p in sorted(temporary.iterdir())},
+                    "model_keys": sorted(state["model"])}
+            (temporary / _SUMS).write_text(json.dumps(sums, indent=1) + "\n")
             old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
             if path.exists():
                 path.rename(old)  # the previous checkpoint stays whole until the new one is in place
@@ -138,10 +150,11 @@ def _recover(path: Path) -> None:
 
 
 def _not_ours(path: Path) -> list[str]:
-    """The entries of an existing folder ``path`` that DCP's save does not write (``.metadata``, ``__R_N.distcp``)."""
+    """The entries of an existing folder ``path`` that a save does not write (``.metadata``, ``__R_N.distcp``,
+    ``ampkit.json``)."""
     if not path.is_dir():
         return []
-    return sorted(p.name for p in path.iterdir() if p.name != ".metadata" and not _SHARD.fullmatch(p.name))
+    return sorted(p.name for p in path.iterdir() if p.name not in (".metadata", _SUMS) and not _SHARD.fullmatch(p.name))
 
 
 def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -178,13 +191,14 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
                                 "pass the folder save_sharded_checkpoint wrote.")
     if not (path / ".metadata").is_file():
         raise RuntimeError(f"{path} has no .metadata: it is not a complete DCP checkpoint. Resume from another one.")
+    _check_files(path, _states(model, None)["model"])
     meta_box = {_META: "", "extra": ""}
     try:
         dcp.load(meta_box, checkpoint_id=path)
         meta = json.loads(meta_box[_META])
-    except Exception as error:
-        raise RuntimeError(f"{path} is not an ampkit sharded checkpoint ({error}): write it with "
-                           "save_sharded_checkpoint.") from error
+    except _dcp_failures() as error:
+        raise RuntimeError(f"{path} is not an ampkit sharded checkpoint ({_first_line(error)}): write it with "
+                           "save_sharded_checkpoint.") from None
     if meta.get("version") != SHARDED_VERSION:
         raise RuntimeError(f"{path} has version {meta.get('version')!r}; this ampkit reads {SHARDED_VERSION}.")
     missing = sorted(set(objects) - set(meta["objects"]))
@@ -198,8 +212,9 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
                         for name, obj in objects.items()}
     try:
         dcp.load(state, checkpoint_id=path)
-    except Exception as error:
-        raise RuntimeError(f"{path} could not be read into this model, nothing was changed: {error}") from error
+    except _dcp_failures() as error:
+        raise RuntimeError(f"{path} could not be read into this model, nothing was changed: {_first_line(error)}. "
+                           "Load it into the model it was saved from (its layers, shapes and optimizer).") from None
     before = {name: obj.state_dict() for name, obj in objects.items()}
     try:  # the objects first: their load_state_dict checks what it is given, and can be put back
         for name, obj in objects.items():
@@ -211,3 +226,57 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
     set_state_dict(model, optimizer if optimizer is not None else (), model_state_dict=state["model"],
                    optim_state_dict=state.get("optimizer", {}))  # shapes and keys already matched by dcp.load
     return json.loads(meta_box["extra"])
+
+
+def _dcp_failures() -> tuple[type[BaseException], ...]:
+    """What DCP raises: its ``CheckpointException`` (a ``BaseException``), and ordinary exceptions."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return (Exception, CheckpointException)
+
+
+def _first_line(error: BaseException) -> str:
+    """An error's message, one line (DCP's lists every rank's traceback)."""
+    text = str(error).strip()
+    failures = getattr(error, "failures", None)  # CheckpointException: rank -> the exception it raised
+    if isinstance(failures, dict) and failures:
+        rank, cause = next(iter(failures.items()))
+        cause = cause[0] if isinstance(cause, tuple) else cause  # (exception, its stack summary)
+        text = f"rank {rank}: {type(cause).__name__}: {cause}"
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_files(path: Path, model_state: dict[str, Any]) -> None:
+    """Refuse a folder whose files differ from their SHA-256 at the save, or that lack one, and a checkpoint of a
+    model with other keys (DCP loads what the model asks for, and ignores the rest): rank 0 reads every file."""
+    problem = None
+    if _is_rank0():
+        sums_path = path / _SUMS
+        if not sums_path.is_file():  # not ampkit's (refused when its metadata is read), or saved before checksums
+            warnings.warn(f"{path} has no {_SUMS}: it was saved before ampkit kept checksums, so its files cannot be "
+                          "verified. Save it again to have them.", RuntimeWarning, stacklevel=3)
+        else:
+            sums = json.loads(sums_path.read_text())
+            files = sums["files"]
+            damaged = [name for name, digest in files.items()
+                       if not (path / name).is_file() or _sha256(path / name) != digest]
+            added = sorted(p.name for p in path.iterdir() if _SHARD.fullmatch(p.name) and p.name not in files)
+            keys, saved = set(model_state), set(sums["model_keys"])
+            if damaged or added:
+                problem = (f"{path} is damaged: {', '.join(damaged + added)} "
+                           f"{'differ from' if damaged else 'are not among'} the files the save wrote. Resume from "
+                           "another checkpoint.")
+            elif keys != saved:
+                problem = (f"{path} is a checkpoint of another model: it lacks {sorted(keys - saved)[:3]} and has "
+                           f"{sorted(saved - keys)[:3]} the model does not. Load it into the model it was saved from.")
+    problem = _rank0_decides(problem)
+    if problem:
+        raise RuntimeError(problem)
