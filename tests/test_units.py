@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from ampkit.distributed.units import check_units, kept_units, shard_blocks
@@ -44,3 +45,31 @@ def test_blocks_that_match_nothing_or_are_not_module_types_are_refused() -> None
         shard_blocks(GPT(), ["Block"])  # type: ignore[list-item]
     with pytest.raises(ValueError, match="must list nn.Module subclasses"):
         shard_blocks(GPT(), [])
+
+
+class _WithScale(nn.Module):  # a logit scale, as CLIP's: a 0-d parameter
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ({"opt_level": "O3", "dtype": torch.bfloat16}, r"0-d parameters \(scale\), which FSDP2 cannot shard.*1-d"),
+    ({"blocks": nn.Linear}, r"blocks=Linear is one type: pass a list of block types, blocks=\[Linear\]"),
+    ({"reshard_after_forward": "yes"}, r"reshard_after_forward='yes' is not a bool"),
+    ({"opt_level": "O2", "keep_float32": nn.Embedding}, r"keep_float32=Embedding is one type: pass a list"),
+])
+def test_what_torchs_fully_shard_refuses_part_way_is_refused_first_and_nothing_changes(
+        arguments: dict, message: str) -> None:
+    """On main, torch refused a 0-d parameter (and a bad reshard_after_forward) after the blocks before it were
+    sharded, and at O3 cast: the model was left half-applied. blocks=nn.Linear gave a TypeError traceback."""
+    from ampkit.distributed import fully_shard
+
+    model = _WithScale() if "dtype" in arguments else nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    before = {n: (p.dtype, p.detach().clone()) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=message):
+        fully_shard(model, **arguments)  # refused before it asks for a process group
+    assert {n: p.dtype for n, p in model.named_parameters()} == {n: d for n, (d, _) in before.items()}
+    assert all(torch.equal(p, before[n][1]) for n, p in model.named_parameters())
+    assert getattr(model, "_ampkit_opt_level", None) is None

@@ -116,9 +116,10 @@ def fully_shard(
 
     Raises:
         RuntimeError: no process group; an optimizer was given (built before sharding).
-        ValueError: a bad mesh, opt level, dtype, reduce dtype, predivide factor, block type or
-            ``keep_float32``; a model already sharded or initialized, not float32, or whose weights
-            are shared across the units FSDP2 would shard them in. Nothing is changed when it raises.
+        ValueError: a bad mesh, opt level, dtype, reduce dtype, predivide factor, block type,
+            ``keep_float32`` or ``reshard_after_forward``; a model already sharded or initialized, not
+            float32, with a 0-d parameter, or whose weights are shared across the units FSDP2 would shard
+            them in. Nothing is changed when it raises.
 
     Example:
         >>> model = ampkit.distributed.fully_shard(model, opt_level="O2", dtype=torch.bfloat16)
@@ -129,10 +130,11 @@ def fully_shard(
         raise RuntimeError("fully_shard(optimizer=...): build the optimizer after sharding, on model.parameters(): "
                            "FSDP2 replaces every parameter with a DTensor shard, and an optimizer built before "
                            "would step the old tensors and train nothing.")
-    world_size = require_process_group(None)
     check_settings(opt_level, compute, policy)
     check_keep_float32(opt_level, keep_float32)
     device = _check_model(model)
+    _check_sharding_arguments(blocks, reshard_after_forward)
+    world_size = require_process_group(None)
     mesh = _mesh(mesh, device.type, world_size)
     dtype = torch.float32 if opt_level == "O0" else resolve_dtype(dtype) if dtype is not None else recommend_dtype(device)
     reduce_dtype = _reduce_dtype(reduce_dtype)
@@ -263,7 +265,21 @@ def _check_model(model: object) -> torch.device:
     devices = sorted({str(p.device) for p in params})
     if len(devices) > 1:
         raise ValueError(f"The model's parameters are on {devices}: move it to one device first.")
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:  # torch's fully_shard refuses them on its own only after the blocks before them were sharded
+        raise ValueError(f"The model has 0-d parameters ({', '.join(scalars[:3])}), which FSDP2 cannot shard (it "
+                         "splits each parameter's first dimension): make each one 1-d, e.g. nn.Parameter(torch.tensor"
+                         "([value])), and index it where it is used.")
     return params[0].device
+
+
+def _check_sharding_arguments(blocks: object, reshard_after_forward: object) -> None:
+    """Refuse what torch's fully_shard would refuse only after sharding the blocks before the one it fails on."""
+    if isinstance(blocks, type):
+        raise ValueError(f"blocks={blocks.__name__} is one type: pass a list of block types, blocks=[{blocks.__name__}].")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not a bool: pass True (free the gathered "
+                         "weights after each forward, the default) or False (keep them until the backward).")
 
 
 def _mesh(mesh: Any, device_type: str, world_size: int) -> Any:

@@ -154,6 +154,9 @@ def check_settings(opt_level: str, compute: str, policy: Policy | None, update: 
 
 def check_keep_float32(opt_level: str, keep_float32: Sequence[type[nn.Module]]) -> None:
     """Raise ValueError unless ``keep_float32`` lists nn.Module subclasses, at O2 (or is empty)."""
+    if isinstance(keep_float32, type):
+        raise ValueError(f"keep_float32={keep_float32.__name__} is one type: pass a list, keep_float32="
+                         f"[{keep_float32.__name__}].")
     if keep_float32 and opt_level != "O2":
         raise ValueError(f"keep_float32= applies at O2 only (opt_level={opt_level!r}): drop it, or use opt_level='O2'.")
     bad = [t for t in keep_float32 if not (isinstance(t, type) and issubclass(t, nn.Module))]
