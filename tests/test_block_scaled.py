@@ -251,3 +251,21 @@ def test_nvfp4_of_a_tiny_tensor_stays_finite_and_keeps_its_zeros(largest: float)
     q = quantize_nvfp4(x)
     assert torch.isfinite(q.values).all() and torch.equal(q.values[x == 0], torch.zeros(62))
     assert 0.5 * largest <= q.values[0, 3].item() <= 1.5 * largest
+
+
+@pytest.mark.parametrize("format", ["mxfp8", "mxfp4", "nvfp4"])
+def test_a_scalar_is_a_block_of_one_and_an_empty_tensor_has_nothing_to_scale(format: str) -> None:
+    """On main, a 0-d tensor raised IndexError and an empty one a reshape RuntimeError."""
+    value = torch.tensor(1.3)
+    assert torch.equal(fake_quantize(value, format), fake_quantize(value.reshape(1), format).reshape(()))
+    assert fake_quantize(value, format).shape == ()
+    for empty in (torch.empty(0, 32), torch.empty(4, 0)):
+        got = fake_quantize(empty, format)
+        assert got.shape == empty.shape and got.dtype == torch.float32
+
+
+def test_a_tensor_that_is_not_floating_or_an_axis_it_lacks_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"takes a floating tensor, not Tensor of torch.int64: pass x.float\(\)"):
+        fake_quantize(torch.arange(32))
+    with pytest.raises(ValueError, match=r"axis=2 is not a dimension of x \(shape \(4, 32\)\)"):
+        fake_quantize(torch.randn(4, 32), axis=2)

@@ -279,12 +279,23 @@ def fake_quantize(x: torch.Tensor, format: str = "mxfp8", axis: int = -1, scale_
         float32 values, shaped as ``x``.
 
     Raises:
-        ValueError: an unknown format or scale mode, a tile with MX, or a tile other than 16.
+        ValueError: an unknown format or scale mode, a tile with MX, or a tile other than 16; ``x`` not a
+            floating tensor, or ``axis`` not one of its dimensions.
 
     Example:
         >>> error = (ampkit.fake_quantize(w, "nvfp4") - w).abs().max()
     """
     check_block_format(format, scale_mode, tile)
+    if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
+        raise ValueError(f"fake_quantize takes a floating tensor, not {type(x).__name__}"
+                         f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}: pass x.float().")
+    if x.dim() == 0:  # one value: a block of one
+        return fake_quantize(x.reshape(1), format, 0, scale_mode, tile).reshape(())
+    if not -x.dim() <= axis < x.dim():
+        raise ValueError(f"axis={axis} is not a dimension of x (shape {tuple(x.shape)}): pass -1 for the last, or "
+                         f"0 to {x.dim() - 1}.")
+    if x.numel() == 0:  # no block to scale
+        return x.float().clone()
     if format == "nvfp4":
         return quantize_nvfp4(x, axis, tile).values
     return quantize_mx(x, MX_ELEMENTS[format], axis, mode=scale_mode).values
