@@ -89,6 +89,41 @@ def test_user_model_mistakes_exit_2_with_one_line(factory: str, message: str, mo
     assert not (models / "run").exists()
 
 
+@pytest.mark.parametrize("spec, message", [
+    ("failing_import:build", "Cannot load model factory 'failing_import:build': importing failing_import raised "
+                             "RuntimeError: no GPU here. Fix the module, then run again."),
+    (".rel:build", "Model factory '.rel:build' names a relative module: give the module's full name"),
+    (":build", "Model factory ':build' names no module: give the module's full name"),
+])
+def test_a_factory_module_that_raises_or_a_relative_name_exits_2_with_one_line(
+        spec: str, message: str, models: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On main, each printed a Python traceback."""
+    (models / "failing_import.py").write_text('raise RuntimeError("no GPU here")\n')
+    assert main(["compare", *C, "--model", spec, "--out", str(models / "run")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["compare", "inspect"])
+def test_an_out_path_too_long_for_the_file_system_exits_2_with_one_line(
+        command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """On main, a 300-character --out gave an OSError traceback (File name too long)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--out", str(tmp_path / ("x" * 300))])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "cannot be a directory here (File name too long): give a shorter path" in err and "Traceback" not in err
+
+
+def test_a_run_of_only_warm_up_steps_says_its_time_includes_them(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """On main, --steps 1 reported the warm-up step as the median step time with no note."""
+    assert main(["compare", "--model", "mlp", "--precision", "bf16", "--opt-level", "O1", "--steps", "2",
+                 "--out", str(tmp_path / "run")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "ms/step includes warm-up: no step after the first 2 was timed (run more steps)" in out
+
+
 def test_a_run_that_fails_midway_is_one_line_and_its_log_is_kept(models: Path,
                                                                   capsys: pytest.CaptureFixture[str]) -> None:
     out = models / "run"

@@ -6,6 +6,7 @@ import dataclasses
 import gzip
 import json
 import math
+import re
 import struct
 import subprocess
 import sys
@@ -420,10 +421,11 @@ def test_loss_divisor_leaves_float32_training_as_it_was_and_makes_float16_need_l
     assert scaled.zero_grad_fraction == pytest.approx(zero, abs=1e-3) and scaled.skipped_steps == 0
 
 
-@pytest.mark.parametrize("divisor", [0, -4, math.inf, math.nan])
-def test_loss_divisor_must_be_a_finite_positive_number(divisor: float) -> None:
-    with pytest.raises(ValueError, match=rf"loss_divisor={divisor} is invalid: use a finite number > 0, e.g. "
-                                         r"loss_divisor=16"):
+@pytest.mark.parametrize("divisor", [0, -4, 0.5, 1e20, 2.0**16 + 1, math.inf, math.nan])
+def test_loss_divisor_must_be_from_1_to_65536(divisor: float) -> None:
+    """1e20 was accepted on main: float32 trained to a loss of 1e16 and compare exited 0."""
+    expected = rf"loss_divisor={re.escape(str(divisor))} is invalid: use a number from 1 to 65536 \(a batch up to"
+    with pytest.raises(ValueError, match=expected + r" that many times larger\), e.g. loss_divisor=16"):
         settings.plan(model="mlp", loss_divisor=divisor)
 
 

@@ -61,7 +61,7 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
                         help="how O3 runs update their 16-bit weights: plain (default), kahan, stochastic")
     parser.add_argument("--loss-divisor", type=float, default=1.0,
                         help="divide every run's training loss (and AdamW's eps) by this: gradients as a this-times "
-                             "larger batch's, where float16 needs loss scaling (default 1)")
+                             "larger batch's, where float16 needs loss scaling (1 to 65536; default 1)")
     parser.add_argument("--activation-budget", nargs="+",
                         help="saved-for-backward budgets (0.5 of a run's own, or bytes: 64MiB): each mixed setting "
                              "also trains with a recompute plan for each (ampkit.plan_recompute)")

@@ -40,4 +40,10 @@ def directory(text: str) -> Path:
     would land among the user's own files)."""
     if not text.strip():
         raise argparse.ArgumentTypeError(f"{text!r} is empty: give a directory, e.g. --out runs/first")
-    return Path(text)
+    path = Path(text)
+    try:
+        path.exists()  # a name longer than the file system takes, a path through a file: said now, not after the run
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"{text[:40]}{'...' if len(text) > 40 else ''} cannot be a directory here "
+                                         f"({error.strerror}): give a shorter path, e.g. --out runs/first") from None
+    return path

@@ -194,6 +194,9 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
         raise ValueError(f"Unknown model {spec!r}. Choose one of {sorted(MODELS)}, hf:<architecture> "
                          f"({', '.join(hf_models.ARCHITECTURES)}: transformers) or give pkg.module:factory.")
     module_name, _, attr = spec.partition(":")
+    if not module_name or module_name.startswith("."):  # a relative name has no package to start from
+        raise ValueError(f"Model factory {spec!r} names {'a relative module' if module_name else 'no module'}: give "
+                         "the module's full name, pkg.module:factory, with the module on PYTHONPATH.")
     try:
         factory = getattr(importlib.import_module(module_name), attr)
     except SystemExit as exit_:
@@ -204,6 +207,9 @@ def load_factory(spec: str) -> Callable[..., nn.Module]:
     except SyntaxError as error:  # the user's module itself does not parse
         raise ValueError(f"Cannot load model factory {spec!r}: {module_name} has a syntax error at "
                          f"{error.filename}:{error.lineno}: {error.msg}. Fix the module, then run again.") from error
+    except Exception as error:  # the user's module fails as it runs: its own error, one line
+        raise ValueError(f"Cannot load model factory {spec!r}: importing {module_name} raised "
+                         f"{type(error).__name__}: {error}. Fix the module, then run again.") from error
     if not callable(factory):
         raise ValueError(f"Model factory {spec!r} is not callable.")
     return factory

@@ -11,7 +11,7 @@ from rich import box
 from rich.table import Table
 
 from ampkit.experiment.comparison import PLAN_FIELDS, Comparison
-from ampkit.experiment.config import RunResult
+from ampkit.experiment.config import WARMUP_STEPS, RunResult
 from ampkit.files import publish_new
 
 MIB = 2**20
@@ -43,6 +43,8 @@ def table(comparison: Comparison) -> Table:
         caption += "; fp32-compute: GEMMs and convolutions computed in float32 on 16-bit values"
     if any(run.probe for run in comparison.runs):
         caption += "; probe: a few steps, timed only"
+    if any(not run.probe and run.steps <= WARMUP_STEPS for run in comparison.runs):
+        caption += f"; ms/step includes warm-up: no step after the first {WARMUP_STEPS} was timed (run more steps)"
     if any(comparison.unplanned(run) is not None for run in comparison.runs):
         caption += "; (Nx): a recompute run's figure over the same setting's without its plan"
     compiled = any(run.compile_s is not None for run in comparison.runs)
