@@ -123,6 +123,16 @@ def test_the_combined_check_backs_off_the_last_layers_until_it_fits() -> None:
     assert _back_off([], lambda names: pytest.fail("nothing to check"), 0.01) == (0.0, [])
 
 
+def test_ampkit_tune_refuses_a_directory_as_out_before_measuring(tmp_path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On main, --force --out DIR ran the whole measurement, then raised IsADirectoryError."""
+    from ampkit.cli import tune as tune_cmd
+    from ampkit.cli.main import main
+
+    monkeypatch.setattr(tune_cmd, "run_tune", lambda *a, **k: pytest.fail("measured before refusing --out"))
+    assert main(["tune", "--model", "mlp", "--force", "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path} is a directory; the plan is one file" in capsys.readouterr().err
+
+
 def test_ampkit_tune_writes_a_plan_that_compare_runs_beside_its_references(tmp_path, capsys,  # type: ignore[no-untyped-def]
                                                                           monkeypatch) -> None:
     from ampkit.cli.main import main

@@ -44,6 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.out.is_dir():  # --force replaces a plan file, never a directory (the measurement would run first)
+        raise ValueError(f"--out {args.out} is a directory; the plan is one file: pass a file path, e.g. --out "
+                         f"{args.out / 'plan.json'}.")
     if args.out.exists() and not args.force:
         raise ValueError(f"--out {args.out} exists: pass --force to replace it, or another --out.")
     with warnings.catch_warnings():
