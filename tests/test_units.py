@@ -1,4 +1,5 @@
-"""Which modules fully_shard makes FSDP2 units, and the shared weights it refuses (no process group needed)."""
+"""Which modules fully_shard makes FSDP2 units, the shared weights it refuses, and what it refuses first (no process
+group needed, or one of this process alone)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,58 @@ def test_what_torchs_fully_shard_refuses_part_way_is_refused_first_and_nothing_c
     assert {n: p.dtype for n, p in model.named_parameters()} == {n: d for n, (d, _) in before.items()}
     assert all(torch.equal(p, before[n][1]) for n, p in model.named_parameters())
     assert getattr(model, "_ampkit_opt_level", None) is None
+
+
+@pytest.fixture()
+def one_rank() -> object:
+    """A process group of this process alone (gloo), for fully_shard on a 1-rank mesh; destroyed after."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("then, message", [
+    ("fp8", r"convert_to_fp8 takes the model before FSDP2 shards it, and this one is sharded .* first, then "
+            r"ampkit.distributed.fully_shard"),
+    ("block_scaled", r"convert_to_block_scaled takes the model before FSDP2 shards it"),
+    ("initialize", r"sharded by ampkit.distributed.fully_shard at O1, which applied that opt level: initialize is "
+                   r"not called on it. For another level, shard the float32 model with fully_shard\(model, "
+                   r"opt_level='O2'\)"),
+])
+def test_what_takes_the_model_before_sharding_says_so_on_a_sharded_one(one_rank: object, then: str,
+                                                                      message: str) -> None:
+    """On main: "No linear of FSDPSequential can take mxfp8-floor: {}", FP8 layers swapped into FSDP2's units
+    silently, and "initialized at O1 already" for a model fully_shard had sharded."""
+    import warnings
+
+    import ampkit
+    from ampkit.distributed import fully_shard
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = fully_shard(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)))
+    act = {"fp8": lambda: ampkit.convert_to_fp8(model), "block_scaled": lambda: ampkit.convert_to_block_scaled(model),
+           "initialize": lambda: ampkit.initialize(model, None, "O2")}[then]
+    layers = [type(m).__name__ for m in model.modules()]
+    with pytest.raises(ValueError, match=message):
+        act()
+    assert [type(m).__name__ for m in model.modules()] == layers
+
+
+def test_a_recipe_given_as_a_string_is_refused_naming_the_class() -> None:
+    """On main, convert_to_block_scaled(model, "mxfp8") raised AttributeError: 'str' object has no attribute."""
+    import ampkit
+
+    model = nn.Sequential(nn.Linear(32, 32))
+    with pytest.raises(ValueError, match=r"recipe='mxfp8' is a str, not a BlockScaledRecipe: pass one, e.g. "
+                                         r"BlockScaledRecipe\(format='mxfp8'\)"):
+        ampkit.convert_to_block_scaled(model, "mxfp8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"recipe='e4m3' is a str, not a Fp8Recipe"):
+        ampkit.convert_to_fp8(model, "e4m3")  # type: ignore[arg-type]

@@ -211,7 +211,15 @@ def converted_layers(model: torch.nn.Module) -> dict[str, str]:
 
 
 def refuse_converted(model: torch.nn.Module, what: str) -> None:
-    """ValueError naming the layers ``converted_layers`` finds, for ``what`` (``"convert_to_block_scaled"``)."""
+    """ValueError naming the layers ``converted_layers`` finds, for ``what`` (``"convert_to_block_scaled"``), and for
+    a model FSDP2 has sharded (its layers are FSDP2's own classes, holding shards: a conversion came out garbled)."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            raise ValueError(f"{what} takes the model before FSDP2 shards it, and this one is sharded (its parameters "
+                             "are DTensors): apply it to the float32 model first, then ampkit.distributed.fully_shard "
+                             "(which shards the converted layers as any other).")
     if found := converted_layers(model):
         named = ", ".join(f"{name} ({kind})" for name, kind in list(found.items())[:3])
         raise ValueError(f"{what} takes a model as built, and {len(found)} of this model's linears are converted "

@@ -89,6 +89,11 @@ def initialize(
     # Every check before any change: a refused call leaves the model and the optimizer as they were.
     check_settings(opt_level, compute, policy, update)
     check_keep_float32(opt_level, keep_float32)
+    if getattr(model, "_ampkit_sharding", None) is not None:  # fully_shard applied its opt level itself
+        raise ValueError(f"The model is sharded by ampkit.distributed.fully_shard at {model._ampkit_opt_level}, which "
+                         "applied that opt level: initialize is not called on it. For another level, shard the float32 "
+                         f"model with fully_shard(model, opt_level={opt_level!r}); for the optimizer, "
+                         "ampkit.distributed.prepare_optimizer.")
     if getattr(model, "_ampkit_opt_level", None) is not None:
         raise ValueError(
             f"The model was initialized at {model._ampkit_opt_level} already; call ampkit.initialize once, on the "
