@@ -344,3 +344,18 @@ def test_an_fp8_linear_in_a_region_returns_the_regions_dtype_as_a_linear_does() 
     with ampkit.autocast(ampkit.Policy.default("cpu", torch.bfloat16, compute="native")):
         assert linear(x).dtype == fp8(x).dtype == torch.bfloat16
     assert fp8(x).dtype == torch.float32  # outside a region: the input's
+
+
+def test_a_checkpoint_of_another_recipe_is_refused_before_any_layer_loads() -> None:
+    """On main, the first FP8 layer's weights were overwritten, then its recipe refused: a half-loaded model."""
+    saved, model = _mlp(), _mlp()
+    convert_to_fp8(saved, Fp8Recipe(amax_history_len=16), include=["*"])
+    convert_to_fp8(model, Fp8Recipe(amax_history_len=8), include=["*"])
+    with torch.no_grad():  # other weights than the checkpoint's: a load that overwrote them would show
+        for param in model.parameters():
+            param.add_(1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"The checkpoint's FP8 recipe .*amax_history_len=16.* differs from this "
+                                           r"model's .*amax_history_len=8"):
+        model.load_state_dict(saved.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -253,3 +253,19 @@ def test_ampkit_tune_refuses_a_batch_size_of_0(capsys, tmp_path) -> None:  # typ
 
     assert main(["tune", "--model", "gpt", "--batch-size", "0", "--out", str(tmp_path / "plan.json")]) == 2
     assert "--batch-size 0 is invalid: use an integer >= 1" in capsys.readouterr().err
+
+
+def test_batches_from_a_generator_tune_as_the_same_list() -> None:
+    """On main, a generator of batches raised TypeError: object of type 'generator' has no len()."""
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 10))
+
+    batches = [(torch.randn(8, 32), torch.randint(0, 10, (8,))) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        listed = ampkit.tune(model(), batches, include=["0", "4"])
+        generated = ampkit.tune(model(), (b for b in batches), include=["0", "4"])
+    assert [(l.name, l.format) for l in generated.layers] == [(l.name, l.format) for l in listed.layers]
+    with pytest.raises(ValueError, match=r"batches=int is not a sequence of \(input, target\) pairs: pass a list"):
+        ampkit.tune(model(), 8)  # type: ignore[arg-type]

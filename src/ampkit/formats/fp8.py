@@ -236,12 +236,26 @@ class Fp8Linear(nn.Linear):
         return {"version": STATE_VERSION, "recipe": dataclasses.asdict(self.recipe)}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise RuntimeError(f"Cannot load Fp8Linear state {state!r}: this ampkit reads version {STATE_VERSION}.")
-        saved = Fp8Recipe(**state["recipe"])
-        if saved != self.recipe:
-            raise RuntimeError(f"The checkpoint's FP8 recipe {saved} differs from this model's {self.recipe}: "
-                               "convert the model with the checkpoint's recipe before loading.")
+        _check_state(state, self.recipe)
+
+
+def _check_state(state: Any, recipe: Fp8Recipe) -> None:
+    """Refuse an FP8 layer's saved state of another version or recipe (RuntimeError)."""
+    if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        raise RuntimeError(f"Cannot load Fp8Linear state {state!r}: this ampkit reads version {STATE_VERSION}.")
+    saved = Fp8Recipe(**state["recipe"])
+    if saved != recipe:
+        raise RuntimeError(f"The checkpoint's FP8 recipe {saved} differs from this model's {recipe}: "
+                           "convert the model with the checkpoint's recipe before loading.")
+
+
+def _check_states_first(model: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """A load-state-dict pre-hook of the converted model: every FP8 layer's saved state is checked before any
+    module loads (each layer's own check ran after the layers before it, and its own weights, were overwritten)."""
+    for name, module in model.named_modules():
+        key = f"{prefix}{name}{'.' if name else ''}_extra_state"
+        if isinstance(module, Fp8Linear) and key in state_dict:
+            _check_state(state_dict[key], module.recipe)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}" + (", transposed" if self.transposed else "")
@@ -330,6 +344,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: t
             parent, _, child = name.rpartition(".")
             owner = model.get_submodule(parent) if parent else model
             setattr(owner, child, Fp8Linear.from_linear(getattr(owner, child), recipe, process_group))
+        model.register_load_state_dict_pre_hook(_check_states_first)
     return decisions
 
 

@@ -215,8 +215,8 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
 
     Args:
         model: the model as built (float32, before ``initialize``, FP8 or block-scaled conversion).
-        batches: at least 2 ``(input, target)`` pairs: the last quarter (at least one) is held out to check
-            the combined plan, the rest measure each layer.
+        batches: at least 2 ``(input, target)`` pairs, a list or any iterable (read once, then kept): the last
+            quarter (at least one) is held out to check the combined plan, the rest measure each layer.
         loss_fn: ``loss_fn(output, target) -> loss`` (default: cross-entropy over the last dimension).
         formats: formats to lower linears to (``"fp8"``, ``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``) and the 16-bit
             base the rest trains in (``"bf16"`` or ``"fp16"``).
@@ -240,6 +240,12 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
             ``include`` that names no linear.
     """
     started = time.perf_counter()
+    if not isinstance(batches, Sequence):  # a generator or a DataLoader: read once (the layers re-use each batch)
+        try:
+            batches = list(batches)
+        except TypeError:
+            raise ValueError(f"batches={type(batches).__name__} is not a sequence of (input, target) pairs: pass a "
+                             "list of them, e.g. [next(iter(loader)) for _ in range(8)].") from None
     lows, base = _check(model, batches, formats, tolerance, objective, gradient_tolerance)
     loss_fn = loss_fn or _cross_entropy
     device = next(model.parameters()).device
