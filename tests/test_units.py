@@ -95,6 +95,7 @@ def one_rank() -> object:
     ("fp8", r"convert_to_fp8 takes the model before FSDP2 shards it, and this one is sharded .* first, then "
             r"ampkit.distributed.fully_shard"),
     ("block_scaled", r"convert_to_block_scaled takes the model before FSDP2 shards it"),
+    ("plan", r"PrecisionPlan.apply takes the model before FSDP2 shards it"),
     ("initialize", r"sharded by ampkit.distributed.fully_shard at O1, which applied that opt level: initialize is "
                    r"not called on it. For another level, shard the float32 model with fully_shard\(model, "
                    r"opt_level='O2'\)"),
@@ -102,7 +103,8 @@ def one_rank() -> object:
 def test_what_takes_the_model_before_sharding_says_so_on_a_sharded_one(one_rank: object, then: str,
                                                                       message: str) -> None:
     """On main: "No linear of FSDPSequential can take mxfp8-floor: {}", FP8 layers swapped into FSDP2's units
-    silently, and "initialized at O1 already" for a model fully_shard had sharded."""
+    silently, a plan's "This plan was made for another model", and "initialized at O1 already" for a model
+    fully_shard had sharded."""
     import warnings
 
     import ampkit
@@ -111,8 +113,9 @@ def test_what_takes_the_model_before_sharding_says_so_on_a_sharded_one(one_rank:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = fully_shard(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)))
+    plan = ampkit.PrecisionPlan("model", "any", "bf16", "time", 0.01, (), 0.0, 0.0, (), 0.0, False, 0.0)
     act = {"fp8": lambda: ampkit.convert_to_fp8(model), "block_scaled": lambda: ampkit.convert_to_block_scaled(model),
-           "initialize": lambda: ampkit.initialize(model, None, "O2")}[then]
+           "plan": lambda: plan.apply(model), "initialize": lambda: ampkit.initialize(model, None, "O2")}[then]
     layers = [type(m).__name__ for m in model.modules()]
     with pytest.raises(ValueError, match=message):
         act()

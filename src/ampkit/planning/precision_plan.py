@@ -19,7 +19,7 @@ from torch import nn
 from ampkit.files import atomic_write, publish_new, strict_json
 from ampkit.formats.block_linear import BlockScaledLinear
 from ampkit.formats.fp8 import Fp8Linear
-from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe, features, is_conv1d
+from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe, features, is_conv1d, refuse_converted
 
 VERSION = 1
 BASES = ("bf16", "fp16")  # the 16-bit format the rest of the model trains in
@@ -141,6 +141,7 @@ class PrecisionPlan:
         Raises:
             ValueError: the model's linears are not the plan's (another model), or it has lowered layers.
         """
+        refuse_converted(model, "PrecisionPlan.apply")  # a sharded model, or one in a narrow format already
         if fingerprint(model) != self.fingerprint:
             names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) or is_conv1d(m)]
             raise ValueError(f"This plan was made for another model ({self.model}, linears fingerprint "
