@@ -58,8 +58,9 @@ for argv in (["--help"], ["ops", "--help"]):
 @pytest.mark.slow  # a compile: over 5 s here
 def test_compiling_after_eager_use_marks_ampkit_for_dynamo_as_it_is_imported() -> None:
     """The marks (``torch.compiler.disable`` on a region's entry, the override hooks' constants) are made when
-    torch.compile first imports dynamo, before it traces: a model whose forward is decorated, compiled after eager
-    regions ran, gives the eager dtypes, and the region's entry is not traced."""
+    torch.compile first imports dynamo, before it traces: a model whose forward opens a region, compiled after
+    eager regions ran, gives the eager dtypes, and the region's entry is not traced. (A decorator imports dynamo
+    when it decorates: the function dynamo must skip is the one it returns.)"""
     code = """
 import sys, warnings
 warnings.simplefilter("ignore")
@@ -74,9 +75,9 @@ class Net(nn.Module):
         super().__init__()
         self.linear, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
 
-    @ampkit.autocast(policy)
     def forward(self, x):
-        return self.norm(self.linear(x)).to(torch.bfloat16) @ self.linear.weight.T
+        with ampkit.autocast(policy):
+            return self.norm(self.linear(x)).to(torch.bfloat16) @ self.linear.weight.T
 
 model, x = Net(), torch.randn(4, 8)
 eager = model(x)

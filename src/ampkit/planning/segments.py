@@ -46,6 +46,10 @@ def _recomputing(fn: Callable[..., Any], modules: list[nn.Module]) -> Callable[.
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():
+            # Traced, the segment is a graph whose recompute AOTAutograd replays from the forward's own inputs, the
+            # buffers' values then included: no bookkeeping (whose list mutation dynamo refuses inside checkpoint).
+            return fn(*args, **kwargs)
         calls[0] += 1
         if calls[0] == 1:
             with _torch.disable_current_modes():

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, create_selective_checkpoint_contexts
 
-from ampkit._torch import TorchDispatchMode
+from ampkit._torch import TorchDispatchMode, is_compiling
 from ampkit.diagnostics.memory import kept_observers
 from ampkit.float32_compute import single_ops
 
@@ -84,6 +84,8 @@ def contexts() -> tuple[contextlib.AbstractContextManager[None], contextlib.Abst
     """``context_fn`` for ``torch.utils.checkpoint``: the forward's and the recompute's contexts (the forward
     observed only while someone counts the kept bytes: the observer costs a Python call per op)."""
     forward, recompute = create_selective_checkpoint_contexts(_policy)
+    if is_compiling():  # dynamo calls this while it traces, and takes torch's two modes alone (fullgraph included)
+        return forward, recompute
     return _with_single_ops(forward, observed=bool(kept_observers())), _with_single_ops(recompute)
 
 

@@ -140,10 +140,18 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             state.weight_cache.clear()
 
     def __call__(self, fn: F) -> F:
+        # torch.compile opens the region eagerly (this frame only, not recursive) and compiles `fn` inside it,
+        # guarded by the region's policy (precision/compiling.py): in a compiled module whose forward is decorated,
+        # the graph starts at the forward, as it would under torch.autocast (with fullgraph=True too). The function
+        # dynamo skips must be the one the caller holds, so a decorator, unlike a region, imports dynamo now.
         # torch.jit.script meeting `with ampkit.autocast(...)` fails here, showing these lines:
+        @functools.partial(torch.compiler.disable, recursive=False)
         @functools.wraps(fn)  # torch.jit.script cannot compile an ampkit region: use torch.autocast in scripted code
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return _run_in_region(self, fn, args, kwargs)
+            if self.policy.overrides and args and isinstance(args[0], nn.Module):
+                overrides.name_modules(args[0])  # a decorated forward: names are relative to its module
+            with self:
+                return fn(*args, **kwargs)
 
         # torch.jit.script would compile the undecorated function (it follows __wrapped__) and
         # silently drop the policy; this attribute makes it refuse instead.
@@ -151,18 +159,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         return wrapper  # type: ignore[return-value]
 
 
-def _run_in_region(region: autocast, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """A decorated function's call. torch.compile opens the region eagerly (this frame only, not recursive:
-    ``_compile_torch.mark`` below) and compiles ``fn`` inside it, guarded by the region's policy
-    (precision/compiling.py): in a compiled module whose forward is decorated, the graph starts at the forward,
-    as it would under torch.autocast."""
-    if region.policy.overrides and args and isinstance(args[0], nn.Module):
-        overrides.name_modules(args[0])  # a decorated forward: names are relative to its module
-    with region:
-        return fn(*args, **kwargs)
-
-
-# The region opens and closes eagerly; what runs inside it compiles. Marked when torch.compile first imports dynamo.
+# The region opens and closes eagerly; what runs inside it compiles. Marked when dynamo is first imported (by
+# torch.compile, a decorator above, or torch's own optimizers): code that only enters regions never imports it.
 _compile_torch.mark(autocast, "__enter__", torch.compiler.disable)
 _compile_torch.mark(autocast, "__exit__", torch.compiler.disable)
-_compile_torch.mark(globals(), "_run_in_region", functools.partial(torch.compiler.disable, recursive=False))
