@@ -15,6 +15,9 @@ import torch
 # measures this machine once, as a user's first call would, and never touches the
 # user's own cache.
 os.environ["AMPKIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="ampkit-test-cache-")
+# hypothesis keeps its caches (constants, unicode tables) in ./.hypothesis unless told: the test command writes only
+# in temporary folders (.ci/run checks the checkout). Read when hypothesis first stores something, after this.
+os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = tempfile.mkdtemp(prefix="ampkit-test-hypothesis-")
 
 from ampkit.hardware import throughput  # noqa: E402
 

@@ -133,7 +133,8 @@ def add_inductor_key_pass(key_pass: Any) -> None:
         return
     current = config.post_grad_custom_pre_pass
     passes = list(current) if isinstance(current, (list, tuple)) else [] if current is None else [current]
-    passes = [p for q in passes for p in (q.passes if isinstance(q, _passes_class()) else (q,))]
+    combined: Any = _passes_class()
+    passes = [p for q in passes for p in (q.passes if isinstance(q, combined) else (q,))]
     if key_pass in passes:
         return
     if not passes:

@@ -238,6 +238,9 @@ class Fp8Linear(nn.Linear):
     def set_extra_state(self, state: dict[str, Any]) -> None:
         _check_state(state, self.recipe)
 
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}" + (", transposed" if self.transposed else "")
+
 
 def _check_state(state: Any, recipe: Fp8Recipe) -> None:
     """Refuse an FP8 layer's saved state of another version or recipe (RuntimeError)."""
@@ -256,9 +259,6 @@ def _check_states_first(model: nn.Module, state_dict: dict[str, Any], prefix: st
         key = f"{prefix}{name}{'.' if name else ''}_extra_state"
         if isinstance(module, Fp8Linear) and key in state_dict:
             _check_state(state_dict[key], module.recipe)
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe}" + (", transposed" if self.transposed else "")
 
 
 # -- the module swap --------------------------------------------------------------------------

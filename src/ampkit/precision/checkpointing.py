@@ -27,6 +27,10 @@ from ampkit.precision.state import current_policy, current_region, torch_nesting
 
 # Activation checkpointing
 
+# Enters a region for a policy: ampkit.autocast, handed over by regions.py (which imports
+# this module, so it cannot be imported here).
+EnterRegion = Callable[[Policy], contextlib.AbstractContextManager[Any]]
+
 _lock = threading.Lock()
 _count = 0  # the open regions that need the replacements
 _installed: tuple[Any, Any] | None = None  # (torch's, ampkit's) entry points while replaced
