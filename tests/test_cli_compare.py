@@ -270,7 +270,8 @@ def test_sigterm_stops_compare_in_one_line_and_keeps_the_steps_taken(tmp_path: P
 @pytest.mark.parametrize(
     "damage, message",
     [("empty", r"train-labels-idx1-ubyte is truncated: 0 bytes, not even a header"),
-     ("gzip", r"train-images-idx3-ubyte.gz is not valid gzip")],
+     ("gzip", r"train-images-idx3-ubyte.gz is not valid gzip"),
+     ("directory", r"train-images-idx3-ubyte is a directory: put the IDX file itself there")],  # a traceback on main
 )
 def test_corrupt_mnist_files_are_named_with_steps(damage: str, message: str, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
@@ -279,6 +280,9 @@ def test_corrupt_mnist_files_are_named_with_steps(damage: str, message: str, tmp
     _mnist(tmp_path, (28, 28), 9)
     if damage == "empty":
         (tmp_path / "train-labels-idx1-ubyte").write_bytes(b"")
+    elif damage == "directory":
+        (tmp_path / "train-images-idx3-ubyte").unlink()
+        (tmp_path / "train-images-idx3-ubyte").mkdir()
     else:
         (tmp_path / "train-images-idx3-ubyte").unlink()
         (tmp_path / "train-images-idx3-ubyte.gz").write_bytes(b"\x1f\x8bnot gzip")

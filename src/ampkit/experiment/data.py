@@ -127,6 +127,9 @@ def _text(limit: int = TEXT_BYTES) -> Dataset:
 
 def _open(path: Path) -> bytes:
     for candidate in (path, path.with_name(path.name + ".gz")):
+        if candidate.is_dir():
+            raise ValueError(f"MNIST file {candidate} is a directory: put the IDX file itself there (as downloaded "
+                             "from the MNIST site, gzipped or not).")
         if candidate.exists():
             raw = candidate.read_bytes()
             if candidate.suffix == ".gz":
