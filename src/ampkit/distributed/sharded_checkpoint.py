@@ -230,7 +230,7 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
 
 def _dcp_failures() -> tuple[type[BaseException], ...]:
     """What DCP raises: its ``CheckpointException`` (a ``BaseException``), and ordinary exceptions."""
-    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint import CheckpointException
 
     return (Exception, CheckpointException)
 
