@@ -257,26 +257,31 @@ def _sha256(path: Path) -> str:
 def _check_files(path: Path, model_state: dict[str, Any]) -> None:
     """Refuse a folder whose files differ from their SHA-256 at the save, or that lack one, and a checkpoint of a
     model with other keys (DCP loads what the model asks for, and ignores the rest): rank 0 reads every file."""
-    problem = None
-    if _is_rank0():
-        sums_path = path / _SUMS
-        if not sums_path.is_file():  # not ampkit's (refused when its metadata is read), or saved before checksums
-            warnings.warn(f"{path} has no {_SUMS}: it was saved before ampkit kept checksums, so its files cannot be "
-                          "verified. Save it again to have them.", RuntimeWarning, stacklevel=3)
-        else:
-            sums = json.loads(sums_path.read_text())
-            files = sums["files"]
-            damaged = [name for name, digest in files.items()
-                       if not (path / name).is_file() or _sha256(path / name) != digest]
-            added = sorted(p.name for p in path.iterdir() if _SHARD.fullmatch(p.name) and p.name not in files)
-            keys, saved = set(model_state), set(sums["model_keys"])
-            if damaged or added:
-                problem = (f"{path} is damaged: {', '.join(damaged + added)} "
-                           f"{'differ from' if damaged else 'are not among'} the files the save wrote. Resume from "
-                           "another checkpoint.")
-            elif keys != saved:
-                problem = (f"{path} is a checkpoint of another model: it lacks {sorted(keys - saved)[:3]} and has "
-                           f"{sorted(saved - keys)[:3]} the model does not. Load it into the model it was saved from.")
-    problem = _rank0_decides(problem)
+    problem = _rank0_decides(_problem(path, model_state) if _is_rank0() else None)
     if problem:
         raise RuntimeError(problem)
+
+
+def _problem(path: Path, model_state: dict[str, Any]) -> str | None:
+    """What is wrong with the folder's files, in words; None where nothing is."""
+    sums_path = path / _SUMS
+    if not sums_path.is_file():  # not ampkit's (refused when its metadata is read), or saved before checksums
+        warnings.warn(f"{path} has no {_SUMS}: it was saved before ampkit kept checksums, so its files cannot be "
+                      "verified. Save it again to have them.", RuntimeWarning, stacklevel=4)
+        return None
+    try:
+        sums = json.loads(sums_path.read_text())
+        files = {str(name): str(digest) for name, digest in sums["files"].items()}
+        saved = {str(key) for key in sums["model_keys"]}
+    except (ValueError, KeyError, TypeError, AttributeError):  # bad UTF-8 and bad JSON are ValueErrors
+        return f"{path} is damaged: its {_SUMS} is not the one a save writes. Resume from another checkpoint."
+    damaged = [name for name, digest in files.items() if not (path / name).is_file() or _sha256(path / name) != digest]
+    added = sorted(p.name for p in path.iterdir() if _SHARD.fullmatch(p.name) and p.name not in files)
+    if damaged or added:
+        return (f"{path} is damaged: {', '.join(damaged + added)} {'differ from' if damaged else 'are not among'} the "
+                "files the save wrote. Resume from another checkpoint.")
+    keys = set(model_state)
+    if keys != saved:
+        return (f"{path} is a checkpoint of another model: it lacks {sorted(keys - saved)[:3]} and has "
+                f"{sorted(saved - keys)[:3]} the model does not. Load it into the model it was saved from.")
+    return None
