@@ -1,14 +1,17 @@
-"""Property-based sweep (hypothesis) of damaged sharded checkpoint folders (issue 40): whatever happens to the
-files a save wrote (a flipped byte, a cut file, a deleted one, junk appended, a stray shard), loading either
+"""Property-based sweeps (hypothesis) of damaged files (issue 40). Sharded checkpoint folders: whatever happens to
+the files a save wrote (a flipped byte, a cut file, a deleted one, junk appended, a stray shard), loading either
 refuses with the documented errors and leaves the model and optimizer as they were, or restores exactly the
-state saved. Never another exception, never a silently different state."""
+state saved. Plan files: whatever one value becomes, the plan applies or is refused with the model unchanged.
+Never another exception, never a silently different state."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -78,3 +81,53 @@ def test_a_damaged_folder_is_refused_unchanged_or_loads_exactly(fault: str, whic
         assert all(torch.equal(a, b) for a, b in zip(EXPECTED, _state(model, optimizer)))
     finally:
         shutil.rmtree(folder.parent, ignore_errors=True)
+
+
+# -- plan files ---------------------------------------------------------------------------------------------
+
+def _plan_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+
+
+def _plan() -> Any:
+    from ampkit.planning.precision_plan import LayerChoice, PrecisionPlan, fingerprint
+
+    model = _plan_model()
+    layers = tuple(LayerChoice(name, (32, 32), "fp8" if name == "1" else "bf16", "chosen") for name in ("0", "1", "2"))
+    return PrecisionPlan("Sequential", fingerprint(model), "bf16", "time", 0.01, layers, 0.0, 0.0, (), 0.0, True, 0.0)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.floats(allow_nan=True) | st.text(max_size=4),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+                    max_leaves=6)
+
+
+@EXAMPLES
+@given(path=st.lists(st.integers(min_value=0), min_size=1, max_size=4), value=JSON)
+def test_a_plan_file_with_any_value_changed_loads_and_applies_or_is_refused_unchanged(path: list[int],
+                                                                                      value: Any) -> None:
+    """Whatever one value of a saved plan becomes, ``load`` then ``apply`` either converts the plan's layers or
+    raises ValueError with the model as it was."""
+    from ampkit.planning.precision_plan import PrecisionPlan
+
+    data = _plan().to_dict()
+    node: Any = data
+    for step in path[:-1]:  # walk to a container, choosing keys and items by index
+        keys = list(node) if isinstance(node, dict) else list(range(len(node))) if isinstance(node, list) else []
+        if not keys or not isinstance(node[keys[step % len(keys)]], (dict, list)):
+            break
+        node = node[keys[step % len(keys)]]
+    keys = list(node) if isinstance(node, dict) else list(range(len(node)))
+    if keys:
+        node[keys[path[-1] % len(keys)]] = value
+    folder = Path(tempfile.mkdtemp(prefix="ampkit-test-plan-"))
+    (folder / "plan.json").write_text(json.dumps(data))
+    model = _plan_model()
+    before = [(name, type(m).__name__) for name, m in model.named_modules()]
+    try:
+        PrecisionPlan.load(folder / "plan.json").apply(model)
+    except ValueError:
+        assert [(name, type(m).__name__) for name, m in model.named_modules()] == before
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
