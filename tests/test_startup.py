@@ -88,3 +88,19 @@ print(got.dtype == eager.dtype, torch.equal(got, eager))
 print(getattr(ampkit.autocast.__enter__, "_torchdynamo_disable", False))
 """
     assert _run(code).splitlines() == ["False", "True True", "True"]
+
+
+def test_dynamo_imported_after_a_library_only_asked_for_its_spec_still_gets_the_marks() -> None:
+    """A library that checks for dynamo with ``importlib.util.find_spec`` runs ampkit's import hook without importing
+    dynamo: the hook stays until dynamo is imported, then marks and leaves."""
+    code = """
+import importlib.util, sys
+import ampkit
+from ampkit.precision.regions import autocast
+importlib.util.find_spec("torch._dynamo")
+print("torch._dynamo" in sys.modules)
+import torch._dynamo
+print(getattr(autocast.__enter__, "_torchdynamo_disable", False),
+      any(type(finder).__name__ == "_DynamoFinder" for finder in sys.meta_path))
+"""
+    assert _run(code).splitlines() == ["False", "True False"]

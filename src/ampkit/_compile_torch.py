@@ -54,27 +54,36 @@ def _run_marks() -> None:
 
 
 class _DynamoFinder(importlib.abc.MetaPathFinder):
-    """Finds ``torch._dynamo`` as the other finders do, and runs the waiting marks once it has executed."""
+    """Finds ``torch._dynamo`` as the other finders do, and runs the waiting marks once it has executed; it leaves
+    ``sys.meta_path`` then (a spec asked for and never executed, ``importlib.util.find_spec``, keeps it there)."""
+
+    def __init__(self) -> None:
+        self.finding = threading.local()
 
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _DYNAMO:
+        if fullname != _DYNAMO or getattr(self.finding, "now", False):
             return None
-        sys.meta_path.remove(self)  # once; the other finders find the spec
-        spec = importlib.util.find_spec(fullname)
+        self.finding.now = True  # the other finders find the spec
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.finding.now = False
         if spec is not None and spec.loader is not None:
-            spec.loader = _ThenMark(spec.loader)
+            spec.loader = _ThenMark(spec.loader, self)
         return spec
 
 
 class _ThenMark(importlib.abc.Loader):
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
+    def __init__(self, loader: Any, finder: _DynamoFinder) -> None:
+        self.loader, self.finder = loader, finder
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
         return self.loader.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
         self.loader.exec_module(module)
+        if self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
         _run_marks()
 
     def __getattr__(self, name: str) -> Any:  # get_source, is_package... as the real loader answers
