@@ -29,21 +29,21 @@ def cli_reference() -> str:
 
 
 def api_groups() -> list[tuple[str, list[str]]]:
-    """``ampkit.__all__`` in the groups its source comments name (``# Casting`` ...)."""
+    """``ampkit.__all__`` in the groups its source comments name (``# Casting`` ...), from ``ampkit._WHERE``."""
     import inspect
 
     import ampkit
 
     groups: list[tuple[str, list[str]]] = []
     source = inspect.getsource(ampkit)
-    listing = source[source.index("__all__ = ["):]
+    listing = source[source.index("_WHERE: dict[str, str] = {"):]
     for line in listing.splitlines()[1:]:
         line = line.strip()
         if line.startswith("#"):
             groups.append((line.lstrip("# "), []))
         elif line.startswith('"'):
-            groups[-1][1].append(line.strip('",'))
-        elif line.startswith("]"):
+            groups[-1][1].append(line.split('"')[1])
+        elif line.startswith("}"):
             break
     return groups
 
