@@ -84,7 +84,7 @@ def fully_shard(
     compute: str = "auto",
     policy: Policy | None = None,
     predivide_factor: float | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     optimizer: Any = None,
 ) -> nn.Module:
     """Shard a float32 model with FSDP2 at an ampkit opt level (the FSDP2 counterpart of ``initialize``).
@@ -277,9 +277,11 @@ def _check_sharding_arguments(blocks: object, reshard_after_forward: object) -> 
     """Refuse what torch's fully_shard would refuse only after sharding the blocks before the one it fails on."""
     if isinstance(blocks, type):
         raise ValueError(f"blocks={blocks.__name__} is one type: pass a list of block types, blocks=[{blocks.__name__}].")
-    if not isinstance(reshard_after_forward, bool):
+    if not isinstance(reshard_after_forward, bool) and not (isinstance(reshard_after_forward, int)
+                                                            and reshard_after_forward > 0):
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not a bool: pass True (free the gathered "
-                         "weights after each forward, the default) or False (keep them until the backward).")
+                         "weights after each forward, the default), False (keep them until the backward) or, as "
+                         "torch's fully_shard takes, a world size to reshard to.")
 
 
 def _mesh(mesh: Any, device_type: str, world_size: int) -> Any:
