@@ -115,13 +115,17 @@ def test_an_out_path_too_long_for_the_file_system_exits_2_with_one_line(
     assert "cannot be a directory here (File name too long): give a shorter path" in err and "Traceback" not in err
 
 
-def test_a_run_of_only_warm_up_steps_says_its_time_includes_them(tmp_path: Path,
+def test_a_run_of_only_warm_up_steps_says_its_time_includes_them_and_planning_says_what_it_times(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
     """On main, --steps 1 reported the warm-up step as the median step time with no note."""
     assert main(["compare", "--model", "mlp", "--precision", "bf16", "--opt-level", "O1", "--steps", "2",
                  "--out", str(tmp_path / "run")]) == 0
-    out = " ".join(capsys.readouterr().out.split())
+    captured = capsys.readouterr()
+    out = " ".join(captured.out.split())
     assert "ms/step includes warm-up: no step after the first 2 was timed (run more steps)" in out
+    # planning says what it times (on a busy machine it was 26 s of silence before the plan)
+    assert captured.err.startswith("ampkit compare: planning: timing 3 float32 steps of mlp\n"
+                                   "ampkit compare: planning: timing a step of bf16 O1\n")
 
 
 def test_a_run_that_fails_midway_is_one_line_and_its_log_is_kept(models: Path,
@@ -180,7 +184,9 @@ def test_interrupt_exits_130_with_one_line(tmp_path: Path, monkeypatch: pytest.M
 
     monkeypatch.setattr(compare_cmd, "compare", interrupted)
     assert main(["compare", *C, "--out", str(tmp_path / "run")]) == 130
-    assert capsys.readouterr().err.strip() == "ampkit compare: interrupted; results already written are kept."
+    *planning, last = capsys.readouterr().err.strip().splitlines()
+    assert last == "ampkit compare: interrupted; results already written are kept."  # one line of its own
+    assert all(line.startswith("ampkit compare: planning: ") for line in planning)
 
 
 def test_a_run_dies_with_its_host() -> None:

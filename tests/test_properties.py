@@ -67,7 +67,7 @@ def compare_arguments(draw: st.DrawFn) -> list[str]:
     return argv
 
 
-def _fake_estimate(configs: list[Any]) -> Estimate:
+def _fake_estimate(configs: list[Any], progress: Any = None) -> Estimate:
     return Estimate(0.01, 0.005, 0.1, [0.01] * len(configs), {})
 
 

@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
             loss_scales=args.loss_scale, updates=args.update, loss_divisor=args.loss_divisor,
             activation_budgets=args.activation_budget, compile=args.compile, precision_plan=args.plan,
         )
-        cost = estimate(configs)  # builds and steps the model: a bad model fails here
+        # builds and steps the model (a bad model fails here); a line per timing, as the runs' progress does
+        cost = estimate(configs, lambda line: print(f"ampkit compare: {line}", file=sys.stderr, flush=True))
         out = reserve_out_dir(args.out)  # before training: a bad location fails now
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)

@@ -63,11 +63,14 @@ class Estimate:
         return self.startup_s + sum(self.run_s)
 
 
-def estimate(configs: list[RunConfig]) -> Estimate:
+def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = None) -> Estimate:
     """Estimate the wall time of ``compare(configs)``: time float32 training steps of
     the model in this process (after one warm-up step) and one step of each mixed setting's own
     model, then scale by steps, evaluation (at the same ratio to float32) and start-up.
+    ``progress`` is called with a line before each timing after the first step (seconds each on a
+    busy machine; a bad model or data fails before the first line).
     """
+    say = progress or (lambda line: None)
     first = configs[0]
     device = torch.device(first.device)
     dataset = data_mod.load(first.data)
@@ -98,6 +101,7 @@ def estimate(configs: list[RunConfig]) -> Estimate:
     try:
         with FlopCounterMode(display=False) as flops:
             first_s = step()[0]  # also the warm-up: a run's first step is as slow (it also counts what it saves)
+        say(f"planning: timing {ESTIMATE_STEPS} float32 steps of {first.model}")
         timed = [step() for _ in range(ESTIMATE_STEPS)]
     except ModelMistake:
         raise
@@ -112,6 +116,7 @@ def estimate(configs: list[RunConfig]) -> Estimate:
     compile_s = 0.0
     if any(c.compiled for c in configs):  # one compile of the float32 model, as the compiled runs will do theirs
         try:
+            say("planning: compiling the float32 model once (torch.compile)")
             compile_s = max(step(torch.compile(model))[0] - step_s, 0.0)
         except Exception as error:  # dynamo's and inductor's errors: one line, before any run starts
             raise ValueError(f"torch.compile failed on the model from {first.model!r}: {type(error).__name__}: "
@@ -137,7 +142,10 @@ def estimate(configs: list[RunConfig]) -> Estimate:
     for config in configs:
         if config.precision != "fp32":
             distinct.setdefault(_setting(config), config)
-    setting_s = {key: _setting_step(c, dataset, device, x, y, sync) for key, c in distinct.items()}
+    setting_s = {}
+    for key, config in distinct.items():
+        say(f"planning: timing a step of {config.label}")
+        setting_s[key] = _setting_step(config, dataset, device, x, y, sync)
     startup = setup_s * max(1.0, len(configs) / (os.cpu_count() or 1))  # the runs start at once, on every core
     n_eval = len(dataset.test_y) if dataset.kind == "image" else 64
     runs = []
