@@ -28,6 +28,7 @@ from ampkit import _compile_torch, _torch
 from ampkit.formats.block_scaled import MX_ELEMENTS, Draws, Quantized, counter_draws, quantize_mx, quantize_nvfp4
 from ampkit.formats.recipes import (
     BlockScaledRecipe,
+    check_recipe,
     features,
     is_conv1d,
     linear_layers,
@@ -234,10 +235,7 @@ def convert_to_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None =
             already (FP8 or block-scaled: named).
     """
     recipe = recipe or BlockScaledRecipe()
-    if not isinstance(recipe, BlockScaledRecipe):
-        example = f"format={recipe!r}" if isinstance(recipe, str) else ""
-        raise ValueError(f"recipe={recipe!r} is a {type(recipe).__name__}, not a BlockScaledRecipe: pass one, e.g. "
-                         f"BlockScaledRecipe({example}), or None for the default.")
+    check_recipe(recipe, BlockScaledRecipe)
     refuse_converted(model, "convert_to_block_scaled")
     decisions = eligible_block_scaled(model, recipe)
     if "block-scaled" not in decisions.values():

@@ -36,6 +36,7 @@ from ampkit.formats.recipes import (
     STATE_VERSION,
     WEIGHT,
     Fp8Recipe,
+    check_recipe,
     features,
     is_conv1d,
     linear_layers,
@@ -319,10 +320,7 @@ def convert_to_fp8(model: nn.Module, recipe: Fp8Recipe | None = None, *, keep: t
         raise ValueError(f"The model trains in FP8 already ({', '.join(converted[:3])}{' ...' if len(converted) > 3 else ''}): "
                          "convert_to_fp8 converts a model once (a second call would reset its amax histories and "
                          "scales). To try another recipe, convert a fresh copy of the float32 model.")
-    if not isinstance(recipe, Fp8Recipe):
-        example = f"format={recipe!r}" if isinstance(recipe, str) else ""
-        raise ValueError(f"recipe={recipe!r} is a {type(recipe).__name__}, not a Fp8Recipe: pass one, e.g. "
-                         f"Fp8Recipe({example}), or None for the default.")
+    check_recipe(recipe, Fp8Recipe)
     refuse_converted(model, "convert_to_fp8")  # block-scaled layers: once replaced by FP8 ones, silently
     keep, include = tuple(keep), tuple(include)
     names = [name for name, _ in linear_layers(model)]

@@ -226,3 +226,12 @@ def refuse_converted(model: torch.nn.Module, what: str) -> None:
                          f"already: {named}{' ...' if len(found) > 3 else ''}. Apply it to a fresh copy of the "
                          "float32 model (one narrow format over another would replace or skip them silently).")
 
+
+
+def check_recipe(recipe: object, kind: type) -> None:
+    """Refuse a ``recipe`` that is no ``kind`` (``Fp8Recipe``, ``BlockScaledRecipe``): a format's name passed as
+    one was an AttributeError deep inside the conversion."""
+    if not isinstance(recipe, kind):
+        example = f"format={recipe!r}" if isinstance(recipe, str) else ""
+        raise ValueError(f"recipe={recipe!r} is a {type(recipe).__name__}, not a {kind.__name__}: pass one, e.g. "
+                         f"{kind.__name__}({example}), or None for the default.")
