@@ -3,10 +3,11 @@
 Each says the torch versions it was checked on and what ampkit does where it is missing; ``_torch.missing()``
 checks every one of them, so a torch release that moves one fails ``tests/test_torch_shim.py``.
 
-Nothing here imports torch's compiler at import: ``torch.compiler.disable`` and its kin import dynamo (1.4 s, a
-third of ampkit's start), which code that never compiles does not need. ``on_dynamo_import`` runs ampkit's marks
-(which functions dynamo must not trace, which it takes as constants or graph ops) the moment ``torch._dynamo`` is
-imported, by ``torch.compile`` or anyone, through a ``sys.meta_path`` finder: before dynamo can trace anything.
+Nothing here imports torch's compiler at import: ``torch.compiler.disable`` and its kin import dynamo (the larger
+part of ampkit's start: benchmarks/bench_startup.py), which code that never compiles does not need.
+``on_dynamo_import`` runs ampkit's marks (which functions dynamo must not trace, which it takes as constants or graph
+ops) the moment ``torch._dynamo`` is imported, by ``torch.compile`` or anyone, through a ``sys.meta_path`` finder:
+before dynamo can trace anything.
 """
 
 from __future__ import annotations

@@ -372,7 +372,7 @@ _NEEDED: dict[str, Callable[[], object]] = {
 }
 
 
-# Looking these up imports torch.compile's modules (1.4 s): the check at import leaves them to the features using them.
+# Looking these up imports torch.compile's modules (slow): the check at import leaves them to the features using them.
 _COMPILE_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.distributed", "Instruc", "OutputG")
 
 
