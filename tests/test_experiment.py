@@ -126,6 +126,21 @@ def test_the_estimate_costs_each_mixed_run_at_its_own_setting_s_step(monkeypatch
     assert estimate.run_s[2] == pytest.approx(7 * estimate.run_s[1])  # the same steps and evaluation, 7x the step
 
 
+def test_a_busy_moment_during_planning_does_not_decide_the_estimate(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Planned while other work took the cores for a moment, a comparison was estimated at 819 s and took 225 s: one
+    slow timed step (a single step per mixed setting) set every run's cost. Each timing is now the fastest of its
+    repeats (a busy machine only slows a step); here one repeat of each is 9x slower than the rest."""
+    configs = settings.plan(model="mlp", precisions=["bf16"], opt_levels=["O1"], steps=4, batch_size=8, probe=False)
+    times = iter([0.5, 0.1, 0.9, 0.1,  # float32: the warm-up, then its timed steps, the second in a busy moment
+                  0.3, 0.9, 0.2])  # bf16 O1's own model: the warm-up, then its timed steps, the first busy
+    monkeypatch.setattr(cost, "_timed_step", lambda *args: (next(times), 0.01))
+    estimate = cost.estimate(configs)
+    assert next(times, None) is None  # every step above was timed, none more
+    assert estimate.float32_step_s == 0.1
+    assert estimate.setting_step_s == {"bf16 O1 auto plain": 0.2}
+    assert estimate.run_s[1] == pytest.approx(2 * estimate.run_s[0])  # the same steps and evaluation, at 0.2 / 0.1
+
+
 def test_estimate_scales_a_measured_float32_step(fake_machine, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     fake_machine({"matmul": 0.05, "conv": 0.05})
     monkeypatch.setattr(cost, "_process_age_s", lambda: 3.0)  # this test process's import time, say

@@ -49,22 +49,27 @@ def test_bad_arguments() -> None:
         estimate_memory(nn.Linear(2, 2), torch.randn(1, 2), "O0")
 
 
-@pytest.mark.parametrize("level, update, bytes_per_parameter", [
-    ("O1", "plain", 16), ("O2", "plain", 20), ("O3", "plain", 8), ("O3", "kahan", 10), ("O3", "stochastic", 8),
+@pytest.mark.parametrize("level, update, grad_dtype, bytes_per_parameter", [
+    ("O1", "plain", None, 16), ("O2", "plain", None, 20), ("O3", "plain", None, 8), ("O3", "kahan", None, 10),
+    ("O3", "stochastic", None, 8),
+    # float32 gradients: at O2 the masters' own (2 + 4 + 4 + 8), at O3 2 bytes more than 16-bit ones
+    ("O2", "plain", "fp32", 18), ("O3", "plain", "fp32", 10), ("O3", "stochastic", "fp32", 10),
 ])
-def test_estimate_matches_the_tensors_after_a_step(level: str, update: str, bytes_per_parameter: int) -> None:
+def test_estimate_matches_the_tensors_after_a_step(level: str, update: str, grad_dtype: str | None,
+                                                   bytes_per_parameter: int) -> None:
     """Weights, gradients, masters and AdamW states, as counted from the real tensors."""
     import ampkit
     from ampkit.diagnostics.memory import measured_state_bytes
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    est = estimate_memory(model, torch.randn(4, 64), level, "adamw", torch.bfloat16, update=update)
+    est = estimate_memory(model, torch.randn(4, 64), level, "adamw", torch.bfloat16, update=update,
+                          grad_dtype=grad_dtype)
     mixed = est.mixed
     estimated = mixed.weights + mixed.gradients + mixed.master_weights + mixed.optimizer_states
     assert estimated == bytes_per_parameter * est.parameters
     model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters()), level, torch.bfloat16,
-                                         compute="float32", update=update)
+                                         compute="float32", update=update, grad_dtype=grad_dtype)
     model(torch.randn(4, 64)).float().sum().backward()
     optimizer.step()
     # The optimizers' step counters (a few bytes) are the only tensors the estimate leaves out.

@@ -119,6 +119,7 @@ def estimate_memory(
     sharding: str = "none",
     blocks: Sequence[type[nn.Module]] | None = None,
     plan: Any = None,
+    grad_dtype: torch.dtype | str | None = None,
 ) -> MemoryEstimate:
     """Estimate training memory in float32 and at ``opt_level``.
 
@@ -147,6 +148,8 @@ def estimate_memory(
         blocks: with ``sharding="fsdp"``, ``fully_shard``'s ``blocks`` (for ``largest_gather_bytes``).
         plan: a ``RecomputePlan`` (``ampkit.plan_recompute``) made for this setting: the mixed activations
             are its planned saved-for-backward bytes (measured on the model as it trains, with its inputs).
+        grad_dtype: ``initialize``'s: ``torch.float32`` counts float32 gradients of the 16-bit weights (at O2
+            the masters' own: no copy), None the weights' dtype.
 
     Returns:
         A ``MemoryEstimate``: the parameter count and a ``MemoryBreakdown`` (weights, gradients, masters,
@@ -157,6 +160,7 @@ def estimate_memory(
             ``keep_float32`` below or above O2 or listing something that is not an nn.Module type, an
             unknown sharding, or a world size below 1 (or above 1 without sharding).
     """
+    from ampkit.optim.grads import resolve_grad_dtype
     from ampkit.optim.kept import kept_modules
     from ampkit.optim.levels import OPT_LEVELS, check_keep_float32, check_settings, initialize
 
@@ -166,10 +170,14 @@ def estimate_memory(
         raise ValueError(f"Unknown opt_level {opt_level!r} for a mixed estimate. Choose one of {list(OPT_LEVELS[1:])}.")
     check_settings(opt_level, "auto", None, update)
     check_keep_float32(opt_level, keep_float32)
+    accumulate = resolve_grad_dtype(grad_dtype, opt_level, resolve_dtype(dtype))
     if plan is not None and not (hasattr(plan, "planned_bytes") and hasattr(plan, "segments")):
         raise ValueError(f"plan={type(plan).__name__} is not a RecomputePlan: pass what ampkit.plan_recompute returns.")
     if sharding not in SHARDINGS:
         raise ValueError(f"Unknown sharding {sharding!r}. Choose one of {list(SHARDINGS)}.")
+    if accumulate is not None and sharding == "fsdp":
+        raise ValueError(f"grad_dtype={grad_dtype!r} with sharding='fsdp': fully_shard's gradients accumulate in its "
+                         "reduce_dtype (float32 by default), which this estimate counts; drop grad_dtype.")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1 \
             or (sharding == "none" and world_size != 1):
         raise ValueError(f"world_size={world_size!r} is invalid: an integer >= 1, with sharding='fsdp' (without "
@@ -206,15 +214,16 @@ def estimate_memory(
     if opt_level == "O1":
         mixed = MemoryBreakdown(f"{opt_level} {dtype}", 4 * n, 4 * t, 0, 4 * states * t, activations("O1"))
     elif opt_level == "O2":
-        # A float32 parameter's master gradient is its own gradient (no copy); the others get a float32 copy.
+        # A float32 gradient is its master's own (no copy); the others get a float32 copy.
         copies = 4 * sum(p.numel() for p, kept in trained if not kept)
-        mixed = MemoryBreakdown(f"O2 {dtype}", model_bytes(list(params.values())), model_bytes(trained) + copies,
-                                4 * t, 4 * states * t, activations("O2"))
+        gradients = 4 * t if accumulate == torch.float32 else model_bytes(trained) + copies
+        mixed = MemoryBreakdown(f"O2 {dtype}" + (" fp32-grads" if accumulate else ""),
+                                model_bytes(list(params.values())), gradients, 4 * t, 4 * states * t, activations("O2"))
     else:
         compensation = model_bytes(trained) if update == "kahan" else 0
-        label = f"O3 {dtype}" + (f" {update}" if update != "plain" else "")
-        mixed = MemoryBreakdown(label, model_bytes(list(params.values())), model_bytes(trained), 0,
-                                states * model_bytes(trained) + compensation, activations("O3"))
+        label = f"O3 {dtype}" + (f" {update}" if update != "plain" else "") + (" fp32-grads" if accumulate else "")
+        mixed = MemoryBreakdown(label, model_bytes(list(params.values())), 4 * t if accumulate else model_bytes(trained),
+                                0, states * model_bytes(trained) + compensation, activations("O3"))
     if plan is not None:
         mixed = dataclasses.replace(mixed, label=f"{mixed.label} recompute", activations=plan.planned_bytes)
     if sharding == "fsdp":

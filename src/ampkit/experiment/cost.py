@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -24,7 +23,8 @@ from ampkit.experiment.models import ModelMistake, build, check_output
 from ampkit.hardware import throughput
 from ampkit.precision.decide import GEMM_OPS
 
-ESTIMATE_STEPS = 3  # float32 steps the plan times (after a warm-up step): a median, as the runs report
+ESTIMATE_STEPS = 3  # float32 steps the plan times (after a warm-up step)
+SETTING_STEPS = 2  # steps of each mixed setting's own model the plan times (after a warm-up step)
 SLOW_SETTING_S = 5.0  # a mixed setting's warm-up step slower than this is its estimate (no second step)
 
 
@@ -34,8 +34,9 @@ class Estimate:
 
     Attributes:
         float32_step_s: a float32 training step of the model with the runs' optimizer,
-            timed here (median of ``ESTIMATE_STEPS``).
-        float32_forward_s: the forward of those steps (median): what evaluation costs per batch.
+            timed here (the fastest of ``ESTIMATE_STEPS``: a busy moment of the machine only slows a step, and
+            one that hit a timed step must not decide the plan).
+        float32_forward_s: the forward of those steps (the fastest): what evaluation costs per batch.
         startup_s: starting the runs: each does what this process did before its first float32
             step (imports, the data, the model and its optimizer), all at once on the CPU's cores.
         run_s: per configuration, in plan order: its training steps and evaluation.
@@ -44,7 +45,8 @@ class Estimate:
         compile_s: where runs are compiled, the float32 model's first compiled step here, less a step:
             what each compiled run is estimated to spend compiling (0 without compiled runs).
         setting_step_s: per mixed setting (precision, opt level, compute, update), a training step of
-            its own model timed here (after a warm-up step); its runs are costed at it.
+            its own model timed here (the fastest of ``SETTING_STEPS``, after a warm-up step); its runs are
+            costed at it.
         first_step_s: the float32 warm-up step here; each run's first step is as much slower than the
             others (at its setting's ratio to float32).
     """
@@ -112,7 +114,7 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
                     "training; use batch_size=2 or more)")
         raise ValueError(f"The model from {first.model!r} failed on a batch of {first.data} (inputs "
                          f"{tuple(x.shape)}, {x.dtype}): {type(error).__name__}: {error}{hint}") from error
-    step_s, forward_s = (statistics.median(times) for times in zip(*timed))
+    step_s, forward_s = (min(times) for times in zip(*timed))
     compile_s = 0.0
     if any(c.compiled for c in configs):  # one compile of the float32 model, as the compiled runs will do theirs
         try:
@@ -123,7 +125,7 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
                              f"{str(error).splitlines()[0] if str(error) else ''}; run without --compile, or "
                              "make the model compile (dynamo's explain lists what breaks its graph).") from error
     share: dict[str, float] = {}  # op class -> its part of the step's GEMM arithmetic
-    for op, count in flops.get_flop_counts()["Global"].items():
+    for op, count in flops.get_flop_counts().get("Global", {}).items():  # none: a model without GEMMs
         name = "conv" if "convolution" in str(op) else "matmul"
         share[name] = share.get(name, 0) + count
     total = sum(share.values()) or 1
@@ -164,13 +166,15 @@ def _setting(config: RunConfig) -> str:
 
 def _setting_step(config: RunConfig, dataset: data_mod.Dataset, device: torch.device, x: torch.Tensor,
                   y: torch.Tensor, sync: Callable[[], None]) -> float:
-    """One training step of ``config``'s own model (lr 0) after a warm-up step; a warm-up slower than
-    ``SLOW_SETTING_S`` (native 16-bit kernels emulated in software) is taken as the step."""
+    """The fastest of ``SETTING_STEPS`` training steps of ``config``'s own model (lr 0) after a warm-up step; a
+    warm-up slower than ``SLOW_SETTING_S`` (native 16-bit kernels emulated in software) is taken as the step."""
     from ampkit.experiment.training import prepare  # training imports the models and formats: only here
 
     model, optimizer = prepare(config, dataset, device, lr=0.0)
     first = _timed_step(model, optimizer, x, y, sync)[0]
-    return first if first > SLOW_SETTING_S else _timed_step(model, optimizer, x, y, sync)[0]
+    if first > SLOW_SETTING_S:
+        return first
+    return min(_timed_step(model, optimizer, x, y, sync)[0] for _ in range(SETTING_STEPS))
 
 
 def _timed_step(forward: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer, x: torch.Tensor,

@@ -16,7 +16,7 @@ from torch import nn
 
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import check_compute, resolve_dtype
-from ampkit.optim import pure16
+from ampkit.optim import grads, pure16
 from ampkit.optim.kept import (
     add_input_casts,
     cast_inputs,
@@ -43,6 +43,7 @@ def initialize(
     policy: Policy | None = None,
     update: str = "plain",
     keep_float32: Sequence[type[nn.Module]] = (),
+    grad_dtype: torch.dtype | str | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Prepare a float32 model and its optimizer for mixed precision (Apex's levels).
 
@@ -74,6 +75,14 @@ def initialize(
             `ampkit compare`: no difference in final loss beyond seed-to-seed noise
             (benchmarks/bench_gpt_head.py), and more saved for backward (every LayerNorm then saves
             a float32 input), hence not the default.
+        grad_dtype: at O2 and O3, what the 16-bit weights' gradients accumulate in: None (default: the
+            weights' dtype) or ``torch.float32`` (``"fp32"``): each backward's gradient is added into a
+            float32 ``.grad`` (torch's ``Tensor.grad_dtype``), so gradient accumulation over micro-batches
+            sums in float32. At O2 the masters take those gradients as their own (no float32 copy at the
+            step: 2 bytes per parameter fewer than the default). At O3 they are rounded to the weights' dtype
+            for the step. DDP builds its buckets in the parameters' dtype and refuses float32 gradients of
+            16-bit weights: with DDP keep the default (``ampkit.distributed.fully_shard`` accumulates in its
+            ``reduce_dtype``). See ``ampkit.optim.grads``.
 
     Returns:
         (model, optimizer): the model is changed in place; the optimizer is wrapped
@@ -81,7 +90,7 @@ def initialize(
 
     Raises:
         ValueError: an unknown ``opt_level``, dtype, compute mode or update; a policy with O0, O2 or O3;
-            an update other than ``"plain"`` below O3.
+            an update other than ``"plain"`` below O3; a ``grad_dtype`` other than float32 and ``dtype``.
 
     Examples:
         >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
@@ -106,6 +115,7 @@ def initialize(
                          f"{opt_level!r}) on the float32 model instead of torch's fully_shard and initialize.")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = resolve_dtype(dtype) if dtype is not None else recommend_dtype(device)
+    accumulate = grads.resolve_grad_dtype(grad_dtype, opt_level, dtype)
     if optimizer is not None and update != "plain":
         pure16.pure16_groups(optimizer, update)  # refuses before the weights are cast
     model._ampkit_opt_level = opt_level  # type: ignore[assignment]
@@ -119,6 +129,11 @@ def initialize(
     cast_model_(model, opt_level, dtype, tuple(keep_float32))
     if optimizer is not None and update != "plain":
         optimizer = pure16.pure16_optimizer(optimizer, update)
+    if accumulate is not None:
+        grads.accumulate_in(model.parameters(), accumulate)
+        model._ampkit_grad_dtype = accumulate  # type: ignore[assignment]
+        if opt_level == "O3" and optimizer is not None:
+            grads.step_in_own_dtype(optimizer)
     wrap_forward(model, *forward_wrappers(opt_level, Policy.for_16bit_model(device.type, dtype, compute)))
     return model, optimizer
 

@@ -8,6 +8,8 @@ float32 copy of every weight for the optimizer (Micikevicius et al., 2018,
 
 from __future__ import annotations
 
+import functools
+import warnings
 import weakref
 from typing import Any
 
@@ -19,10 +21,15 @@ from ampkit import _torch
 STATE_VERSION = 1
 
 
-def _stale(owner: weakref.ref) -> None:
+def _on_gradient(owner: weakref.ref, index: int, param: torch.Tensor) -> None:
+    """After a backward added into ``param.grad``: the masters' copies are stale; a float32 gradient is its
+    master's own at once (so torch.amp.GradScaler, which reads the masters, unscales it)."""
     optimizer = owner()
     if optimizer is not None:
         optimizer._grads_synced = False
+        master = optimizer.master_params[index]
+        if param.grad is not None and param.grad.dtype == master.dtype and param.grad.device == master.device:
+            master.grad = param.grad
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -64,9 +71,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         # A new backward makes the masters' copies stale, whoever clears the model's gradients: a skipped step
         # followed by model.zero_grad() (transformers' Trainer) kept the overflowed copies for good otherwise.
         owner = weakref.ref(self)  # the model's parameters must not keep the optimizer alive
-        for param in self.model_params:
+        for index, param in enumerate(self.model_params):
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(lambda _, owner=owner: _stale(owner))
+                param.register_post_accumulate_grad_hook(functools.partial(_on_gradient, owner, index))
         optimizer._ampkit_masters = True  # type: ignore[attr-defined]  # its groups now hold masters
 
     # torch.optim.Optimizer's own attributes, delegated so schedulers and hooks work.
@@ -92,7 +99,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         return getattr(self.optimizer, name)
 
     def prepare_grads_(self) -> None:
-        """Copy the model's 16-bit gradients into the masters' float32 ``.grad``.
+        """Copy the model's 16-bit gradients into the masters' float32 ``.grad`` (a float32 gradient of the
+        model's is the master's own, not copied).
 
         Called by ``step`` and by a loss scaler's ``unscale_``; once per step.
         """
@@ -102,7 +110,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         for param, master in zip(self.model_params, self.master_params):
             if param.grad is None:
                 master.grad = None
-            elif master.grad is None or master.grad.shape != param.grad.shape:
+            elif param.grad.dtype == master.dtype and param.grad.device == master.device:
+                master.grad = param.grad  # float32 already (initialize's grad_dtype): the master takes it, no copy
+            elif master.grad is None or master.grad.shape != param.grad.shape or master.grad is param.grad:
                 master.grad = param.grad.detach().float()
             else:
                 targets.append(master.grad)
@@ -141,13 +151,20 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state plus the float32 masters.
 
-        Keys: ``version``, ``optimizer`` (the inner state dict), ``master_params``.
+        Keys: ``version``, ``optimizer`` (the inner state dict), ``master_params``, ``grad_dtype`` (what the
+        16-bit weights' gradients accumulate in: ``"float32"`` or ``"weights"``, their own dtype).
         """
         return {
             "version": STATE_VERSION,
             "optimizer": self.optimizer.state_dict(),
             "master_params": [m.detach().clone() for m in self.master_params],
+            "grad_dtype": self._grad_dtype(),
         }
+
+    def _grad_dtype(self) -> str:
+        """``"float32"`` where the model's 16-bit weights accumulate their gradients in float32, else ``"weights"``."""
+        low = [p for p in self.model_params if p.dtype in (torch.float16, torch.bfloat16) and p.requires_grad]
+        return "float32" if low and all(p.grad_dtype == torch.float32 for p in low) else "weights"
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from ``state_dict()``; the model's weights are set from the masters.
@@ -192,6 +209,12 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"MasterWeightOptimizer state's 'optimizer' is {type(inner).__name__}, not the inner "
                                "optimizer's state dict ('state' and 'param_groups'): pass the dict from its "
                                "state_dict().")
+        saved_grads = state_dict.get("grad_dtype", self._grad_dtype())  # older state dicts do not say
+        if saved_grads != self._grad_dtype():
+            warnings.warn(f"The checkpoint's run accumulated gradients in {saved_grads!r}, this one in "
+                          f"{self._grad_dtype()!r} ('weights': the 16-bit weights' own dtype): the resumed run will "
+                          "not match an uninterrupted one; pass initialize the checkpoint's grad_dtype to match it.",
+                          stacklevel=2)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         with torch.no_grad():
             for master, saved in zip(self.master_params, masters):

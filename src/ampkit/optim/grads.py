@@ -1,0 +1,82 @@
+"""Gradient accumulation in float32 for a 16-bit model (O2, O3).
+
+A 16-bit model's gradients are 16-bit: over micro-batches each backward adds a bfloat16 gradient into a
+bfloat16 ``.grad``, and the sum loses what bfloat16's 8 significant bits cannot hold (DeepSpeed's
+``grad_accum_dtype`` fixed the same error). torch's ``Tensor.grad_dtype`` (public, in every torch ampkit
+supports) makes the autograd engine cast each incoming gradient to float32 and accumulate there: one float32
+buffer per weight, and no second copy at the step (an O2 master takes the model's float32 gradient as its own).
+
+At O3 the optimizer steps the 16-bit weights themselves, and torch's optimizers want a gradient of their
+parameter's dtype (AdamW refuses a float32 gradient on a bfloat16 weight): the float32 sum is rounded once,
+just before the step, and restored after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+GRAD_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_grad_dtype(grad_dtype: torch.dtype | str | None, opt_level: str, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a model's gradients accumulate in: ``torch.float32``, or None for the weights' own dtype.
+
+    Raises:
+        ValueError: a name or dtype other than float32 and ``dtype``; float32 accumulation at O0 and O1, whose
+            weights and gradients are float32 already, is accepted (it changes nothing).
+    """
+    if grad_dtype is None:
+        return None
+    resolved = GRAD_DTYPE_NAMES.get(grad_dtype.lower()) if isinstance(grad_dtype, str) else grad_dtype
+    if resolved == dtype and opt_level in ("O2", "O3"):
+        return None  # the weights' own dtype: what torch does by default
+    if resolved == torch.float32:
+        return torch.float32 if opt_level in ("O2", "O3") else None
+    raise ValueError(f"grad_dtype={grad_dtype!r} is not a gradient dtype at {opt_level} with dtype={dtype}: choose "
+                     f"torch.float32 ('fp32': accumulate in float32) or None (the weights' dtype, "
+                     f"{'float32' if opt_level in ('O0', 'O1') else dtype}).")
+
+
+def accumulate_in(params: Iterable[torch.Tensor], grad_dtype: torch.dtype) -> None:
+    """Make each floating, trained leaf in ``params`` whose dtype is not ``grad_dtype`` accumulate its
+    gradient in ``grad_dtype`` (``Tensor.grad_dtype``); a gradient already there is converted."""
+    for param in params:
+        if param.requires_grad and param.is_floating_point() and param.dtype != grad_dtype:
+            grad, param.grad = param.grad, None  # torch refuses a gradient of another dtype than grad_dtype
+            param.grad_dtype = grad_dtype
+            if grad is not None:
+                param.grad = grad.to(grad_dtype)
+
+
+def step_in_own_dtype(optimizer: torch.optim.Optimizer) -> None:
+    """At O3: round each float32 gradient to its weight's dtype for ``optimizer``'s step and put the float32
+    sum back after it (torch's step hooks), so any optimizer steps 16-bit weights on 16-bit gradients."""
+    swapped: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def before(*_: object) -> None:
+        after()  # a step that raised left its 16-bit copies: the float32 sums come back first
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is not None and grad.dtype != param.dtype:
+                    swapped.append((param, grad))
+                    param.grad_dtype = None  # lets the 16-bit copy in
+                    param.grad = grad.to(param.dtype)
+
+    def after(*_: object) -> None:
+        while swapped:
+            param, grad = swapped.pop()
+            param.grad = grad
+            param.grad_dtype = grad.dtype
+
+    optimizer.register_step_pre_hook(before)
+    optimizer.register_step_post_hook(after)
+
+
+def model_grad_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype ``initialize(..., grad_dtype=)`` set for ``model``'s gradients, None where it set none."""
+    return getattr(model, "_ampkit_grad_dtype", None)
