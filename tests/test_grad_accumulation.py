@@ -213,3 +213,47 @@ def test_64_micro_batches_on_two_fsdp2_ranks_sum_as_float32_accumulation_does() 
         assert rank["torch.float32 dtype"] == "torch.float32"
         assert rank["torch.float32"] < 1e-6
         assert rank["torch.bfloat16"] > 1e-3
+
+
+def test_compare_plans_a_run_per_gradient_accumulation_at_o2_and_o3() -> None:
+    from ampkit.experiment import settings
+
+    configs = settings.plan(model="mlp", precisions=["bf16"], opt_levels=["O1", "O2", "O3"], grad_accums=["fp32", "bf16"],
+                            computes=["native"], steps=4, batch_size=8, micro_batches=4)
+    assert [c.label for c in configs] == ["fp32", "bf16 O1", "bf16 O2 fp32-grads", "bf16 O2", "bf16 O3 fp32-grads",
+                                          "bf16 O3"]
+    assert [c.grad_accum for c in configs] == [None, None, "fp32", None, "fp32", None]
+    assert {c.micro_batches for c in configs} == {4}
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(micro_batches=3), r"micro_batches=3 does not divide batch_size=8: choose a divisor \(e.g. 2, 4, 8\)"),
+    (dict(micro_batches=0), r"micro_batches=0 is invalid: use an integer >= 1"),
+    (dict(grad_accums=["fp16"], opt_levels=["O2"]), r"grad_accums=\['fp16'\] with precision 'bf16', whose 16-bit "
+                                                   r"weights are bf16: gradients accumulate in fp32 or in the weights'"),
+    (dict(grad_accums=["fp32"], opt_levels=["O1"]), r"grad_accums=\['fp32'\] applies to O2 and O3 runs only"),
+    (dict(grad_accums=["fp64"], opt_levels=["O2"]), r"Unknown gradient accumulation 'fp64'. Choose from \['fp32', 'bf16', 'fp16'\]"),
+    (dict(grad_accums=["fp32", "fp32"], opt_levels=["O2"]), r"fp32 named more than once"),
+])
+def test_bad_accumulation_options_are_refused_before_any_run(options: dict, message: str) -> None:
+    from ampkit.experiment import settings
+
+    with pytest.raises(ValueError, match=message):
+        settings.plan(**{"model": "mlp", "precisions": ["bf16"], "steps": 4, "batch_size": 8, **options})
+
+
+def test_micro_batches_train_float32_as_the_whole_batch_does_and_o2_keeps_18_bytes_a_parameter() -> None:
+    """4 micro-batches of 2 take the step one batch of 8 takes (up to float32 rounding: the sums differ in order);
+    O2 with float32 accumulation holds 18 bytes per parameter (16-bit weights, float32 gradients, masters, two
+    moments) where the default holds 20."""
+    from ampkit.experiment.config import RunConfig
+    from ampkit.experiment.training import execute
+
+    common = dict(model="mlp", steps=4, batch_size=8)
+    whole = execute(RunConfig(**common))
+    micro = execute(RunConfig(**common, micro_batches=4))
+    assert micro.losses == pytest.approx(whole.losses, rel=1e-5)
+    assert micro.saved_for_backward_bytes < whole.saved_for_backward_bytes  # a micro-batch's activations at once
+    o2 = dict(common, precision="bf16", opt_level="O2", compute="native", micro_batches=4)
+    per_parameter = {accumulate: execute(RunConfig(**o2, grad_accum=accumulate)) for accumulate in ("fp32", None)}
+    assert {a: round(r.state_bytes / r.parameters, 2) for a, r in per_parameter.items()} == {"fp32": 18.0, None: 20.0}

@@ -104,3 +104,24 @@ print(getattr(autocast.__enter__, "_torchdynamo_disable", False),
       any(type(finder).__name__ == "_DynamoFinder" for finder in sys.meta_path))
 """
     assert _run(code).splitlines() == ["False", "True False"]
+
+
+def test_the_suite_says_which_test_runs_long_without_touching_its_captured_output(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``pytest -q`` prints a dot as each test ends: the README's test command was silent for 45-212 s while its
+    longest test ran. tests/heartbeat.py (loaded by pyproject's addopts) writes a line every 8 s a test runs (here
+    every 0.5 s), on its own copy of the terminal, so a test that checks its captured output still sees only its own."""
+    from pathlib import Path
+
+    (tmp_path / "test_long.py").write_text(
+        "import time\n"
+        "def test_long(capfd):\n"
+        "    print('own output')\n"
+        "    time.sleep(1.6)\n"
+        "    assert capfd.readouterr().out == 'own output\\n'\n")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.heartbeat",
+                           str(tmp_path / "test_long.py")], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "AMPKIT_TEST_HEARTBEAT_S": "0.5"})
+    assert done.returncode == 0, done.stdout[-2000:]
+    beats = [line for line in done.stdout.splitlines() if line.startswith("[") and "still running after" in line]
+    assert len(beats) >= 2 and beats[0].startswith("[test_long.py::test_long: still running after"), done.stdout

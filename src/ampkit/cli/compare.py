@@ -15,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from ampkit.cli.flags import as_flags, directory
 from ampkit.experiment import report
 from ampkit.experiment.comparison import Comparison, check_out_dir, compare, reserve_out_dir
-from ampkit.experiment.config import COMPILE_MODES, LOSS_SCALES, PRECISIONS, RunConfig, low_dtype
+from ampkit.experiment.config import COMPILE_MODES, GRAD_ACCUMS, LOSS_SCALES, PRECISIONS, RunConfig, low_dtype
 from ampkit.experiment.cost import Estimate, estimate
 from ampkit.experiment.data import DATASETS
 from ampkit.experiment.hf_models import HELP as HF_HELP
@@ -59,6 +59,12 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
                              "is 1024; adaptive is per layer)")
     parser.add_argument("--update", nargs="+", choices=UPDATES,
                         help="how O3 runs update their 16-bit weights: plain (default), kahan, stochastic")
+    parser.add_argument("--grad-accum", nargs="+", choices=GRAD_ACCUMS,
+                        help="what the O2/O3 runs' 16-bit weights' gradients accumulate in: fp32, or their own "
+                             "dtype (bf16 or fp16: the default); several add a run each")
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="split each step's batch into this many micro-batches, a backward each, their gradients "
+                             "accumulated into one step (a divisor of the batch size; default 1)")
     parser.add_argument("--loss-divisor", type=float, default=1.0,
                         help="divide every run's training loss (and AdamW's eps) by this: gradients as a this-times "
                              "larger batch's, where float16 needs loss scaling (1 to 65536; default 1)")
@@ -99,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, computes=args.compute, probe=False if args.no_probe else None,
             loss_scales=args.loss_scale, updates=args.update, loss_divisor=args.loss_divisor,
             activation_budgets=args.activation_budget, compile=args.compile, precision_plan=args.plan,
+            grad_accums=args.grad_accum, micro_batches=args.micro_batches,
         )
         # builds and steps the model (a bad model fails here); a line per timing, as the runs' progress does
         cost = estimate(configs, lambda line: print(f"ampkit compare: {line}", file=sys.stderr, flush=True))
@@ -187,7 +194,8 @@ def print_plan(console: Console, configs: list[RunConfig], estimate: Estimate) -
     """The runs about to start, why their compute mode is what it is, and the time they will take."""
     first = configs[0]
     console.print(
-        f"Plan: {', '.join(c.label for c in configs)}; {first.model} on {first.data}, batch {first.batch_size}, "
+        f"Plan: {', '.join(c.label for c in configs)}; {first.model} on {first.data}, batch {first.batch_size}"
+        f"{f' in {first.micro_batches} micro-batches' if first.micro_batches != 1 else ''}, "
         f"{first.steps} steps per run. Estimated {estimate.total_s:.0f} s "
         f"(a float32 step measured here: {estimate.float32_step_s * 1e3:.0f} ms)."
     )

@@ -17,6 +17,7 @@ from ampkit.precision.decide import GEMM_OPS, float32_classes
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current", "mxfp8", "mxfp8-floor", "mxfp4", "mxfp4-rceil", "nvfp4",
               "nvfp4-no-tiles", "nvfp4-no-sr", "nvfp4-no-hadamard", "nvfp4-no-kept")
 LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
+GRAD_ACCUMS = ("fp32", "bf16", "fp16")  # compare --grad-accum: what O2/O3 gradients accumulate in
 COMPILE_MODES = ("off", "on", "both")  # compare --compile: eager runs, compiled runs, or each setting both ways
 STATIC_SCALE = 2.0**10  # the static setting's loss scale (Micikevicius et al. used 8 to 32768 per task)
 # FP8 recipes of the fp8 settings: delayed scaling (ampkit's own) and current scaling (torchao), both
@@ -69,6 +70,10 @@ class RunConfig:
     # The training loss is divided by this (and AdamW's eps with it, so float32 trains as with 1): each gradient
     # value then sits where a loss_divisor-times larger batch's mean puts it (see ``plan``).
     loss_divisor: float = 1.0
+    # Each step's batch is split into this many micro-batches, a backward each, their gradients accumulated into
+    # one optimizer step (the loss of each weighted by its share of the batch).
+    micro_batches: int = 1
+    grad_accum: str | None = None  # O2/O3: "fp32" accumulates the 16-bit weights' gradients in float32; None: theirs
     # A saved-for-backward budget ("0.5" of the run's own, or bytes: "64MiB"): the run trains with a recompute
     # plan for it (ampkit.plan_recompute, made on its first batch); None: no plan.
     activation_budget: str | None = None
@@ -96,7 +101,8 @@ class RunConfig:
     def label(self) -> str:
         """``fp32``, ``bf16 O1``; ``bf16 O1 fp32-compute`` where GEMMs compute in float32;
         ``bf16 O1 native probe`` for a probe; the fp8 settings name their recipe
-        (``fp8-delayed-hybrid O1``); ``... compiled`` for a run through torch.compile."""
+        (``fp8-delayed-hybrid O1``); ``... fp32-grads`` where gradients accumulate in float32; ``... compiled``
+        for a run through torch.compile."""
         if self.precision == "fp32":
             return "fp32" + (" compiled" if self.compiled else "")
         recipe = FP8_RECIPES.get(self.precision)
@@ -113,6 +119,8 @@ class RunConfig:
             label += f" {self.loss_scale}-scaling" if self.loss_scale != "none" else " no-scaling"
         if self.update != "plain":
             label += f" {self.update}"
+        if self.grad_accum == "fp32":
+            label += " fp32-grads"
         if self.precision_plan is not None:
             label += " tuned"
         if self.activation_budget is not None:

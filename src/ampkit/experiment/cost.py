@@ -95,10 +95,12 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    micro_shape = (len(y) // first.micro_batches,) + tuple(y.shape[1:])  # a micro-batch's targets (equal parts)
+
     def step(forward: Callable[[torch.Tensor], torch.Tensor] = model) -> tuple[float, float]:
         """One float32 training step, its output checked; returns its time and its forward's."""
-        return _timed_step(forward, optimizer, x, y, sync,
-                           lambda out: check_output(first.model, out, dataset.num_classes, tuple(y.shape)))
+        return _timed_step(forward, optimizer, x, y, sync, first.micro_batches,
+                           lambda out: check_output(first.model, out, dataset.num_classes, micro_shape))
 
     try:
         with FlopCounterMode(display=False) as flops:
@@ -160,8 +162,10 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
 
 
 def _setting(config: RunConfig) -> str:
-    """What sets a run's step time apart: its precision, opt level, compute mode and O3 update."""
-    return f"{config.precision} {config.opt_level} {config.compute} {config.update}"
+    """What sets a run's step time apart: its precision, opt level, compute mode, O3 update and gradient
+    accumulation."""
+    return f"{config.precision} {config.opt_level} {config.compute} {config.update}" + (
+        f" {config.grad_accum}-grads" if config.grad_accum else "")
 
 
 def _setting_step(config: RunConfig, dataset: data_mod.Dataset, device: torch.device, x: torch.Tensor,
@@ -171,23 +175,27 @@ def _setting_step(config: RunConfig, dataset: data_mod.Dataset, device: torch.de
     from ampkit.experiment.training import prepare  # training imports the models and formats: only here
 
     model, optimizer = prepare(config, dataset, device, lr=0.0)
-    first = _timed_step(model, optimizer, x, y, sync)[0]
+    first = _timed_step(model, optimizer, x, y, sync, config.micro_batches)[0]
     if first > SLOW_SETTING_S:
         return first
-    return min(_timed_step(model, optimizer, x, y, sync)[0] for _ in range(SETTING_STEPS))
+    return min(_timed_step(model, optimizer, x, y, sync, config.micro_batches)[0] for _ in range(SETTING_STEPS))
 
 
 def _timed_step(forward: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer, x: torch.Tensor,
-                y: torch.Tensor, sync: Callable[[], None],
+                y: torch.Tensor, sync: Callable[[], None], micro_batches: int = 1,
                 check: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits) -> tuple[float, float]:
-    """One training step (cross-entropy on ``check(forward(x))``); returns its time and its forward's."""
+    """One training step (cross-entropy on ``check(forward(x))``, a backward per micro-batch, as the runs do);
+    returns its time and its forwards' (what the whole batch's forward costs, as evaluation runs it)."""
     t0 = time.perf_counter()
+    forward_s = 0.0
     optimizer.zero_grad(set_to_none=True)
-    logits = check(forward(x))
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-    sync()
-    forward_s = time.perf_counter() - t0
-    loss.backward()
+    for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+        f0 = time.perf_counter()
+        logits = check(forward(xm))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ym.reshape(-1)) / micro_batches
+        sync()
+        forward_s += time.perf_counter() - f0
+        loss.backward()
     optimizer.step()
     sync()
     return time.perf_counter() - t0, forward_s

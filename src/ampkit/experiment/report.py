@@ -32,8 +32,9 @@ def table(comparison: Comparison) -> Table:
     so the table fits an 80-column terminal."""
     machine = comparison.machine
     config = comparison.config
+    micro = f" in {config['micro_batches']} micro-batches" if config.get("micro_batches", 1) != 1 else ""
     title = (
-        f"ampkit compare: {config['model']} on {config['data']}, batch {config['batch_size']}, "
+        f"ampkit compare: {config['model']} on {config['data']}, batch {config['batch_size']}{micro}, "
         f"{config['steps']} steps, {machine['device_name']} (torch {machine['torch']})"
     )
     if config.get("loss_divisor", 1) != 1:
@@ -41,6 +42,8 @@ def table(comparison: Comparison) -> Table:
     caption = "memory in MiB; below each figure, its ratio to float32"
     if any(run.float32_compute for run in comparison.runs):
         caption += "; fp32-compute: GEMMs and convolutions computed in float32 on 16-bit values"
+    if any(" fp32-grads" in run.label for run in comparison.runs):
+        caption += "; fp32-grads: the 16-bit weights' gradients accumulate in float32"
     if any(run.probe for run in comparison.runs):
         caption += "; probe: a few steps, timed only"
     if any(not run.probe and run.steps <= WARMUP_STEPS for run in comparison.runs):

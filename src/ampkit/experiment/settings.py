@@ -18,6 +18,7 @@ from ampkit.experiment.config import (
     CONTEXT,
     BLOCK_RECIPES,
     FP8_RECIPES,
+    GRAD_ACCUMS,
     LOSS_SCALES,
     PRECISIONS,
     RunConfig,
@@ -104,6 +105,8 @@ def plan(
     activation_budgets: Sequence[str] | None = None,
     compile: str = "off",
     precision_plan: str | None = None,
+    grad_accums: Sequence[str] | None = None,
+    micro_batches: int = 1,
 ) -> list[RunConfig]:
     """The runs of a comparison: float32 first, then the mixed settings, then a probe.
 
@@ -126,6 +129,11 @@ def plan(
     over that many micro-batches divides each one's loss: the regime of large-batch
     training (GPT-2's ~2**19 tokens a step against the GPT workload's 2**11), where float16
     without loss scaling flushes gradients to zero. Reported losses are undivided.
+
+    ``grad_accums`` (``fp32``, or the run's 16-bit dtype, ``bf16`` or ``fp16``: the default) multiply the O2 and
+    O3 settings: what their 16-bit weights' gradients accumulate in (``initialize``'s ``grad_dtype``).
+    ``micro_batches`` (default 1) splits every step's batch into that many micro-batches, a backward each, their
+    gradients accumulated into one step (it must divide the batch size).
 
     ``activation_budgets`` (fractions of a run's own saved-for-backward, ``"0.5"``, or bytes,
     ``"64MiB"``) add, for every mixed setting, a run per budget that trains with a recompute plan for
@@ -165,12 +173,14 @@ def plan(
         _check_choice(scaling, LOSS_SCALES, "loss scaling")
     for update in updates or ():
         _check_choice(update, UPDATES, "update")
+    for accumulate in grad_accums or ():
+        _check_choice(accumulate, GRAD_ACCUMS, "gradient accumulation")
     _check_choice(compile, COMPILE_MODES, "compile mode")
     # Options that the chosen settings would ignore are refused, never dropped: a run must be what was asked.
     if precisions is not None and set(precisions) == {"fp32"}:
         ignored = [f"{name}={list(value)!r}" for name, value in (("opt_levels", opt_levels), ("computes", computes),
-                                                                 ("loss_scales", loss_scales), ("updates", updates))
-                   if value]
+                                                                 ("loss_scales", loss_scales), ("updates", updates),
+                                                                 ("grad_accums", grad_accums)) if value]
         if ignored:
             raise ValueError(f"precisions=['fp32'] runs float32 alone, which ignores {', '.join(ignored)}: add a "
                              "16-bit precision, e.g. precisions=['fp32', 'bf16'], or drop them.")
@@ -183,7 +193,7 @@ def plan(
         raise ValueError(f"updates={list(updates)!r} applies to O3 runs only: add opt_levels=['O3'] (pure 16-bit "
                          "weights; O1 and O2 keep float32 weights or masters, which take small updates as they are).")
     for name, values in (("precisions", precisions), ("opt_levels", opt_levels), ("computes", computes),
-                         ("loss_scales", loss_scales), ("updates", updates)):
+                         ("loss_scales", loss_scales), ("updates", updates), ("grad_accums", grad_accums)):
         repeated = sorted({v for v in values or () if list(values or ()).count(v) > 1})
         if repeated:
             raise ValueError(f"{name}={list(values or ())!r}: {', '.join(repeated)} named more than once; name each "
@@ -221,6 +231,9 @@ def plan(
     else:
         mixed = [p for p in (precisions or ("bf16" if parsed_device.type == "cpu" else "fp16",)) if p != "fp32"]
         settings = [(p, level) for p in mixed for level in (opt_levels or ("O1", "O2"))]
+    if grad_accums and not any(level in ("O2", "O3") for _, level in settings):
+        raise ValueError(f"grad_accums={list(grad_accums)!r} applies to O2 and O3 runs only: add opt_levels=['O2'] "
+                         "(16-bit weights; O1's weights and gradients are float32 already).")
     if loss_scales and not any(p == "fp16" for p, _ in settings):
         raise ValueError(f"loss_scales={list(loss_scales)!r} applies to fp16 runs only: add precisions=['fp16'] "
                          "(bf16 and fp8 keep float32's exponent range, so their runs take no loss scaling).")
@@ -232,6 +245,11 @@ def plan(
                 f"batch_size={batch_size} is larger than the {data} training set ({train_size} samples): "
                 f"use at most {train_size}."
             )
+    check_positive_int(micro_batches, "micro_batches")
+    if batch_size % micro_batches:
+        divisors = [str(d) for d in range(1, batch_size + 1) if batch_size % d == 0][1:5] or ["1"]
+        raise ValueError(f"micro_batches={micro_batches} does not divide batch_size={batch_size}: choose a divisor "
+                         f"(e.g. {', '.join(divisors)}), or change the batch size.")
     if steps is None:
         if data == "text":
             steps = defaults.get("steps", 30)
@@ -246,14 +264,17 @@ def plan(
         device=device,
         seed=seed,
         loss_divisor=float(loss_divisor),
+        micro_batches=micro_batches,
     )
     configs = [RunConfig(precision="fp32", opt_level="O0", **common)]
     configs += [
-        RunConfig(precision=p, opt_level=level, compute=c, loss_scale=scaling, update=update, **common)
+        RunConfig(precision=p, opt_level=level, compute=c, loss_scale=scaling, update=update,
+                  grad_accum=_grad_accum(accumulate, p, parsed_device), **common)
         for p, level in settings
         for c in (computes or ("auto",))
         for scaling in ((loss_scales or ("auto",)) if p == "fp16" else ("auto",))
         for update in ((updates or ("plain",)) if level == "O3" else ("plain",))
+        for accumulate in ((grad_accums or (None,)) if level in ("O2", "O3") else (None,))
     ]
     if precision_plan is not None:
         configs.append(RunConfig(precision=tuned.base, opt_level="O1", compute=(computes or ["auto"])[0],
@@ -276,6 +297,17 @@ def plan(
             configs.append(dataclasses.replace(first, opt_level="O1", compute="native", steps=PROBE_STEPS, probe=True,
                                                update="plain", compiled=False))
     return configs
+
+
+def _grad_accum(accumulate: str | None, precision: str, device: torch.device) -> str | None:
+    """A run's ``grad_accum``: ``"fp32"``, or None for its weights' own dtype (refused if it is another)."""
+    if accumulate in (None, "fp32"):
+        return accumulate
+    own = {torch.bfloat16: "bf16", torch.float16: "fp16"}[low_dtype(precision, device)]
+    if accumulate != own:
+        raise ValueError(f"grad_accums=[{accumulate!r}] with precision {precision!r}, whose 16-bit weights are {own}: "
+                         f"gradients accumulate in fp32 or in the weights' dtype ({own}).")
+    return None
 
 
 def _check_fp8(model: str, data: str, precisions: list[str]) -> None:

@@ -89,11 +89,15 @@ def execute(
         wait("step")
         t0 = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        if i == 0:
-            loss, saved = saved_bytes_of_step(model, lambda: loss_of(x, y))
-        else:
-            loss = loss_of(x, y)
-        scaler.scale(loss / config.loss_divisor if config.loss_divisor != 1 else loss).backward()
+        loss = torch.zeros((), device=device)
+        for m, (xm, ym) in enumerate(zip(x.chunk(config.micro_batches), y.chunk(config.micro_batches))):
+            if i == 0 and m == 0:  # one micro-batch's activations: what a step holds at once
+                part, saved = saved_bytes_of_step(model, lambda: loss_of(xm, ym))
+            else:
+                part = loss_of(xm, ym)
+            part = part / config.micro_batches  # equal micro-batches: their mean is the batch's mean loss
+            scaler.scale(part / config.loss_divisor if config.loss_divisor != 1 else part).backward()
+            loss = loss + part.detach()
         counting_s = 0.0
         if i % ZERO_GRAD_EVERY == 0:  # a measurement, not training: its time is not the step's
             c0 = time.perf_counter()
@@ -167,7 +171,7 @@ def prepare(config: RunConfig, dataset: data_mod.Dataset, device: torch.device,
     if config.precision != "fp32":
         model, optimizer = initialize(  # type: ignore[assignment]
             model, optimizer, config.opt_level, low_dtype(config.precision, device), compute=config.compute,
-            update=config.update)
+            update=config.update, grad_dtype=config.grad_accum)
     return model, optimizer
 
 
