@@ -6,7 +6,10 @@ files), and keeps each comparison's results.json, curves.png and summary.png
 under benchmarks/results/compare-<name>-<device>/ with command.json beside them
 (replaced as a whole: this script's job is to refresh them).
 
-    python benchmarks/bench_compare.py [--device cuda] [--only NAME ...]  (NAME: a key of WORKLOADS)
+    python benchmarks/bench_compare.py [--device cuda] [--only NAME ...] [--kind KIND]  (NAME: a key of WORKLOADS)
+
+``--kind`` names the machine in the record's folder (compare-<name>-<kind>-<device>), so a second kind of CPU
+(e.g. ``native-bf16``: AVX-512 BF16, where the first records were taken on AVX2) keeps its own records.
 """
 
 from __future__ import annotations
@@ -61,11 +64,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--only", nargs="+", choices=sorted(WORKLOADS))
+    parser.add_argument("--kind", help="the machine's kind, in the record's folder name (e.g. native-bf16)")
     args = parser.parse_args()
     for name, options in WORKLOADS.items():
         if args.only and name not in args.only:
             continue
-        target = RESULTS / f"compare-{name}-{args.device}"
+        target = RESULTS / f"compare-{name}{f'-{args.kind}' if args.kind else ''}-{args.device}"
         RESULTS.mkdir(exist_ok=True)
         staging = Path(tempfile.mkdtemp(dir=RESULTS, prefix=".staging-"))
         command = ["ampkit", "compare", *options, *(["--device", args.device] if args.device != "cpu" else [])]

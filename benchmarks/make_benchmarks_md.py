@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ampkit.experiment.config import CONTEXT
+from ampkit.experiment.cost import ESTIMATE_STEPS
 from ampkit.experiment.training import final_steps
 from ampkit.files import atomic_write
 from common import RESULTS
@@ -503,6 +504,9 @@ def mxfp8_section(directory: Path) -> str | None:
 # Records made before this were estimated by the earlier method: every run at float32's step (float32-compute
 # runs) or at the measured kernels' throughput (native ones), and no compile.
 ESTIMATE_TIMES_EACH_SETTING = "2026-12-01T14:40"
+# From this on, the plan times 5 steps of each setting and of float32 in turn and takes medians (before: 3 float32
+# steps, then a single step of each setting, one after another).
+ESTIMATE_TIMES_IN_TURN = "2026-12-02T21:00"
 
 
 def estimate_section(directory: Path) -> str | None:
@@ -512,7 +516,8 @@ def estimate_section(directory: Path) -> str | None:
         results = json.loads(path.read_text())
         if results.get("estimated_s") is None or results.get("wall_s") is None:
             continue
-        method = "each setting timed" if results["created"] >= ESTIMATE_TIMES_EACH_SETTING else "float32's step"
+        method = ("settings in turn, medians" if results["created"] >= ESTIMATE_TIMES_IN_TURN else
+                  "each setting timed" if results["created"] >= ESTIMATE_TIMES_EACH_SETTING else "float32's step")
         native = results.get("machine", {}).get("cpu_native_bf16")
         cpu = {True: "native bf16", False: "AVX2 (bf16 emulated)"}.get(native, "?")
         rows.append(f"| {path.parent.name.removeprefix('compare-')} | {cpu} | {results['created'][:16]} | {method} | "
@@ -648,7 +653,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
                      "wall time (`estimated_s`, `wall_s` in results.json). Since "
                      f"{ESTIMATE_TIMES_EACH_SETTING}, the estimate times one step of each mixed setting's own model "
                      "and, for compiled runs, one compile of the float32 model; before, every run was costed at "
-                     "float32's step or the kernels' measured throughput.", "", estimates, ""]
+                     f"float32's step or the kernels' measured throughput. Since {ESTIMATE_TIMES_IN_TURN}, it takes "
+                     f"the median of {ESTIMATE_STEPS} steps of float32 and of each setting, timed in turn as the runs "
+                     "take their steps (a single step per setting had let a busy moment decide the plan).", "",
+                     estimates, ""]
     mxfp8 = mxfp8_section(directory)
     if mxfp8:
         sections += [f"{level} GPT: MXFP8's two scale modes against bf16 O1, per seed", "",

@@ -18,6 +18,7 @@ import torch
 from ampkit.cli.main import main
 from ampkit.cli import compare as compare_cmd
 from ampkit.experiment import comparison
+from ampkit.experiment.cost import ESTIMATE_STEPS
 
 C = ["--model", "mlp", "--precision", "fp32", "--steps", "2", "--batch-size", "8", "--quiet"]
 
@@ -124,8 +125,8 @@ def test_a_run_of_only_warm_up_steps_says_its_time_includes_them_and_planning_sa
     out = " ".join(captured.out.split())
     assert "ms/step includes warm-up: no step after the first 2 was timed (run more steps)" in out
     # planning says what it times (on a busy machine it was 26 s of silence before the plan)
-    assert captured.err.startswith("ampkit compare: planning: timing 3 float32 steps of mlp\n"
-                                   "ampkit compare: planning: timing a step of bf16 O1\n")
+    assert captured.err.startswith("ampkit compare: planning: a first step of bf16 O1\n"
+                                   f"ampkit compare: planning: timing {ESTIMATE_STEPS} steps of fp32, bf16 O1, in turn\n")
 
 
 def test_a_run_that_fails_midway_is_one_line_and_its_log_is_kept(models: Path,

@@ -120,7 +120,7 @@ def test_the_estimate_costs_each_mixed_run_at_its_own_setting_s_step(monkeypatch
     configs = settings.plan(model="mlp", precisions=["bf16"], opt_levels=["O1", "O2"],
                             steps=4, batch_size=8, probe=False)
     steps = {"bf16 O1 auto plain": 0.1, "bf16 O2 auto plain": 0.7}
-    monkeypatch.setattr(cost, "_setting_step", lambda c, *args: steps[cost._setting(c)])
+    monkeypatch.setattr(cost, "_setting_stepper", lambda c, *args: lambda: (steps[cost._setting(c)], 0.0))
     estimate = cost.estimate(configs)
     assert estimate.setting_step_s == steps
     assert estimate.run_s[2] == pytest.approx(7 * estimate.run_s[1])  # the same steps and evaluation, 7x the step
@@ -128,11 +128,14 @@ def test_the_estimate_costs_each_mixed_run_at_its_own_setting_s_step(monkeypatch
 
 def test_a_busy_moment_during_planning_does_not_decide_the_estimate(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Planned while other work took the cores for a moment, a comparison was estimated at 819 s and took 225 s: one
-    slow timed step (a single step per mixed setting) set every run's cost. Each timing is now the fastest of its
-    repeats (a busy machine only slows a step); here one repeat of each is 9x slower than the rest."""
+    slow timed step (a single step per mixed setting) set every run's cost. Each timing is now a median of steps
+    taken in turn (here 3); one of each is 9x slower than the others."""
     configs = settings.plan(model="mlp", precisions=["bf16"], opt_levels=["O1"], steps=4, batch_size=8, probe=False)
-    times = iter([0.5, 0.1, 0.9, 0.1,  # float32: the warm-up, then its timed steps, the second in a busy moment
-                  0.3, 0.9, 0.2])  # bf16 O1's own model: the warm-up, then its timed steps, the first busy
+    times = iter([0.5, 0.3,  # the warm-up steps: float32's, then bf16 O1's own model's
+                  0.1, 0.9,  # then 3 rounds of a step each, in turn: float32, bf16 O1 (busy)
+                  0.2, 0.9,  # bf16 O1, float32 (busy)
+                  0.1, 0.2])  # float32, bf16 O1
+    monkeypatch.setattr(cost, "ESTIMATE_STEPS", 3)
     monkeypatch.setattr(cost, "_timed_step", lambda *args: (next(times), 0.01))
     estimate = cost.estimate(configs)
     assert next(times, None) is None  # every step above was timed, none more

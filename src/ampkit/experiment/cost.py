@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -23,8 +24,9 @@ from ampkit.experiment.models import ModelMistake, build, check_output
 from ampkit.hardware import throughput
 from ampkit.precision.decide import GEMM_OPS
 
-ESTIMATE_STEPS = 3  # float32 steps the plan times (after a warm-up step)
-SETTING_STEPS = 2  # steps of each mixed setting's own model the plan times (after a warm-up step)
+# Steps the plan times (after a warm-up step) of the float32 model and of each mixed setting's own: the median of
+# five, as the runs report medians; a busy moment of the machine that hits one of them does not move it.
+ESTIMATE_STEPS = 5
 SLOW_SETTING_S = 5.0  # a mixed setting's warm-up step slower than this is its estimate (no second step)
 
 
@@ -34,9 +36,9 @@ class Estimate:
 
     Attributes:
         float32_step_s: a float32 training step of the model with the runs' optimizer,
-            timed here (the fastest of ``ESTIMATE_STEPS``: a busy moment of the machine only slows a step, and
-            one that hit a timed step must not decide the plan).
-        float32_forward_s: the forward of those steps (the fastest): what evaluation costs per batch.
+            timed here (the median of ``ESTIMATE_STEPS``: a busy moment of the machine that hit one of them
+            does not decide the plan).
+        float32_forward_s: the forward of those steps (median): what evaluation costs per batch.
         startup_s: starting the runs: each does what this process did before its first float32
             step (imports, the data, the model and its optimizer), all at once on the CPU's cores.
         run_s: per configuration, in plan order: its training steps and evaluation.
@@ -44,9 +46,9 @@ class Estimate:
             this model's GEMMs (measured kernel speeds weighted by the model's FLOPs).
         compile_s: where runs are compiled, the float32 model's first compiled step here, less a step:
             what each compiled run is estimated to spend compiling (0 without compiled runs).
-        setting_step_s: per mixed setting (precision, opt level, compute, update), a training step of
-            its own model timed here (the fastest of ``SETTING_STEPS``, after a warm-up step); its runs are
-            costed at it.
+        setting_step_s: per mixed setting (precision, opt level, compute, update, gradient accumulation), a
+            training step of its own model timed here (the median of ``ESTIMATE_STEPS``, taken in turn with the
+            float32 model's, after a warm-up step); its runs are costed at it.
         first_step_s: the float32 warm-up step here; each run's first step is as much slower than the
             others (at its setting's ratio to float32).
     """
@@ -66,9 +68,9 @@ class Estimate:
 
 
 def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = None) -> Estimate:
-    """Estimate the wall time of ``compare(configs)``: time float32 training steps of
-    the model in this process (after one warm-up step) and one step of each mixed setting's own
-    model, then scale by steps, evaluation (at the same ratio to float32) and start-up.
+    """Estimate the wall time of ``compare(configs)``: time training steps of the float32 model and of each
+    mixed setting's own model in this process, in turn as the runs take them (after a warm-up step each), then
+    scale by steps, evaluation (at the same ratio to float32) and start-up.
     ``progress`` is called with a line before each timing after the first step (seconds each on a
     busy machine; a bad model or data fails before the first line).
     """
@@ -102,11 +104,14 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
         return _timed_step(forward, optimizer, x, y, sync, first.micro_batches,
                            lambda out: check_output(first.model, out, dataset.num_classes, micro_shape))
 
+    distinct: dict[str, RunConfig] = {}  # the first run of each mixed setting
+    for config in configs:
+        if config.precision != "fp32":
+            distinct.setdefault(_setting(config), config)
     try:
         with FlopCounterMode(display=False) as flops:
             first_s = step()[0]  # also the warm-up: a run's first step is as slow (it also counts what it saves)
-        say(f"planning: timing {ESTIMATE_STEPS} float32 steps of {first.model}")
-        timed = [step() for _ in range(ESTIMATE_STEPS)]
+        setting_s, timed = _time_in_turn(step, distinct, dataset, device, x, y, sync, say)
     except ModelMistake:
         raise
     except Exception as error:  # the user's model on this data (torch's own ValueErrors too): one line
@@ -116,7 +121,7 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
                     "training; use batch_size=2 or more)")
         raise ValueError(f"The model from {first.model!r} failed on a batch of {first.data} (inputs "
                          f"{tuple(x.shape)}, {x.dtype}): {type(error).__name__}: {error}{hint}") from error
-    step_s, forward_s = (min(times) for times in zip(*timed))
+    step_s, forward_s = (statistics.median(times) for times in zip(*timed))
     compile_s = 0.0
     if any(c.compiled for c in configs):  # one compile of the float32 model, as the compiled runs will do theirs
         try:
@@ -142,14 +147,6 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
 
     precisions = sorted({c.precision for c in configs if c.precision != "fp32"})
     speedups = {p: 1 / time_factor(p, list(GEMM_OPS)) for p in precisions}
-    distinct: dict[str, RunConfig] = {}  # the first run of each mixed setting
-    for config in configs:
-        if config.precision != "fp32":
-            distinct.setdefault(_setting(config), config)
-    setting_s = {}
-    for key, config in distinct.items():
-        say(f"planning: timing a step of {config.label}")
-        setting_s[key] = _setting_step(config, dataset, device, x, y, sync)
     startup = setup_s * max(1.0, len(configs) / (os.cpu_count() or 1))  # the runs start at once, on every core
     n_eval = len(dataset.test_y) if dataset.kind == "image" else 64
     runs = []
@@ -168,17 +165,40 @@ def _setting(config: RunConfig) -> str:
         f" {config.grad_accum}-grads" if config.grad_accum else "")
 
 
-def _setting_step(config: RunConfig, dataset: data_mod.Dataset, device: torch.device, x: torch.Tensor,
-                  y: torch.Tensor, sync: Callable[[], None]) -> float:
-    """The fastest of ``SETTING_STEPS`` training steps of ``config``'s own model (lr 0) after a warm-up step; a
-    warm-up slower than ``SLOW_SETTING_S`` (native 16-bit kernels emulated in software) is taken as the step."""
+def _time_in_turn(step: Callable[[], tuple[float, float]], distinct: dict[str, RunConfig], dataset: data_mod.Dataset,
+                  device: torch.device, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None],
+                  say: Callable[[str], None]) -> tuple[dict[str, float], list[tuple[float, float]]]:
+    """Each mixed setting's step time (after a warm-up step of its own model), and float32's timed steps (time,
+    forward): ``ESTIMATE_STEPS`` rounds of a step each, in turn as the runs take their steps (each run's step
+    follows the others', whose tensors then fill the caches), the order reversed every other round."""
+    steppers: dict[str, Callable[[], tuple[float, float]]] = {"fp32": step}
+    setting_s = {}
+    for key, config in distinct.items():
+        say(f"planning: a first step of {config.label}")
+        stepper = _setting_stepper(config, dataset, device, x, y, sync)
+        warm_up_s = stepper()[0]
+        if warm_up_s > SLOW_SETTING_S:  # native 16-bit kernels emulated in software: the warm-up is the step
+            setting_s[key] = warm_up_s
+        else:
+            steppers[key] = stepper
+    names = ["fp32", *(distinct[key].label for key in steppers if key != "fp32")]
+    say(f"planning: timing {ESTIMATE_STEPS} steps of {', '.join(names)}, in turn")
+    timed: dict[str, list[tuple[float, float]]] = {key: [] for key in steppers}
+    for round_ in range(ESTIMATE_STEPS):
+        for key in (list(steppers) if round_ % 2 == 0 else list(steppers)[::-1]):
+            timed[key].append(steppers[key]())
+    float32 = timed.pop("fp32")
+    return setting_s | {key: statistics.median(t for t, _ in times) for key, times in timed.items()}, float32
+
+
+def _setting_stepper(config: RunConfig, dataset: data_mod.Dataset, device: torch.device, x: torch.Tensor,
+                     y: torch.Tensor, sync: Callable[[], None]) -> Callable[[], tuple[float, float]]:
+    """A timed training step of ``config``'s own model (lr 0): each call takes one, returning its time and its
+    forwards'."""
     from ampkit.experiment.training import prepare  # training imports the models and formats: only here
 
     model, optimizer = prepare(config, dataset, device, lr=0.0)
-    first = _timed_step(model, optimizer, x, y, sync, config.micro_batches)[0]
-    if first > SLOW_SETTING_S:
-        return first
-    return min(_timed_step(model, optimizer, x, y, sync, config.micro_batches)[0] for _ in range(SETTING_STEPS))
+    return lambda: _timed_step(model, optimizer, x, y, sync, config.micro_batches)
 
 
 def _timed_step(forward: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer, x: torch.Tensor,

@@ -1,0 +1,105 @@
+"""Bytes per parameter (issue 42): O2 with its gradients accumulated in float32, against bfloat16 accumulation and
+float32 training, on the GPT of `ampkit compare`.
+
+1. Training: `ampkit compare --model gpt --opt-level O2 --grad-accum fp32 bf16 --micro-batches 4 --no-probe` on
+   seeds 0, 1 and 2 (400 steps, batch 32 in 4 micro-batches of 8; float32, bf16 O2 fp32-grads and bf16 O2 in one
+   comparison per seed, their steps interleaved): each run's bytes per parameter, measured from its tensors after
+   training, and its final train loss against float32's, with the mean over seeds.
+2. Accumulation error: one step's gradients of the GPT at O2 accumulated over 64 micro-batches of 2 training
+   windows (each micro-batch loss divided by 64), in float32 and in bfloat16, against float32 accumulation of the
+   same bfloat16 micro-batch gradients: the relative error of each (the norm of the difference over the
+   reference's, all parameters together).
+
+Writes results/bytes-per-parameter.json.
+
+    python benchmarks/bench_bytes_per_parameter.py
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+import ampkit
+from ampkit.experiment import comparison, data as data_mod, settings
+from ampkit.experiment.config import CONTEXT
+from ampkit.experiment.models import GPT
+from common import save
+
+SEEDS = (0, 1, 2)
+MICRO_BATCHES = 4
+ACCUMULATED = 64  # micro-batches of the accumulation error
+
+
+def training(seed: int) -> dict[str, dict[str, float]]:
+    configs = settings.plan(model="gpt", precisions=["bf16"], opt_levels=["O2"], grad_accums=["fp32", "bf16"],
+                            micro_batches=MICRO_BATCHES, seed=seed, probe=False)
+    result = comparison.compare(configs)
+    return {run.label: {"bytes_per_parameter": run.state_bytes / run.parameters,
+                        "final_train_loss": run.final_train_loss, "ms_per_step": run.ms_per_step}
+            for run in result.runs}
+
+
+def accumulation_errors() -> dict[str, float]:
+    dataset = data_mod.load("text")
+    torch.manual_seed(0)
+    gpt = GPT(vocab_size=256, context=CONTEXT)
+    index = data_mod.batches(dataset, 2 * ACCUMULATED, 1, 0, CONTEXT)[0]
+    x, y = data_mod.windows(dataset.train_x, index, CONTEXT)
+    batches = list(zip(x.chunk(ACCUMULATED), y.chunk(ACCUMULATED)))
+
+    def loss(model: torch.nn.Module, xm: torch.Tensor, ym: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(model(xm).reshape(-1, 256).float(), ym.reshape(-1)) / ACCUMULATED
+
+    models = {name: ampkit.initialize(copy.deepcopy(gpt), None, "O2", torch.bfloat16, grad_dtype=grad_dtype)[0]
+              for name, grad_dtype in (("float32", torch.float32), ("bfloat16", None))}
+    reference_model = copy.deepcopy(models["bfloat16"])
+    reference: dict[str, torch.Tensor] = {}
+    for xm, ym in batches:  # each micro-batch's bfloat16 gradients on their own, summed in float32
+        reference_model.zero_grad(set_to_none=True)
+        loss(reference_model, xm, ym).backward()
+        for name, p in reference_model.named_parameters():
+            reference[name] = reference[name] + p.grad.float() if name in reference else p.grad.float()
+    errors = {}
+    for accumulation, model in models.items():
+        for xm, ym in batches:
+            loss(model, xm, ym).backward()
+        grads = dict(model.named_parameters())
+        difference = sum(((grads[n].grad.float() - r) ** 2).sum() for n, r in reference.items())
+        errors[accumulation] = (difference / sum((r ** 2).sum() for r in reference.values())).sqrt().item()
+    return errors
+
+
+def main() -> None:
+    warnings.simplefilter("ignore", ampkit.ComputeModeWarning)
+    start = time.perf_counter()
+    seeds = {str(seed): training(seed) for seed in SEEDS}
+    labels = list(seeds["0"])
+    summary = {}
+    for label in labels:
+        ratios = [seeds[s][label]["final_train_loss"] / seeds[s]["fp32"]["final_train_loss"] for s in seeds]
+        summary[label] = {"bytes_per_parameter": seeds["0"][label]["bytes_per_parameter"],
+                          "final_loss_vs_float32": ratios, "mean_vs_float32": statistics.fmean(ratios)}
+    errors = accumulation_errors()
+    table = Table("run", "bytes/parameter", *(f"loss vs fp32, seed {s}" for s in seeds), "mean")
+    for label, row in summary.items():
+        table.add_row(label, f"{row['bytes_per_parameter']:.2f}", *(f"{r:.4f}x" for r in row["final_loss_vs_float32"]),
+                      f"{row['mean_vs_float32']:.4f}x")
+    Console().print(table)
+    print(f"{ACCUMULATED} micro-batches: relative error of float32 accumulation {errors['float32']:.2e}, "
+          f"of bfloat16 accumulation {errors['bfloat16']:.2e}")
+    path = save("bytes-per-parameter", {"seeds": seeds, "summary": summary, "accumulation_errors": errors,
+                                        "micro_batches": MICRO_BATCHES, "accumulated": ACCUMULATED,
+                                        "wall_s": time.perf_counter() - start})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
