@@ -456,6 +456,29 @@ def gpt_head_section(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def bytes_per_parameter_section(results: dict[str, Any]) -> str:
+    """O2 with float32 gradient accumulation against bfloat16 accumulation and float32, on the GPT (issue 42)."""
+    seeds = list(results["seeds"])
+    rows = [f"`python benchmarks/bench_bytes_per_parameter.py`, {results['created']}, on "
+            f"{machine_line(results['machine'])}: `ampkit compare --model gpt --opt-level O2 --grad-accum fp32 bf16 "
+            f"--micro-batches {results['micro_batches']} --no-probe` on seeds {', '.join(seeds)} (400 steps, batch 32 "
+            f"in {results['micro_batches']} micro-batches; the runs of a seed interleaved). Bytes per parameter: the "
+            "weights, gradients, masters and optimizer states the run held after training, measured from its tensors; "
+            "final train loss (mean of the last 40 steps) over float32's of the same seed.", "",
+            f"| run | bytes/parameter | {' | '.join(f'loss vs float32, seed {s}' for s in seeds)} | mean over seeds |",
+            "|---|---|" + "---|" * len(seeds) + "---|"]
+    for label, row in results["summary"].items():
+        rows.append(f"| {label} | {row['bytes_per_parameter']:.2f} | "
+                    + " | ".join(f"{r:.4f}x" for r in row["final_loss_vs_float32"])
+                    + f" | {row['mean_vs_float32']:.4f}x |")
+    errors = results["accumulation_errors"]
+    rows += ["", f"One step's gradients of the same GPT at O2 accumulated over {results['accumulated']} micro-batches "
+             "(2 windows each), against the micro-batches' gradients taken one at a time and summed in float32 "
+             f"(relative error, all parameters together): float32 accumulation (`grad_dtype=torch.float32`) "
+             f"{errors['float32']:.1e}, bfloat16 accumulation (the default) {errors['bfloat16']:.1e}."]
+    return "\n".join(rows)
+
+
 def _by_setting(results: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     """A compare record's trained runs by setting, the compute mode left out of the label (``bf16 O1``)."""
     runs = results["runs"] if results else []
@@ -667,6 +690,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     underflow = underflow_section(directory, relative)
     if underflow:
         sections += [f"{level} GPT: float16 with and without loss scaling (the paper's experiment)", "", underflow, ""]
+    per_parameter = load(directory, "bytes-per-parameter.json")
+    if per_parameter:
+        sections += [f"{level} Bytes per parameter: gradients accumulated in float32 at O2", "",
+                     bytes_per_parameter_section(per_parameter), ""]
     head = load(directory, "gpt-head.json")
     if head:
         sections += [f"{level} GPT: what bf16 keeps in float32 (an ablation)", "", gpt_head_section(head), ""]

@@ -257,3 +257,22 @@ def test_micro_batches_train_float32_as_the_whole_batch_does_and_o2_keeps_18_byt
     o2 = dict(common, precision="bf16", opt_level="O2", compute="native", micro_batches=4)
     per_parameter = {accumulate: execute(RunConfig(**o2, grad_accum=accumulate)) for accumulate in ("fp32", None)}
     assert {a: round(r.state_bytes / r.parameters, 2) for a, r in per_parameter.items()} == {"fp32": 18.0, None: 20.0}
+
+
+@pytest.mark.slow  # a first inductor compile
+def test_a_compiled_o2_model_accumulates_in_float32_as_the_eager_one() -> None:
+    """torch.compile leaves the accumulation to autograd's engine, outside the graph: 4 micro-batches give the
+    eager model's float32 sums to the bit. (copy.deepcopy does not keep a parameter's grad_dtype: the eager twin
+    sets it again.)"""
+    from ampkit.optim.grads import accumulate_in
+
+    model, _ = _accumulated("fp32")
+    eager = copy.deepcopy(model)
+    assert all(p.grad_dtype == torch.bfloat16 for p in eager.parameters())  # torch's deepcopy drops it
+    accumulate_in(eager.parameters(), torch.float32)
+    compiled = torch.compile(model)
+    for x in _micro_batches()[:4]:
+        _loss(compiled, x).backward()
+        _loss(eager, x).backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad)

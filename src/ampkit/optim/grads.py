@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 GRAD_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
                     "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -75,8 +74,3 @@ def step_in_own_dtype(optimizer: torch.optim.Optimizer) -> None:
 
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)
-
-
-def model_grad_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype ``initialize(..., grad_dtype=)`` set for ``model``'s gradients, None where it set none."""
-    return getattr(model, "_ampkit_grad_dtype", None)

@@ -131,7 +131,6 @@ def initialize(
         optimizer = pure16.pure16_optimizer(optimizer, update)
     if accumulate is not None:
         grads.accumulate_in(model.parameters(), accumulate)
-        model._ampkit_grad_dtype = accumulate  # type: ignore[assignment]
         if opt_level == "O3" and optimizer is not None:
             grads.step_in_own_dtype(optimizer)
     wrap_forward(model, *forward_wrappers(opt_level, Policy.for_16bit_model(device.type, dtype, compute)))
