@@ -6,6 +6,7 @@ slow: torch's compiler (dynamo, 1.4 s here) only once torch.compile is used, tor
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -123,5 +124,7 @@ def test_the_suite_says_which_test_runs_long_without_touching_its_captured_outpu
                            str(tmp_path / "test_long.py")], cwd=root, capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "AMPKIT_TEST_HEARTBEAT_S": "0.5"})
     assert done.returncode == 0, done.stdout[-2000:]
-    beats = [line for line in done.stdout.splitlines() if line.startswith("[") and "still running after" in line]
-    assert len(beats) >= 2 and beats[0].startswith("[test_long.py::test_long: still running after"), done.stdout
+    # the test's node id (relative to the rootdir pytest picks: the temporary folder or one above it)
+    beats = [line for line in done.stdout.splitlines()
+             if re.fullmatch(r"\[(\S+/)?test_long\.py::test_long: still running after \d+ s\]", line)]
+    assert len(beats) >= 2, done.stdout
