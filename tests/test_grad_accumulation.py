@@ -276,3 +276,40 @@ def test_a_compiled_o2_model_accumulates_in_float32_as_the_eager_one() -> None:
         _loss(eager, x).backward()
     for p, q in zip(model.parameters(), eager.parameters()):
         assert p.grad.dtype == torch.float32 and torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+def test_a_run_accumulating_in_float32_resumes_from_a_checkpoint_bit_identically(level: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """4 steps of 4 micro-batches each, straight through, against 2 steps, save_checkpoint, a fresh model (other
+    weights) loading it, and 2 more: the same weights and losses to the bit."""
+
+    def setup(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = _model(seed)
+        return ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, torch.bfloat16,
+                                 compute="native", grad_dtype="fp32")
+
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> list[float]:
+        losses = []
+        for step in steps:
+            optimizer.zero_grad(set_to_none=True)
+            total = 0.0
+            for x in _micro_batches(step)[:4]:
+                loss = _loss(model, x)
+                loss.backward()
+                total += loss.item()
+            optimizer.step()
+            losses.append(total)
+        return losses
+
+    expected = train(*setup(0), range(4))
+    first = setup(0)
+    train(*first, range(2))
+    ampkit.save_checkpoint(tmp_path / "ck.pt", model=first[0], optimizer=first[1])
+    resumed = setup(1)
+    ampkit.load_checkpoint(tmp_path / "ck.pt", model=resumed[0], optimizer=resumed[1])
+    assert train(*resumed, range(2, 4)) == expected[2:]
+    straight = setup(0)
+    train(*straight, range(4))
+    for a, b in zip(straight[0].parameters(), resumed[0].parameters()):
+        assert torch.equal(a, b)
+    assert all(p.grad_dtype == torch.float32 for p in resumed[0].parameters())
