@@ -1,13 +1,16 @@
-"""A line on the terminal while a test runs longer than ``EVERY_S``: what the suite is doing, and for how long.
+"""A line on the terminal while collection or a test runs longer than ``EVERY_S``: what the suite is doing, and for
+how long.
 
 ``pytest -q`` prints a dot when a test ends, so the README's test command was silent for as long as its longest
-test ran (the offline rehearsal: 45 s on a quiet machine, 212 s on a busy one; mypy; a first inductor compile).
+test ran (the offline rehearsal: 45 s on a quiet machine, 212 s on a busy one; mypy; a first inductor compile), and
+while it collected (importing torch, transformers and every test module: 15 s on a busy machine).
 pyproject.toml's addopts load this module with ``-p``, before pytest starts capturing output: it keeps its own
 copy of the terminal's file descriptor, which capture never redirects, so no test's captured output is touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -19,16 +22,16 @@ EVERY_S = float(os.environ.get("AMPKIT_TEST_HEARTBEAT_S", "8"))  # a newcomer's 
 _TERMINAL = os.dup(1)  # this module is imported before capture redirects descriptor 1
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+@contextlib.contextmanager
+def _beating(what: str) -> Generator[None, None, None]:
+    """Every ``EVERY_S`` while the block runs, a line naming ``what`` and the time so far."""
     done = threading.Event()
     start = time.monotonic()
 
     def beat() -> None:
         while not done.wait(EVERY_S):
-            line = f"\n[{item.nodeid}: still running after {time.monotonic() - start:.0f} s]\n"
             try:
-                os.write(_TERMINAL, line.encode())
+                os.write(_TERMINAL, f"\n[{what}: still running after {time.monotonic() - start:.0f} s]\n".encode())
             except OSError:  # the terminal went away: nothing to tell
                 return
 
@@ -39,3 +42,15 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     finally:
         done.set()
         thread.join()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session: pytest.Session) -> Generator[None, None, None]:
+    with _beating("collecting the tests"):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+    with _beating(item.nodeid):
+        yield

@@ -109,12 +109,14 @@ print(getattr(autocast.__enter__, "_torchdynamo_disable", False),
 
 def test_the_suite_says_which_test_runs_long_without_touching_its_captured_output(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``pytest -q`` prints a dot as each test ends: the README's test command was silent for 45-212 s while its
-    longest test ran. tests/heartbeat.py (loaded by pyproject's addopts) writes a line every 8 s a test runs (here
-    every 0.5 s), on its own copy of the terminal, so a test that checks its captured output still sees only its own."""
+    longest test ran, and 15 s while it collected. tests/heartbeat.py (loaded by pyproject's addopts) writes a line
+    every 8 s that collection or a test runs (here every 0.5 s), on its own copy of the terminal, so a test that
+    checks its captured output still sees only its own."""
     from pathlib import Path
 
     (tmp_path / "test_long.py").write_text(
         "import time\n"
+        "time.sleep(1.2)  # a slow import: collection takes as long\n"
         "def test_long(capfd):\n"
         "    print('own output')\n"
         "    time.sleep(1.6)\n"
@@ -128,3 +130,4 @@ def test_the_suite_says_which_test_runs_long_without_touching_its_captured_outpu
     beats = [line for line in done.stdout.splitlines()
              if re.fullmatch(r"\[(\S+/)?test_long\.py::test_long: still running after \d+ s\]", line)]
     assert len(beats) >= 2, done.stdout
+    assert "[collecting the tests: still running after 1 s]" in done.stdout.splitlines()
