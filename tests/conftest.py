@@ -19,7 +19,14 @@ os.environ["AMPKIT_CACHE_DIR"] = tempfile.mkdtemp(prefix="ampkit-test-cache-")
 # in temporary folders (.ci/run checks the checkout). Read when hypothesis first stores something, after this.
 os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = tempfile.mkdtemp(prefix="ampkit-test-hypothesis-")
 
+import heartbeat  # noqa: E402
 from ampkit.hardware import throughput  # noqa: E402
+
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    heartbeat.register(config)  # a line while collection or a test runs long (tests/heartbeat.py)
+
 
 _no_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

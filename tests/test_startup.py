@@ -109,11 +109,17 @@ print(getattr(autocast.__enter__, "_torchdynamo_disable", False),
 
 def test_the_suite_says_which_test_runs_long_without_touching_its_captured_output(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``pytest -q`` prints a dot as each test ends: the README's test command was silent for 45-212 s while its
-    longest test ran, and 15 s while it collected. tests/heartbeat.py (loaded by pyproject's addopts) writes a line
-    every 8 s that collection or a test runs (here every 0.5 s), on its own copy of the terminal, so a test that
-    checks its captured output still sees only its own."""
+    longest test ran, and 15 s while it collected. tests/heartbeat.py (started by conftest.py) writes a line every
+    8 s that collection or a test runs (here every 0.5 s), on its own copy of the terminal, so a test that checks
+    its captured output still sees only its own. Run with the plain ``pytest`` command, from the test's own folder,
+    as a developer may: the heartbeat needs nothing on the path but the tests' folder."""
+    import os
+    import shutil
     from pathlib import Path
 
+    tests = Path(__file__).resolve().parent
+    (tmp_path / "conftest.py").write_text((tests / "conftest.py").read_text())  # the suite's, starting the heartbeat
+    shutil.copy(tests / "heartbeat.py", tmp_path)
     (tmp_path / "test_long.py").write_text(
         "import time\n"
         "time.sleep(1.2)  # a slow import: collection takes as long\n"
@@ -121,10 +127,10 @@ def test_the_suite_says_which_test_runs_long_without_touching_its_captured_outpu
         "    print('own output')\n"
         "    time.sleep(1.6)\n"
         "    assert capfd.readouterr().out == 'own output\\n'\n")
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.heartbeat",
-                           str(tmp_path / "test_long.py")], cwd=root, capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "AMPKIT_TEST_HEARTBEAT_S": "0.5"})
+    pytest_command = Path(sys.executable).with_name("pytest")  # the console script, not python -m pytest
+    done = subprocess.run([str(pytest_command), "-q", "-p", "no:cacheprovider", "test_long.py"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "AMPKIT_TEST_HEARTBEAT_S": "0.5"})
     assert done.returncode == 0, done.stdout[-2000:]
     # the test's node id (relative to the rootdir pytest picks: the temporary folder or one above it)
     beats = [line for line in done.stdout.splitlines()
