@@ -17,8 +17,10 @@ from collections.abc import Iterable
 
 import torch
 
-GRAD_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+from ampkit.modes import _DTYPE_NAMES
+
+# the 16-bit names initialize's dtype takes, and float32's
+GRAD_DTYPE_NAMES = {**_DTYPE_NAMES, "float32": torch.float32, "fp32": torch.float32}
 
 
 def resolve_grad_dtype(grad_dtype: torch.dtype | str | None, opt_level: str, dtype: torch.dtype) -> torch.dtype | None:
