@@ -1,10 +1,12 @@
 """Bytes per parameter (issue 42): O2 with its gradients accumulated in float32, against bfloat16 accumulation and
-float32 training, on the GPT of `ampkit compare`.
+float32 training, and AdamW's moments in fewer bits, on the GPT of `ampkit compare`.
 
-1. Training: `ampkit compare --model gpt --opt-level O2 --grad-accum fp32 bf16 --micro-batches 4 --no-probe` on
-   seeds 0, 1 and 2 (400 steps, batch 32 in 4 micro-batches of 8; float32, bf16 O2 fp32-grads and bf16 O2 in one
-   comparison per seed, their steps interleaved): each run's bytes per parameter, measured from its tensors after
-   training, and its final train loss against float32's, with the mean over seeds.
+1. Training: one comparison per seed (0, 1 and 2; 400 steps, batch 32 in 4 micro-batches of 8, every run's steps
+   interleaved) of float32, bf16 O2 with float32 and with bfloat16 gradient accumulation (`ampkit compare --model gpt
+   --opt-level O2 --grad-accum fp32 bf16 --micro-batches 4`), bf16 O2 fp32-grads with the moments in bf16, 8 bits,
+   4 bits and FP8 (`--states`), and pure bf16 with stochastic rounding (O3) with bf16 and 8-bit moments: each run's
+   bytes per parameter, measured from its tensors after training, and its final train loss against float32's, with
+   the mean over seeds.
 2. Accumulation error: one step's gradients of the GPT at O2 accumulated over 64 micro-batches of 2 training
    windows (each micro-batch loss divided by 64), in float32 and in bfloat16, against the micro-batches'
    gradients taken one at a time and summed in float32: the relative error of each (the norm of the difference
@@ -41,11 +43,15 @@ from common import RESULTS, save
 SEEDS = (0, 1, 2)
 MICRO_BATCHES = 4
 ACCUMULATED = 64  # micro-batches of the accumulation error
+O2_STATES = ["bf16", "8bit", "4bit", "fp8"]  # beside O2 fp32-grads' float32 moments
+O3_STATES = ["bf16", "8bit"]  # pure bf16 with stochastic rounding
 
 
 def training(seed: int) -> dict[str, dict[str, float]]:
-    configs = settings.plan(model="gpt", precisions=["bf16"], opt_levels=["O2"], grad_accums=["fp32", "bf16"],
-                            micro_batches=MICRO_BATCHES, seed=seed, probe=False)
+    common = dict(model="gpt", precisions=["bf16"], micro_batches=MICRO_BATCHES, seed=seed, probe=False)
+    configs = settings.plan(opt_levels=["O2"], grad_accums=["fp32", "bf16"], **common)  # type: ignore[arg-type]
+    configs += settings.plan(opt_levels=["O2"], grad_accums=["fp32"], states=O2_STATES, **common)[1:]  # type: ignore[arg-type]
+    configs += settings.plan(opt_levels=["O3"], updates=["stochastic"], states=O3_STATES, **common)[1:]  # type: ignore[arg-type]
     result = comparison.compare(configs)
     return {run.label: {"bytes_per_parameter": run.state_bytes / run.parameters,
                         "final_train_loss": run.final_train_loss, "ms_per_step": run.ms_per_step}

@@ -27,6 +27,7 @@ from ampkit.hardware import throughput
 from ampkit.modes import COMPUTE_MODES
 from ampkit.optim.levels import OPT_LEVELS
 from ampkit.optim.pure16 import UPDATES
+from ampkit.optim.states import STATES
 from ampkit.precision.decide import GEMM_OPS
 
 
@@ -62,6 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
     parser.add_argument("--grad-accum", nargs="+", choices=GRAD_ACCUMS,
                         help="what the O2/O3 runs' 16-bit weights' gradients accumulate in: fp32, or their own "
                              "dtype (bf16 or fp16: the default); several add a run each")
+    parser.add_argument("--states", nargs="+", choices=STATES,
+                        help="the format of AdamW's moments in the mixed runs: fp32 (default), bf16 (stochastically "
+                             "rounded), 8bit, 4bit, fp8 (torchao's low-bit AdamW); several add a run each")
     parser.add_argument("--micro-batches", type=int, default=1,
                         help="split each step's batch into this many micro-batches, a backward each, their gradients "
                              "accumulated into one step (a divisor of the batch size; default 1)")
@@ -105,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, computes=args.compute, probe=False if args.no_probe else None,
             loss_scales=args.loss_scale, updates=args.update, loss_divisor=args.loss_divisor,
             activation_budgets=args.activation_budget, compile=args.compile, precision_plan=args.plan,
-            grad_accums=args.grad_accum, micro_batches=args.micro_batches,
+            grad_accums=args.grad_accum, micro_batches=args.micro_batches, states=args.states,
         )
         # builds and steps the model (a bad model fails here); a line per timing, as the runs' progress does
         cost = estimate(configs, lambda line: print(f"ampkit compare: {line}", file=sys.stderr, flush=True))

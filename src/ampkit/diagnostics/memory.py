@@ -120,6 +120,7 @@ def estimate_memory(
     blocks: Sequence[type[nn.Module]] | None = None,
     plan: Any = None,
     grad_dtype: torch.dtype | str | None = None,
+    states: str | None = None,
 ) -> MemoryEstimate:
     """Estimate training memory in float32 and at ``opt_level``.
 
@@ -150,6 +151,10 @@ def estimate_memory(
             are its planned saved-for-backward bytes (measured on the model as it trains, with its inputs).
         grad_dtype: ``initialize``'s: ``torch.float32`` counts float32 gradients of the 16-bit weights (at O2
             the masters' own: no copy), None the weights' dtype.
+        states: ``initialize``'s format of AdamW's moments (``ampkit.optim.states``): None (the optimizer's
+            own), ``"fp32"``, ``"bf16"``, ``"8bit"``, ``"4bit"`` or ``"fp8"``, counted per tensor as kept (a
+            low-bit moment's codes, its float32 block scales and lookup table; a tensor torchao leaves
+            unquantized in its parameter's dtype). Needs ``optimizer="adamw"`` (or ``"adam"``).
 
     Returns:
         A ``MemoryEstimate``: the parameter count and a ``MemoryBreakdown`` (weights, gradients, masters,
@@ -158,11 +163,13 @@ def estimate_memory(
     Raises:
         ValueError: an unknown optimizer, opt level or update, an update other than plain below O3,
             ``keep_float32`` below or above O2 or listing something that is not an nn.Module type, an
-            unknown sharding, or a world size below 1 (or above 1 without sharding).
+            unknown sharding, or a world size below 1 (or above 1 without sharding); ``states`` with another
+            optimizer, or that the level cannot keep (``ampkit.optim.states.check_format``).
     """
     from ampkit.optim.grads import resolve_grad_dtype
     from ampkit.optim.kept import kept_modules
     from ampkit.optim.levels import OPT_LEVELS, check_keep_float32, check_settings, initialize
+    from ampkit.optim.states import check_format, state_bytes
 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"Unknown optimizer {optimizer!r}. Choose one of {sorted(OPTIMIZER_STATES)}.")
@@ -171,6 +178,10 @@ def estimate_memory(
     check_settings(opt_level, "auto", None, update)
     check_keep_float32(opt_level, keep_float32)
     accumulate = resolve_grad_dtype(grad_dtype, opt_level, resolve_dtype(dtype))
+    check_format(states, opt_level, resolve_dtype(dtype), update)
+    if states is not None and optimizer not in ("adamw", "adam"):
+        raise ValueError(f"states={states!r} keeps AdamW's moments in fewer bits; optimizer={optimizer!r}: use "
+                         "optimizer='adamw', or drop states.")
     if plan is not None and not (hasattr(plan, "planned_bytes") and hasattr(plan, "segments")):
         raise ValueError(f"plan={type(plan).__name__} is not a RecomputePlan: pass what ampkit.plan_recompute returns.")
     if sharding not in SHARDINGS:
@@ -184,7 +195,7 @@ def estimate_memory(
                          "sharding, every rank holds what one process holds: world_size=1).")
     kept_ids = {id(m) for m in kept_modules(model, keep_float32)}
     dtype = resolve_dtype(dtype)
-    states = OPTIMIZER_STATES[optimizer]
+    moments = OPTIMIZER_STATES[optimizer]
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     loss_fn = loss_fn or (lambda out: out.float().pow(2).mean())
 
@@ -210,33 +221,41 @@ def estimate_memory(
         """Bytes of ``pairs`` at opt_level: 16-bit, but the float32 ones O2 keeps."""
         return sum(p.numel() * (4 if kept else low) for p, kept in pairs)
 
-    fp32 = MemoryBreakdown("float32", 4 * n, 4 * t, 0, 4 * states * t, activations("O0"))
+    fp32 = MemoryBreakdown("float32", 4 * n, 4 * t, 0, 4 * moments * t, activations("O0"))
     if opt_level == "O1":
-        mixed = MemoryBreakdown(f"{opt_level} {dtype}", 4 * n, 4 * t, 0, 4 * states * t, activations("O1"))
+        mixed = MemoryBreakdown(f"{opt_level} {dtype}", 4 * n, 4 * t, 0, 4 * moments * t, activations("O1"))
     elif opt_level == "O2":
         # A float32 gradient is its master's own (no copy); the others get a float32 copy.
         copies = 4 * sum(p.numel() for p, kept in trained if not kept)
         gradients = 4 * t if accumulate == torch.float32 else model_bytes(trained) + copies
         mixed = MemoryBreakdown(f"O2 {dtype}" + (" fp32-grads" if accumulate else ""),
-                                model_bytes(list(params.values())), gradients, 4 * t, 4 * states * t, activations("O2"))
+                                model_bytes(list(params.values())), gradients, 4 * t, 4 * moments * t, activations("O2"))
     else:
         compensation = model_bytes(trained) if update == "kahan" else 0
         label = f"O3 {dtype}" + (f" {update}" if update != "plain" else "") + (" fp32-grads" if accumulate else "")
         mixed = MemoryBreakdown(label, model_bytes(list(params.values())), 4 * t if accumulate else model_bytes(trained),
-                                0, states * model_bytes(trained) + compensation, activations("O3"))
+                                0, moments * model_bytes(trained) + compensation, activations("O3"))
+    if states is not None:  # the optimizer steps float32 weights (masters at O2), or O3's 16-bit ones
+        compensation = model_bytes(trained) if update == "kahan" else 0
+        moment_bytes = state_bytes((p.numel() for p, _ in trained), states, low if opt_level == "O3" else 4)
+        mixed = dataclasses.replace(mixed, label=f"{mixed.label} {states}-states",
+                                    optimizer_states=moment_bytes + compensation)
     if plan is not None:
         mixed = dataclasses.replace(mixed, label=f"{mixed.label} recompute", activations=plan.planned_bytes)
     if sharding == "fsdp":
-        return sharded_estimate(model, MemoryEstimate(n, fp32, mixed), opt_level, dtype, states, update,
-                                tuple(keep_float32), world_size, blocks)
+        return sharded_estimate(model, MemoryEstimate(n, fp32, mixed), opt_level, dtype, moments, update,
+                                tuple(keep_float32), world_size, blocks, states)
     return MemoryEstimate(n, fp32, mixed)
 
 
 def sharded_estimate(model: nn.Module, whole: MemoryEstimate, opt_level: str, dtype: torch.dtype, states: int,
                      update: str, keep_float32: tuple[type[nn.Module], ...], world_size: int,
-                     blocks: Sequence[type[nn.Module]] | None) -> MemoryEstimate:
+                     blocks: Sequence[type[nn.Module]] | None, formats: str | None = None) -> MemoryEstimate:
     """``whole``'s per-rank counterpart under ``fully_shard``: parameters, gradients and optimizer states
-    sharded (FSDP2 pads each first dimension to a multiple of the world size), activations unchanged."""
+    sharded (FSDP2 pads each first dimension to a multiple of the world size), activations unchanged;
+    ``formats`` is ``estimate_memory``'s ``states`` (rank 0's shards: torchao decides on each local shard)."""
+    from ampkit.optim.states import state_bytes
+
     from ampkit.distributed.units import plan_units
 
     def shard(p: torch.Tensor) -> int:
@@ -250,8 +269,10 @@ def sharded_estimate(model: nn.Module, whole: MemoryEstimate, opt_level: str, dt
     stored = low if opt_level == "O3" else 4  # O0-O2 keep float32 shards, O3 16-bit ones
     extra = t * low if update == "kahan" else 0
     fp32 = dataclasses.replace(whole.float32, weights=4 * n, gradients=4 * t, optimizer_states=4 * states * t)
+    optimizer_states = extra + (stored * states * t if formats is None else state_bytes(
+        (shard(p) for p in trained), formats, stored))
     mixed = dataclasses.replace(whole.mixed, label=whole.mixed.label + " fsdp", weights=stored * n,
-                                gradients=stored * t, master_weights=0, optimizer_states=stored * states * t + extra)
+                                gradients=stored * t, master_weights=0, optimizer_states=optimizer_states)
     # The largest unit's gathered weights: each unit's own parameters (not an inner unit's), in the dtype gathered.
     kept_named, chosen = plan_units(model, opt_level, keep_float32, blocks)
     kept = [m for _, m in kept_named]

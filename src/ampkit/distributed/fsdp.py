@@ -39,6 +39,7 @@ from ampkit.modes import resolve_dtype
 from ampkit.optim import pure16
 from ampkit.optim.kept import add_input_casts, needs_input_casts
 from ampkit.optim.levels import cast_model_, check_keep_float32, check_settings, forward_wrappers, wrap_forward
+from ampkit.optim.states import check_states, with_states
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 
@@ -195,21 +196,26 @@ def sharding(model: nn.Module) -> Sharding:
     return layout
 
 
-def prepare_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, update: str = "plain") -> torch.optim.Optimizer:
-    """Check an optimizer built on a sharded model, and give O3 its update rule.
+def prepare_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, update: str = "plain",
+                      states: str | None = None) -> torch.optim.Optimizer:
+    """Check an optimizer built on a sharded model, and give O3 its update rule and AdamW its states' format.
 
     Args:
         model: the model ``fully_shard`` returned.
         optimizer: a torch.optim optimizer built after sharding, on ``model.parameters()``.
         update: at O3, ``"plain"`` (default), ``"kahan"`` or ``"stochastic"`` (``ampkit.optim.pure16``);
             either applies to each rank's shards, elementwise.
+        states: the format of AdamW's moments, as ``initialize``'s (``ampkit.optim.states``): None (default: as
+            the optimizer keeps them), ``"fp32"``, ``"bf16"``, ``"8bit"``, ``"4bit"`` or ``"fp8"``, kept per shard
+            (torchao's low-bit optimizers quantize each rank's local shard).
 
     Returns:
-        The optimizer (``update`` other than plain: the pure 16-bit one that replaces it).
+        The optimizer (``update`` other than plain, or ``states``: the one that replaces it).
 
     Raises:
-        ValueError: the model is not sharded by ampkit, an unknown update or one below O3, or an
-            optimizer over tensors that are not the sharded model's parameters.
+        ValueError: the model is not sharded by ampkit, an unknown update or one below O3, ``states`` the
+            optimizer or the level cannot take, or an optimizer over tensors that are not the sharded model's
+            parameters.
         RuntimeError: the optimizer was built before sharding.
     """
     layout = sharding(model)
@@ -225,7 +231,13 @@ def prepare_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, update
     if foreign:
         raise ValueError(f"The optimizer steps {len(foreign)} tensor(s) that are not this sharded model's parameters "
                          f"(shapes {[tuple(p.shape) for p in foreign[:3]]}): build it on model.parameters().")
-    return pure16.pure16_optimizer(optimizer, update) if update != "plain" else optimizer
+    if update != "plain":
+        pure16.pure16_groups(optimizer, update)  # refuses before anything is replaced
+    check_states(states, optimizer, layout.opt_level, layout.dtype, update)
+    converted = with_states(optimizer, states, update, float32_weights=layout.opt_level != "O3")
+    if converted is optimizer and update != "plain":  # the moments are the weights' dtype: the update decides
+        converted = pure16.pure16_optimizer(optimizer, update)
+    return converted
 
 
 def precompute_fp8_scales(model: nn.Module) -> None:

@@ -29,6 +29,8 @@ from torch import nn
 
 from ampkit._torch import pytree
 from ampkit.checkpoint import check_plain
+from ampkit.optim.states import dequantized, is_quantized
+from ampkit.shards import local_shard
 
 SHARDED_VERSION = 1
 _SHARD = re.compile(r"__\d+_\d+\.distcp")  # a DCP shard file: rank, then file number
@@ -59,6 +61,9 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
     if optimizer is None:
         return {"model": get_model_state_dict(model)}
     model_state, optimizer_state = get_state_dict(model, optimizer)
+    # torchao's low-bit moments travel as float32 values (DCP cannot copy them); a load quantizes them again
+    optimizer_state = pytree.tree_map_only(torch.Tensor, lambda t: dequantized(t) if is_quantized(t) else t,
+                                           optimizer_state)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
@@ -102,9 +107,10 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         check_plain(value, f"extra[{key!r}]")
     state = _states(model, optimizer)
     state["objects"] = {name: obj.state_dict() for name, obj in objects.items()}
+    state["quantized"] = _quantized_parts(optimizer)
     # One value each, not flattened by DCP: the names and the extra values are read back whole.
     state[_META] = json.dumps({"version": SHARDED_VERSION, "objects": sorted(objects),
-                               "optimizer": optimizer is not None})
+                               "optimizer": optimizer is not None, "world_size": _world_size()})
     state["extra"] = json.dumps(dict(extra or {}))
     temporary = path.parent / _rank0_decides(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
     if _is_rank0():
@@ -210,6 +216,11 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
     state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), _states(model, optimizer))
     state["objects"] = {name: pytree.tree_map_only(torch.Tensor, torch.clone, obj.state_dict())
                         for name, obj in objects.items()}
+    # On the world size it was saved on, each rank's torchao low-bit states come back exactly (their codes and
+    # scales); on another, quantized again from their values (blocks follow each rank's shard).
+    exact = meta.get("world_size") == _world_size()
+    if exact:
+        state["quantized"] = {key: t.clone() for key, t in _quantized_parts(optimizer).items()}
     try:
         dcp.load(state, checkpoint_id=path)
     except _dcp_failures() as error:
@@ -223,9 +234,40 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         for name, obj in objects.items():
             obj.load_state_dict(before[name])
         raise RuntimeError(f"{path}: restoring the objects failed, nothing was changed: {error}") from error
+    # torchao's low-bit states (made by _states above, if the optimizer had none) take the loaded values back in
+    quantized = [(param, key, value) for param, states in (optimizer.state.items() if optimizer is not None else ())
+                 for key, value in states.items() if is_quantized(value)]
     set_state_dict(model, optimizer if optimizer is not None else (), model_state_dict=state["model"],
                    optim_state_dict=state.get("optimizer", {}))  # shapes and keys already matched by dcp.load
+    for param, key, value in quantized:
+        value.copy_(optimizer.state[param][key])  # type: ignore[union-attr]
+        optimizer.state[param][key] = value  # type: ignore[union-attr]
+    if exact:
+        live = _quantized_parts(optimizer)
+        for key, saved in state["quantized"].items():
+            live[key].copy_(saved)
     return json.loads(meta_box["extra"])
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _quantized_parts(optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """This rank's torchao low-bit optimizer states as they are stored (each one's codes and block scales), keyed by
+    rank, parameter index and state name: a plain tensor per rank, which DCP saves and loads whole.
+
+    Their float32 values (``_states``) reshard to any world size but do not always quantize back to the same
+    codes: a block whose largest value is negative has no code of -1.0 in torchao's signed 8-bit and 4-bit maps,
+    so quantizing it again finds a smaller scale.
+    """
+    if optimizer is None:
+        return {}
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {f"rank{rank}.{index}.{key}.{part}": getattr(local_shard(value), part)
+            for index, param in enumerate(params) for key, value in optimizer.state.get(param, {}).items()
+            if is_quantized(value) for part in ("codes", "scale")}
 
 
 def _dcp_failures() -> tuple[type[BaseException], ...]:

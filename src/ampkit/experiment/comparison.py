@@ -138,7 +138,8 @@ def compare(
 
 def _shared_config(configs: list[RunConfig]) -> dict[str, Any]:
     first = dataclasses.asdict(configs[0])
-    shared = {k: v for k, v in first.items() if k not in ("precision", "opt_level", "compute", "probe", "grad_accum")}
+    shared = {k: v for k, v in first.items() if k not in ("precision", "opt_level", "compute", "probe", "grad_accum",
+                                                             "states")}
     shared["settings"] = [c.label for c in configs]
     return shared
 

@@ -74,6 +74,7 @@ class RunConfig:
     # one optimizer step (the loss of each weighted by its share of the batch).
     micro_batches: int = 1
     grad_accum: str | None = None  # O2/O3: "fp32" accumulates the 16-bit weights' gradients in float32; None: theirs
+    states: str | None = None  # AdamW's moments (ampkit.optim.states): bf16, 8bit, 4bit, fp8; None: as torch keeps them
     # A saved-for-backward budget ("0.5" of the run's own, or bytes: "64MiB"): the run trains with a recompute
     # plan for it (ampkit.plan_recompute, made on its first batch); None: no plan.
     activation_budget: str | None = None
@@ -101,7 +102,8 @@ class RunConfig:
     def label(self) -> str:
         """``fp32``, ``bf16 O1``; ``bf16 O1 fp32-compute`` where GEMMs compute in float32;
         ``bf16 O1 native probe`` for a probe; the fp8 settings name their recipe
-        (``fp8-delayed-hybrid O1``); ``... fp32-grads`` where gradients accumulate in float32; ``... compiled``
+        (``fp8-delayed-hybrid O1``); ``... fp32-grads`` where gradients accumulate in float32; ``... 8bit-states``
+        where AdamW's moments are kept in 8 bits; ``... compiled``
         for a run through torch.compile."""
         if self.precision == "fp32":
             return "fp32" + (" compiled" if self.compiled else "")
@@ -121,6 +123,8 @@ class RunConfig:
             label += f" {self.update}"
         if self.grad_accum == "fp32":
             label += " fp32-grads"
+        if self.states is not None:
+            label += f" {self.states}-states"
         if self.precision_plan is not None:
             label += " tuned"
         if self.activation_budget is not None:

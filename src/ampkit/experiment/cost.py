@@ -27,7 +27,10 @@ from ampkit.precision.decide import GEMM_OPS
 # Steps the plan times (after a warm-up step) of the float32 model and of each mixed setting's own: the median of
 # five, as the runs report medians; a busy moment of the machine that hits one of them does not move it.
 ESTIMATE_STEPS = 5
-SLOW_SETTING_S = 5.0  # a mixed setting's warm-up step slower than this is its estimate (no second step)
+# A mixed setting's warm-up step slower than this is followed by a second: if that is as slow, it is the setting's
+# step (native 16-bit kernels emulated in software); if not, the first compiled something (torchao's low-bit
+# optimizers do), an extra each of the setting's runs pays once.
+SLOW_SETTING_S = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +114,7 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
     try:
         with FlopCounterMode(display=False) as flops:
             first_s = step()[0]  # also the warm-up: a run's first step is as slow (it also counts what it saves)
-        setting_s, timed = _time_in_turn(step, distinct, dataset, device, x, y, sync, say)
+        setting_s, timed, first_extra_s = _time_in_turn(step, distinct, dataset, device, x, y, sync, say)
     except ModelMistake:
         raise
     except Exception as error:  # the user's model on this data (torch's own ValueErrors too): one line
@@ -153,34 +156,40 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
     for config in configs:
         factor = 1.0 if config.precision == "fp32" else setting_s[_setting(config)] / step_s
         train = (config.steps * step_s + max(first_s - step_s, 0.0)) * factor + (compile_s if config.compiled else 0.0)
+        train += first_extra_s.get(_setting(config), 0.0)
         evaluation = 0.0 if config.probe else (n_eval / config.batch_size + PRECISE_BN_BATCHES) * forward_s * factor
         runs.append(train + evaluation)
     return Estimate(step_s, forward_s, startup, runs, speedups, compile_s, setting_s, first_s)
 
 
 def _setting(config: RunConfig) -> str:
-    """What sets a run's step time apart: its precision, opt level, compute mode, O3 update and gradient
-    accumulation."""
+    """What sets a run's step time apart: its precision, opt level, compute mode, O3 update, gradient
+    accumulation and optimizer states."""
     return f"{config.precision} {config.opt_level} {config.compute} {config.update}" + (
-        f" {config.grad_accum}-grads" if config.grad_accum else "")
+        f" {config.grad_accum}-grads" if config.grad_accum else "") + (
+        f" {config.states}-states" if config.states else "")
 
 
 def _time_in_turn(step: Callable[[], tuple[float, float]], distinct: dict[str, RunConfig], dataset: data_mod.Dataset,
                   device: torch.device, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None],
-                  say: Callable[[str], None]) -> tuple[dict[str, float], list[tuple[float, float]]]:
-    """Each mixed setting's step time (after a warm-up step of its own model), and float32's timed steps (time,
-    forward): ``ESTIMATE_STEPS`` rounds of a step each, in turn as the runs take their steps (each run's step
+                  say: Callable[[str], None]) -> tuple[dict[str, float], list[tuple[float, float]], dict[str, float]]:
+    """Each mixed setting's step time (after a warm-up step of its own model), float32's timed steps (time,
+    forward), and per setting whose first step was slow and its second not, the first step's extra time (a
+    compile): ``ESTIMATE_STEPS`` rounds of a step each, in turn as the runs take their steps (each run's step
     follows the others', whose tensors then fill the caches), the order reversed every other round."""
     steppers: dict[str, Callable[[], tuple[float, float]]] = {"fp32": step}
-    setting_s = {}
+    setting_s, first_extra_s = {}, {}
     for key, config in distinct.items():
         say(f"planning: a first step of {config.label}")
         stepper = _setting_stepper(config, dataset, device, x, y, sync)
         warm_up_s = stepper()[0]
-        if warm_up_s > SLOW_SETTING_S:  # native 16-bit kernels emulated in software: the warm-up is the step
-            setting_s[key] = warm_up_s
-        else:
-            steppers[key] = stepper
+        if warm_up_s > SLOW_SETTING_S:  # a first step that compiles (torchao's low-bit optimizers), or slow steps
+            second_s = stepper()[0]
+            if second_s > SLOW_SETTING_S:  # native 16-bit kernels emulated in software: this is the step
+                setting_s[key] = second_s
+                continue
+            first_extra_s[key] = warm_up_s - second_s  # each of the setting's runs pays it once
+        steppers[key] = stepper
     names = ["fp32", *(distinct[key].label for key in steppers if key != "fp32")]
     say(f"planning: timing {ESTIMATE_STEPS} steps of {', '.join(names)}, in turn")
     timed: dict[str, list[tuple[float, float]]] = {key: [] for key in steppers}
@@ -188,7 +197,8 @@ def _time_in_turn(step: Callable[[], tuple[float, float]], distinct: dict[str, R
         for key in (list(steppers) if round_ % 2 == 0 else list(steppers)[::-1]):
             timed[key].append(steppers[key]())
     float32 = timed.pop("fp32")
-    return setting_s | {key: statistics.median(t for t, _ in times) for key, times in timed.items()}, float32
+    setting_s |= {key: statistics.median(t for t, _ in times) for key, times in timed.items()}
+    return setting_s, float32, first_extra_s
 
 
 def _setting_stepper(config: RunConfig, dataset: data_mod.Dataset, device: torch.device, x: torch.Tensor,

@@ -158,6 +158,8 @@ def _main(argv: list[str]) -> int:
     # The parent states these once; each run would repeat them.
     warnings.filterwarnings("ignore", category=SlowPrecisionWarning)
     warnings.filterwarnings("ignore", category=ComputeModeWarning)
+    # torchao's low-bit states (--states), compiled by its optimizer: a note for torchao's authors, not the user
+    warnings.filterwarnings("ignore", message=r".*does not implement _stable_hash_for_caching")
 
     def report(step: int, loss: float, stop: bool) -> None:
         print(json.dumps({"step": step, "loss": loss if math.isfinite(loss) else str(loss), "stop": stop}), flush=True)

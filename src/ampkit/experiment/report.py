@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,11 +40,14 @@ def table(comparison: Comparison) -> Table:
     )
     if config.get("loss_divisor", 1) != 1:
         title += f", training loss divided by {config['loss_divisor']:g}"
-    caption = "memory in MiB; below each figure, its ratio to float32"
+    caption = ("memory in MiB; B/param: weights, gradients, masters and optimizer states kept between steps, in bytes "
+               "per parameter; below each figure, its ratio to float32")
     if any(run.float32_compute for run in comparison.runs):
         caption += "; fp32-compute: GEMMs and convolutions computed in float32 on 16-bit values"
     if any(" fp32-grads" in run.label for run in comparison.runs):
         caption += "; fp32-grads: the 16-bit weights' gradients accumulate in float32"
+    if any("-states" in run.label for run in comparison.runs):
+        caption += "; 8bit-states (bf16, 4bit, fp8): AdamW's moments kept in that format"
     if any(run.probe for run in comparison.runs):
         caption += "; probe: a few steps, timed only"
     if any(not run.probe and run.steps <= WARMUP_STEPS for run in comparison.runs):
@@ -56,7 +60,8 @@ def table(comparison: Comparison) -> Table:
     out = Table(title=title, box=box.SIMPLE_HEAD, caption=caption, pad_edge=False)
     scaled = any(run.final_loss_scale is not None for run in comparison.runs)
     # Headers on two lines and figures above their ratios, so the table fits an 80-column terminal.
-    headers = ["run", "ms/step", "samples/s", "memory\nadded", "saved for\nbackward", "train\nloss", "test\nacc"]
+    # samples/s (in results.json) makes way for the bytes per parameter: ms/step says the speed already
+    headers = ["run", "ms/step", "memory\nadded", "saved for\nbackward", "B/param", "train\nloss", "test\nacc"]
     headers += ["skipped\nsteps", "loss\nscale"] if scaled else []
     for header in headers:
         if header == "run":
@@ -70,13 +75,13 @@ def table(comparison: Comparison) -> Table:
             planned = comparison.plan_ratio(run, field) if field in PLAN_FIELDS else None
             return text + (f"\n({planned:.2f}x)" if planned is not None else "")
 
+        per_parameter = f"{run.state_bytes / run.parameters:.1f}{r('state_bytes')}" if run.parameters else "-"
         row = [
-            run.label.replace(" fp32-", "\nfp32-").replace(" native", "\nnative")  # narrow: wraps at the mode
-            .replace(" compiled", "\ncompiled"),
+            re.sub(r" (fp32-|native|compiled|\S+-states)", r"\n\1", run.label),  # narrow: wraps at each option
             f"{run.ms_per_step:.1f}{r('ms_per_step')}" + (f"\n+{run.compile_s:.0f} s" if run.compile_s is not None else ""),
-            f"{run.samples_per_s:.0f}" if run.samples_per_s >= 100 else f"{run.samples_per_s:.1f}",
             f"{run.peak_memory_bytes / MIB:.0f}M{r('peak_memory_bytes')}",
             f"{run.saved_for_backward_bytes / MIB:.1f}M{r('saved_for_backward_bytes')}",
+            per_parameter,
             "-" if run.final_train_loss is None else f"{run.final_train_loss:.3f}",
             "-" if run.test_accuracy is None else f"{100 * run.test_accuracy:.1f}%",
         ]

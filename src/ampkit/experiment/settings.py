@@ -33,6 +33,7 @@ from ampkit.hardware.flags import SlowPrecisionWarning
 from ampkit.modes import COMPUTE_MODES
 from ampkit.optim.levels import OPT_LEVELS
 from ampkit.optim.pure16 import UPDATES
+from ampkit.optim.states import LOW_BIT, STATES, check_format
 from ampkit.planning.precision_plan import PrecisionPlan, fingerprint
 from ampkit.planning.recompute import parse_budget
 
@@ -107,6 +108,7 @@ def plan(
     precision_plan: str | None = None,
     grad_accums: Sequence[str] | None = None,
     micro_batches: int = 1,
+    states: Sequence[str] | None = None,
 ) -> list[RunConfig]:
     """The runs of a comparison: float32 first, then the mixed settings, then a probe.
 
@@ -134,6 +136,8 @@ def plan(
     O3 settings: what their 16-bit weights' gradients accumulate in (``initialize``'s ``grad_dtype``).
     ``micro_batches`` (default 1) splits every step's batch into that many micro-batches, a backward each, their
     gradients accumulated into one step (it must divide the batch size).
+    ``states`` (``fp32``: the default, ``bf16``, ``8bit``, ``4bit``, ``fp8``) multiply the mixed settings: the
+    format of AdamW's moments (``initialize``'s ``states``; at O3 ``fp32`` needs the ``stochastic`` update).
 
     ``activation_budgets`` (fractions of a run's own saved-for-backward, ``"0.5"``, or bytes,
     ``"64MiB"``) add, for every mixed setting, a run per budget that trains with a recompute plan for
@@ -175,12 +179,15 @@ def plan(
         _check_choice(update, UPDATES, "update")
     for accumulate in grad_accums or ():
         _check_choice(accumulate, GRAD_ACCUMS, "gradient accumulation")
+    for state in states or ():
+        _check_choice(state, STATES, "optimizer state format")
     _check_choice(compile, COMPILE_MODES, "compile mode")
     # Options that the chosen settings would ignore are refused, never dropped: a run must be what was asked.
     if precisions is not None and set(precisions) == {"fp32"}:
         ignored = [f"{name}={list(value)!r}" for name, value in (("opt_levels", opt_levels), ("computes", computes),
                                                                  ("loss_scales", loss_scales), ("updates", updates),
-                                                                 ("grad_accums", grad_accums)) if value]
+                                                                 ("grad_accums", grad_accums),
+                                                                 ("states", states)) if value]
         if ignored:
             raise ValueError(f"precisions=['fp32'] runs float32 alone, which ignores {', '.join(ignored)}: add a "
                              "16-bit precision, e.g. precisions=['fp32', 'bf16'], or drop them.")
@@ -193,7 +200,8 @@ def plan(
         raise ValueError(f"updates={list(updates)!r} applies to O3 runs only: add opt_levels=['O3'] (pure 16-bit "
                          "weights; O1 and O2 keep float32 weights or masters, which take small updates as they are).")
     for name, values in (("precisions", precisions), ("opt_levels", opt_levels), ("computes", computes),
-                         ("loss_scales", loss_scales), ("updates", updates), ("grad_accums", grad_accums)):
+                         ("loss_scales", loss_scales), ("updates", updates), ("grad_accums", grad_accums),
+                         ("states", states)):
         repeated = sorted({v for v in values or () if list(values or ()).count(v) > 1})
         if repeated:
             raise ValueError(f"{name}={list(values or ())!r}: {', '.join(repeated)} named more than once; name each "
@@ -269,12 +277,14 @@ def plan(
     configs = [RunConfig(precision="fp32", opt_level="O0", **common)]
     configs += [
         RunConfig(precision=p, opt_level=level, compute=c, loss_scale=scaling, update=update,
-                  grad_accum=_grad_accum(accumulate, p, parsed_device), **common)
+                  grad_accum=_grad_accum(accumulate, p, parsed_device),
+                  states=_states(state, p, level, update, parsed_device), **common)
         for p, level in settings
         for c in (computes or ("auto",))
         for scaling in ((loss_scales or ("auto",)) if p == "fp16" else ("auto",))
         for update in ((updates or ("plain",)) if level == "O3" else ("plain",))
         for accumulate in ((grad_accums or (None,)) if level in ("O2", "O3") else (None,))
+        for state in (states or (None,))
     ]
     if precision_plan is not None:
         configs.append(RunConfig(precision=tuned.base, opt_level="O1", compute=(computes or ["auto"])[0],
@@ -308,6 +318,24 @@ def _grad_accum(accumulate: str | None, precision: str, device: torch.device) ->
         raise ValueError(f"grad_accums=[{accumulate!r}] with precision {precision!r}, whose 16-bit weights are {own}: "
                          f"gradients accumulate in fp32 or in the weights' dtype ({own}).")
     return None
+
+
+def _states(state: str | None, precision: str, level: str, update: str, device: torch.device) -> str | None:
+    """A run's ``states``: None for the optimizer as given (float32 moments below O3), else the format, checked
+    against the run's level and update (``ampkit.optim.states.check_format``)."""
+    if state is None or state == "fp32" and level != "O3":
+        return None
+    try:
+        check_format(state, level, low_dtype(precision, device), update)
+    except ValueError as error:
+        raise ValueError(f"states=[{state!r}] with the {precision} {level} {update} setting: {error}") from None
+    if state in LOW_BIT:
+        try:
+            import torchao.optim  # noqa: F401
+        except ImportError:
+            raise ValueError(f"states=[{state!r}] uses torchao's low-bit optimizers, which are not installed: pip "
+                             "install 'ampkit[fp8]', or use states=['bf16'].") from None
+    return state
 
 
 def _check_fp8(model: str, data: str, precisions: list[str]) -> None:

@@ -171,7 +171,7 @@ def prepare(config: RunConfig, dataset: data_mod.Dataset, device: torch.device,
     if config.precision != "fp32":
         model, optimizer = initialize(  # type: ignore[assignment]
             model, optimizer, config.opt_level, low_dtype(config.precision, device), compute=config.compute,
-            update=config.update, grad_dtype=config.grad_accum)
+            update=config.update, grad_dtype=config.grad_accum, states=config.states)
     return model, optimizer
 
 

@@ -26,6 +26,7 @@ from ampkit.optim.kept import (
     needs_input_casts,
 )
 from ampkit.optim.master import MasterWeightOptimizer
+from ampkit.optim.states import check_states, with_states
 from ampkit.precision.decide import float32_ops
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
@@ -44,6 +45,7 @@ def initialize(
     update: str = "plain",
     keep_float32: Sequence[type[nn.Module]] = (),
     grad_dtype: torch.dtype | str | None = None,
+    states: str | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Prepare a float32 model and its optimizer for mixed precision (Apex's levels).
 
@@ -83,6 +85,11 @@ def initialize(
             for the step. DDP builds its buckets in the parameters' dtype and refuses float32 gradients of
             16-bit weights: with DDP keep the default (``ampkit.distributed.fully_shard`` accumulates in its
             ``reduce_dtype``). See ``ampkit.optim.grads``.
+        states: the format of AdamW's moments (``ampkit.optim.states``): None (default: the optimizer's own,
+            float32 at O0-O2, the weights' dtype at O3), ``"fp32"``, ``"bf16"`` (stochastically rounded),
+            ``"8bit"``, ``"4bit"`` or ``"fp8"`` (torchao's low-bit AdamW). The optimizer must be a
+            torch.optim.AdamW (or Adam without weight decay); it is replaced by one keeping that format (at
+            O2 the masters' optimizer is).
 
     Returns:
         (model, optimizer): the model is changed in place; the optimizer is wrapped
@@ -90,7 +97,8 @@ def initialize(
 
     Raises:
         ValueError: an unknown ``opt_level``, dtype, compute mode or update; a policy with O0, O2 or O3;
-            an update other than ``"plain"`` below O3; a ``grad_dtype`` other than float32 and ``dtype``.
+            an update other than ``"plain"`` below O3; a ``grad_dtype`` other than float32 and ``dtype``;
+            ``states`` that the optimizer or the level cannot take (``states.check_states``).
 
     Examples:
         >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
@@ -118,7 +126,10 @@ def initialize(
     accumulate = grads.resolve_grad_dtype(grad_dtype, opt_level, dtype)
     if optimizer is not None and update != "plain":
         pure16.pure16_groups(optimizer, update)  # refuses before the weights are cast
+    check_states(states, optimizer, opt_level, dtype, update)
     model._ampkit_opt_level = opt_level  # type: ignore[assignment]
+    if optimizer is not None and opt_level != "O3":
+        optimizer = with_states(optimizer, states)
     if opt_level == "O0":
         return model, optimizer
     if opt_level == "O1":
@@ -127,8 +138,11 @@ def initialize(
     if opt_level == "O2" and optimizer is not None:
         optimizer = MasterWeightOptimizer(optimizer)  # before the cast: masters are exact
     cast_model_(model, opt_level, dtype, tuple(keep_float32))
-    if optimizer is not None and update != "plain":
-        optimizer = pure16.pure16_optimizer(optimizer, update)
+    if optimizer is not None and opt_level == "O3":
+        kept = optimizer
+        optimizer = with_states(optimizer, states, update, float32_weights=False)
+        if optimizer is kept and update != "plain":  # the states are the weights' dtype: the update decides
+            optimizer = pure16.pure16_optimizer(optimizer, update)
     if accumulate is not None:
         grads.accumulate_in(model.parameters(), accumulate)
         if opt_level == "O3" and optimizer is not None:

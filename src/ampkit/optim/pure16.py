@@ -21,7 +21,9 @@ Zamirai et al., "Revisiting BFloat16 Training" (2020), fix it in the update inst
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -83,10 +85,14 @@ def _random_low_bits(n: int, device: torch.device, generator: torch.Generator | 
 
 
 class StochasticRoundingOptimizer(torch.optim.Optimizer):
-    """SGD (with momentum and weight decay) or AdamW on 16-bit weights, each update
-    computed in float32 and stochastically rounded into the weight.
+    """SGD (with momentum and weight decay) or AdamW, each update computed in float32 and every 16-bit
+    value it writes (a 16-bit weight, a 16-bit state) stochastically rounded.
 
-    Optimizer states are kept in the weights' dtype, as torch-optimi does.
+    Optimizer states are kept in the weights' dtype (as torch-optimi does) or in ``state_dtype``. A 16-bit
+    state is rounded stochastically too: AdamW's second moment decays by ``beta2`` (0.999) a step, a
+    relative change under half bfloat16's spacing, so rounded to nearest it never decays at all
+    (``ampkit.optim.states``). float32 weights (O2's masters, with ``state_dtype=torch.bfloat16``) are
+    written exactly.
 
     Args:
         params: 16-bit parameters (or groups).
@@ -96,72 +102,112 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
         weight_decay: SGD's (default 0); AdamW's is decoupled as torch.optim.AdamW's (default 0.01).
         betas: AdamW's (default as torch.optim.AdamW's).
         eps: AdamW's (default as torch.optim.AdamW's).
-        seed: seed of the rounding's random draws (default 0: reproducible runs).
+        seed: seed of the rounding's random draws (default 0: reproducible runs). A parameter's draws at a
+            step follow from the seed, its index and its count of steps (``"rounded_steps"`` in its state), so
+            a run resumed from a checkpoint, sharded or not, draws as an uninterrupted one.
+        state_dtype: the moments' (momentum buffer's) dtype: None (default: each weight's own),
+            ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
 
     Raises:
         ValueError: an unknown kind or a bad hyperparameter.
     """
 
     def __init__(self, params: Any, kind: str, lr: float, momentum: float = 0.0, weight_decay: float | None = None,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, seed: int = 0) -> None:
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, seed: int = 0,
+                 state_dtype: torch.dtype | None = None) -> None:
         if kind not in ("sgd", "adamw"):
             raise ValueError(f"Unknown kind {kind!r}: choose 'sgd' or 'adamw'.")
+        if state_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"state_dtype={state_dtype!r} is not a state dtype: choose None (the weights'), "
+                             "torch.float32, torch.bfloat16 or torch.float16.")
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
             raise ValueError(f"lr={lr!r} is invalid: use a finite learning rate >= 0.")
         weight_decay = (0.01 if kind == "adamw" else 0.0) if weight_decay is None else weight_decay
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "betas": betas,
                                   "eps": eps})
         self.kind = kind
-        self.generator = torch.Generator().manual_seed(seed)
+        self.state_dtype = state_dtype
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """One update of every parameter with a gradient."""
         loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                weight, grad = p.float(), p.grad.float()
-                if self.kind == "sgd":
-                    _sgd_update(weight, grad, state, group, p.dtype)
-                else:
-                    _adamw_update(weight, grad, state, group, p.dtype)
-                generator = self._generator_for(p)
-                # An FSDP2 weight rounds on this rank's shard (its states stay DTensors, as checkpoints need).
-                target, weight = local_shard(p), local_shard(weight)
-                if p.dtype == torch.bfloat16:
-                    target.copy_(_cut_to_bfloat16(weight, generator))  # exact: the low bits are zero
-                else:
-                    target.copy_(stochastic_round(weight, p.dtype, generator))
+        for index, (group, p) in enumerate((group, p) for group in self.param_groups for p in group["params"]):
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            weight, grad = p.float(), p.grad.float()
+            generator = self._generator_for(p, index, state)
+            store = functools.partial(_store, generator=generator)
+            if self.kind == "sgd":
+                _sgd_update(weight, grad, state, group, self.state_dtype or p.dtype, store)
+            else:
+                _adamw_update(weight, grad, state, group, self.state_dtype or p.dtype, store)
+            _store(p, weight, generator)
         return loss
 
-    def _generator_for(self, p: torch.Tensor) -> torch.Generator | None:
-        # A CPU generator draws for CPU tensors; on other devices torch's own generator for the device.
-        return self.generator if p.device.type == "cpu" else None
+    def _generator_for(self, p: torch.Tensor, index: int, state: dict[str, Any]) -> torch.Generator:
+        """The generator of this parameter's draws at this step, seeded from (seed, the parameter's index, its
+        count of rounded steps): the draws follow from the state alone, so a resumed run (whose state carries the
+        count, through a sharded checkpoint too) draws what an uninterrupted one would."""
+        count = state.get("rounded_steps", 0)
+        state["rounded_steps"] = count + 1
+        generator = self._generators.get(p.device)
+        if generator is None:
+            generator = self._generators[p.device] = torch.Generator(device=p.device)
+        return generator.manual_seed(((self.seed * 1_000_003 + index) * 1_000_033 + count) % 2**63)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``. The states keep their saved dtype: torch.optim casts them to their
+        parameter's, which would round float32 moments of 16-bit weights, or widen bfloat16 moments of float32
+        masters."""
+        super().load_state_dict(state_dict)
+        # the saved groups name each parameter (an index, or a name in torch.distributed.checkpoint's dicts)
+        names = [name for group in state_dict["param_groups"] for name in group["params"]]
+        params = dict(zip(names, (p for group in self.param_groups for p in group["params"])))
+        for name, saved in state_dict["state"].items():
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    self.state[params[name]][key] = value.to(device=params[name].device, copy=True)
+
+
+def _store(target: torch.Tensor, values: torch.Tensor, generator: torch.Generator | None) -> None:
+    """Write float32 ``values`` into ``target``: exactly in float32, stochastically rounded in 16 bits.
+
+    An FSDP2 tensor is written on this rank's shard (its states stay DTensors, as checkpoints need).
+    """
+    target, values = local_shard(target), local_shard(values)
+    if target.dtype == torch.float32:
+        target.copy_(values)
+    elif target.dtype == torch.bfloat16:
+        target.copy_(_cut_to_bfloat16(values, generator))  # exact: the low bits are zero
+    else:
+        target.copy_(stochastic_round(values, target.dtype, generator))
 
 
 def _sgd_update(weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-                dtype: torch.dtype) -> None:
+                dtype: torch.dtype, store: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
     """torch.optim.SGD's step (no dampening or Nesterov) applied to float32 ``weight`` in place;
-    the momentum buffer is kept in ``dtype``."""
+    the momentum buffer is kept in ``dtype``, written by ``store``."""
     if group["weight_decay"]:
         grad = grad.add(weight, alpha=group["weight_decay"])  # not in place: may be the gradient itself
     if group["momentum"]:
         if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(weight, dtype=dtype)
             buffer = grad
         else:
             buffer = state["momentum_buffer"].float().mul_(group["momentum"]).add_(grad)
-        state["momentum_buffer"] = buffer.to(dtype)
+        store(state["momentum_buffer"], buffer)
         grad = buffer
     weight.add_(grad, alpha=-group["lr"])
 
 
 def _adamw_update(weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-                  dtype: torch.dtype) -> None:
+                  dtype: torch.dtype, store: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
     """torch.optim.AdamW's step (its formula, in its order) applied to float32 ``weight`` in place;
-    the moments are kept in ``dtype``."""
+    the moments are kept in ``dtype``, written by ``store``."""
     beta1, beta2 = group["betas"]
     if "step" not in state:
         state["step"] = 0
@@ -172,8 +218,8 @@ def _adamw_update(weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any
     weight.mul_(1 - group["lr"] * group["weight_decay"])
     exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    state["exp_avg"].copy_(exp_avg)
-    state["exp_avg_sq"].copy_(exp_avg_sq)
+    store(state["exp_avg"], exp_avg)
+    store(state["exp_avg_sq"], exp_avg_sq)
     denominator = exp_avg_sq.sqrt().div_(math.sqrt(1 - beta2**step)).add_(group["eps"])
     weight.addcdiv_(exp_avg, denominator, value=-group["lr"] / (1 - beta1**step))
 

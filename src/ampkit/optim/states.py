@@ -1,0 +1,195 @@
+"""Optimizer states in fewer bits: AdamW's two moments in bfloat16, 8 bits, 4 bits or FP8.
+
+float32 AdamW keeps two float32 moments per parameter, 8 bytes: half of float32 training's 16 and, at O2,
+more than the 16-bit weights, their gradients and the masters' gradient together. The moments tolerate
+coarse storage (Dettmers et al., "8-bit Optimizers via Block-wise Quantization", 2022; Li et al.,
+"Memory Efficient Optimizers with 4-bit States", 2023) as long as the arithmetic of each step is float32:
+
+- ``"fp32"``: the optimizer as given (float32 moments; at O3 the weights' dtype, as torch keeps them).
+- ``"bf16"``: 2 bytes per moment, ampkit's own (``StochasticRoundingOptimizer`` with
+  ``state_dtype=torch.bfloat16``): each step reads the moments into float32 and writes them back
+  stochastically rounded. Rounded to nearest, AdamW's second moment never decays: ``0.999 * v`` is
+  within half of bfloat16's spacing of ``v`` (2**-9 relative and more) and rounds back to ``v``, so one
+  large gradient keeps that weight's steps small for good. torchao has no bfloat16 moments.
+- ``"8bit"``, ``"4bit"``, ``"fp8"``: torchao's ``AdamW8bit`` (dynamic-tree codes, a float32 scale per
+  block of 256), ``AdamW4bit`` (blocks of 128) and ``AdamWFp8`` (float8_e4m3fn, blocks of 256). As
+  bitsandbytes does, a tensor of fewer than 4096 values, or not a multiple of the block, keeps its
+  moments in the parameter's dtype. torchao compiles its step function per parameter shape with
+  torch.compile: the first step takes seconds to a minute on a CPU.
+
+Adam and AdamW only: the formats are AdamW's (torch.optim.Adam converts where its weight decay is 0,
+which is AdamW's with 0). ``initialize(..., states=...)`` applies the choice at any opt level
+(at O2 to the optimizer of the float32 masters); ``ampkit.distributed.prepare_optimizer`` on FSDP2
+shards; ``estimate_memory(..., states=...)`` counts each exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ampkit.optim.pure16 import StochasticRoundingOptimizer
+from ampkit.shards import local_shard
+
+STATES = ("fp32", "bf16", "8bit", "4bit", "fp8")
+# torchao's optimizer, its block size, and the bytes of one quantized value, per format
+LOW_BIT = {"8bit": ("AdamW8bit", 256, 1.0), "4bit": ("AdamW4bit", 128, 0.5), "fp8": ("AdamWFp8", 256, 1.0)}
+QUANTIZED_MIN_NUMEL = 4096  # torchao (after bitsandbytes) quantizes tensors of at least this many values
+# Lookup tables torchao keeps per quantized moment (float32 values): 8-bit dynamic tree 256, 4-bit 16, FP8 none.
+QMAP_ENTRIES = {"8bit": 256, "4bit": 16, "fp8": 0}
+_UNSUPPORTED = {"amsgrad": False, "maximize": False, "differentiable": False, "capturable": False}
+
+
+def check_states(states: str | None, optimizer: torch.optim.Optimizer | None, opt_level: str,
+                 dtype: torch.dtype, update: str = "plain") -> None:
+    """Refuse a ``states`` choice that cannot apply, changing nothing (``initialize`` calls it first).
+
+    Raises:
+        ValueError: what ``check_format`` refuses; an optimizer other than torch.optim.AdamW (or Adam without
+            weight decay), one with an option the formats lack (amsgrad, maximize...), or one that has stepped.
+        ImportError: a low-bit format without torchao.
+    """
+    check_format(states, opt_level, dtype, update)
+    if states is None or states == "fp32" and opt_level != "O3":
+        return
+    if optimizer is None:
+        raise ValueError(f"states={states!r} needs the optimizer: pass initialize the model's optimizer.")
+    _adamw_groups(optimizer, states)
+    if states in LOW_BIT:
+        try:
+            import torchao.optim  # noqa: F401  (the `fp8` extra installs torchao)
+        except ImportError as error:
+            raise ImportError(f"states={states!r} uses torchao's low-bit optimizers, which are not installed: "
+                              "pip install 'ampkit[fp8]' (or torchao), or use states='bf16'.") from error
+
+
+def check_format(states: str | None, opt_level: str, dtype: torch.dtype, update: str = "plain") -> None:
+    """Refuse an unknown format, and at O3 the formats its updates cannot keep (ValueError): float32 moments
+    without ``update="stochastic"``, bfloat16 moments of float16 weights, low-bit moments with
+    ``update="kahan"``, and stochastic rounding of float16 weights with low-bit moments."""
+    if states is not None and states not in STATES:
+        raise ValueError(f"Unknown states {states!r}. Choose one of {list(STATES)}: the format AdamW's moments are "
+                         "kept in (fp32: the optimizer as given), or None.")
+    if states is not None and opt_level == "O3":
+        _check_o3(states, dtype, update)
+
+
+def _check_o3(states: str, dtype: torch.dtype, update: str) -> None:
+    """At O3 the optimizer steps the 16-bit weights themselves: what each format can do there."""
+    if states == "fp32" and update != "stochastic":
+        raise ValueError(f"states='fp32' at O3 with update={update!r}: torch's and torch-optimi's optimizers keep "
+                         "the moments in the weights' dtype. Use update='stochastic' (ampkit's optimizer keeps them "
+                         "in float32), or O2, or drop states.")
+    if states == "bf16" and dtype != torch.bfloat16:
+        raise ValueError(f"states='bf16' at O3 with {dtype} weights: the moments of pure 16-bit training are the "
+                         "weights' dtype or float32; use dtype=torch.bfloat16, or states='fp32' with "
+                         "update='stochastic'.")
+    if states in LOW_BIT and update == "kahan":
+        raise ValueError(f"states={states!r} with update='kahan': torchao's low-bit optimizers have no Kahan "
+                         "summation. Use update='stochastic' (or 'plain'), or states='bf16' with Kahan's "
+                         "16-bit moments.")
+    if states in LOW_BIT and update == "stochastic" and dtype != torch.bfloat16:
+        raise ValueError(f"states={states!r} with update='stochastic' on {dtype} weights: torchao rounds "
+                         "stochastically into bfloat16 only. Use dtype=torch.bfloat16, or update='plain'.")
+
+
+def _adamw_groups(optimizer: torch.optim.Optimizer, states: str) -> list[dict[str, Any]]:
+    """``optimizer``'s groups as AdamW hyperparameters, or ValueError where it is not an AdamW."""
+    adam = type(optimizer) is torch.optim.Adam
+    if type(optimizer) is not torch.optim.AdamW and not adam:
+        raise ValueError(f"states={states!r} keeps AdamW's moments in fewer bits; the optimizer is "
+                         f"{type(optimizer).__name__}. Build a torch.optim.AdamW (torchao's low-bit optimizers "
+                         "cover Adam and AdamW), or drop states.")
+    if optimizer.state:
+        raise ValueError(f"states={states!r}: the optimizer has already stepped, and its float32 moments would be "
+                         "lost. Convert it before training.")
+    groups = []
+    for group in optimizer.param_groups:
+        for option, plain in _UNSUPPORTED.items():
+            if group.get(option, plain) != plain:
+                raise ValueError(f"{option}={group[option]!r} is not supported with states={states!r}: use "
+                                 f"{option}={plain!r}, or states='fp32'.")
+        if adam and group["weight_decay"] and not group.get("decoupled_weight_decay", False):
+            raise ValueError(f"states={states!r} on torch.optim.Adam with weight_decay={group['weight_decay']}: "
+                             "Adam's weight decay is an L2 term in the gradient, which the formats' AdamW has not. "
+                             "Use torch.optim.AdamW (decoupled decay), or weight_decay=0.")
+        lr = group["lr"]
+        groups.append({"params": list(group["params"]), "lr": float(lr), "betas": tuple(group["betas"]),
+                       "eps": group["eps"], "weight_decay": group["weight_decay"]})
+    return groups
+
+
+def with_states(optimizer: torch.optim.Optimizer, states: str | None, update: str = "plain",
+                float32_weights: bool = True) -> torch.optim.Optimizer:
+    """The same AdamW (groups and hyperparameters) keeping its moments in ``states``.
+
+    Args:
+        optimizer: a torch.optim.AdamW (or Adam with weight_decay=0) that has not stepped; ``check_states``
+            has accepted it.
+        states: one of STATES; None or ``"fp32"`` over float32 weights returns ``optimizer``.
+        update: O3's update rule: ``"stochastic"`` rounds 16-bit weights stochastically (ampkit's optimizer,
+            or torchao's ``bf16_stochastic_round``).
+        float32_weights: whether the optimizer steps float32 weights (O0-O2) or the 16-bit ones (O3).
+
+    Returns:
+        The optimizer that keeps the moments in ``states`` (``optimizer`` itself where nothing changes).
+    """
+    if states is None or (float32_weights and states == "fp32") or (states == "bf16" and not float32_weights
+                                                                    and update != "stochastic"):
+        return optimizer  # float32 moments as given; or 16-bit weights whose optimizer keeps their dtype
+    groups = _adamw_groups(optimizer, states)
+    if states in ("fp32", "bf16"):
+        state_dtype = torch.float32 if states == "fp32" else torch.bfloat16
+        return StochasticRoundingOptimizer(groups, "adamw", lr=groups[0]["lr"], state_dtype=state_dtype)
+    import torchao.optim
+
+    name, block_size, _ = LOW_BIT[states]
+    low_bit: torch.optim.Optimizer = getattr(torchao.optim, name)(
+        groups, lr=groups[0]["lr"], block_size=block_size, bf16_stochastic_round=update == "stochastic")
+    return low_bit
+
+
+def state_bytes(numels: Iterable[int], states: str, param_bytes: int) -> int:
+    """Bytes of AdamW's two moments of tensors of ``numels`` values each (see ``moment_bytes``)."""
+    return sum(2 * moment_bytes(numel, states, param_bytes) for numel in numels)
+
+
+def moment_bytes(numel: int, states: str, param_bytes: int) -> int:
+    """Bytes of one AdamW moment of a tensor of ``numel`` values, exactly as ``with_states`` keeps it.
+
+    Args:
+        numel: the values of the (local) tensor the optimizer steps.
+        states: one of STATES, other than ``"fp32"``.
+        param_bytes: the bytes of one value of that tensor (4 for float32, 2 for 16-bit): torchao keeps an
+            unquantized moment in the parameter's dtype.
+    """
+    if states in ("fp32", "bf16"):
+        return (4 if states == "fp32" else 2) * numel
+    _, block_size, value_bytes = LOW_BIT[states]
+    if numel < QUANTIZED_MIN_NUMEL or numel % block_size:
+        return param_bytes * numel
+    return int(numel * value_bytes) + 4 * (numel // block_size) + 4 * QMAP_ENTRIES[states]
+
+
+def is_quantized(value: object) -> bool:
+    """Whether ``value`` (or an FSDP2 DTensor's local shard of it) is one of torchao's low-bit optimizer states."""
+    return isinstance(value, torch.Tensor) and type(local_shard(value)).__module__.startswith("torchao.optim.")
+
+
+def dequantized(value: torch.Tensor) -> torch.Tensor:
+    """A torchao low-bit state's values in float32, sharded as it is (an FSDP2 DTensor stays one).
+
+    torch.distributed.checkpoint cannot copy torchao's state subclasses (pytorch/ao#1189): a sharded checkpoint
+    carries these values instead, and loading quantizes them again into the optimizer's own states. Each block
+    holds a value at its scale (the code of 1.0), so quantizing the dequantized block finds the same scale and
+    the same codes: the round trip is exact (tested, to the bit, on 2 ranks).
+    """
+    local = local_shard(value).dequantize().float()
+    if local is value or not hasattr(value, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                              stride=value.stride())
