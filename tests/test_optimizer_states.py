@@ -239,6 +239,24 @@ def test_every_format_resumes_from_a_checkpoint_bit_identically(level: str, stat
         assert torch.equal(a, b)
 
 
+def test_an_o2_checkpoint_of_another_format_is_refused_with_the_fix_and_changes_nothing() -> None:
+    """The masters' optimizer says its format (``states`` in its state dict); loading 8-bit moments into float32
+    ones is refused before anything changes."""
+    model, optimizer = _initialized("O2", "8bit")
+    _train(model, optimizer, range(1))
+    state = optimizer.state_dict()
+    assert state["states"] == "8bit"
+    other_model, other = _initialized("O2", None, seed=1)
+    _train(other_model, other, range(1))
+    before = copy.deepcopy(other.state_dict())
+    with pytest.raises(RuntimeError, match=r"kept AdamW's moments as '8bit', this one keeps them as 'as given'.*"
+                                           r"states='8bit'"):
+        other.load_state_dict(state)
+    after = other.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(before["master_params"], after["master_params"]))
+    assert after["states"] == "as given"
+
+
 def test_stochastic_rounding_draws_follow_from_the_optimizer_state() -> None:
     """ampkit's stochastically rounding optimizer draws from (seed, parameter, its count of steps): a twin loaded
     from its state draws the roundings the original goes on to draw, whatever torch's global generator does."""

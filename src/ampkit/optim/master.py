@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ampkit import _torch
+from ampkit.optim.states import states_format
 
 STATE_VERSION = 1
 
@@ -152,13 +153,16 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """The inner optimizer's state plus the float32 masters.
 
         Keys: ``version``, ``optimizer`` (the inner state dict), ``master_params``, ``grad_dtype`` (what the
-        16-bit weights' gradients accumulate in: ``"float32"`` or ``"weights"``, their own dtype).
+        16-bit weights' gradients accumulate in: ``"float32"`` or ``"weights"``, their own dtype), ``states`` (the
+        format of the inner optimizer's moments: ``"as given"``, ``"fp32"``, ``"bf16"``, ``"8bit"``, ``"4bit"``,
+        ``"fp8"``; ``ampkit.optim.states``).
         """
         return {
             "version": STATE_VERSION,
             "optimizer": self.optimizer.state_dict(),
             "master_params": [m.detach().clone() for m in self.master_params],
             "grad_dtype": self._grad_dtype(),
+            "states": states_format(self.optimizer),
         }
 
     def _grad_dtype(self) -> str:
@@ -209,6 +213,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"MasterWeightOptimizer state's 'optimizer' is {type(inner).__name__}, not the inner "
                                "optimizer's state dict ('state' and 'param_groups'): pass the dict from its "
                                "state_dict().")
+        saved_states = state_dict.get("states", states_format(self.optimizer))  # older state dicts do not say
+        if saved_states != states_format(self.optimizer):
+            raise RuntimeError(f"The checkpoint's optimizer kept AdamW's moments as {saved_states!r}, this one keeps "
+                               f"them as {states_format(self.optimizer)!r}: its moments cannot be read. Pass "
+                               f"initialize states={saved_states!r} to resume it ('as given': no states=).")
         saved_grads = state_dict.get("grad_dtype", self._grad_dtype())  # older state dicts do not say
         if saved_grads != self._grad_dtype():
             warnings.warn(f"The checkpoint's run accumulated gradients in {saved_grads!r}, this one in "

@@ -288,12 +288,9 @@ def pure16_groups(optimizer: torch.optim.Optimizer, update: str) -> tuple[str, l
         raise ValueError("The optimizer has already stepped: convert it before training (its state would be lost).")
     unsupported: dict[str, object] = ({"dampening": 0, "nesterov": False, "maximize": False} if kind == "sgd"
                                       else {"amsgrad": False, "maximize": False})
+    refuse_options(optimizer, unsupported, f"by the pure 16-bit {kind} optimizers", "O2 (float32 master weights)")
     groups = []
     for group in optimizer.param_groups:
-        for option, plain in unsupported.items():
-            if group.get(option, plain) != plain:
-                raise ValueError(f"{option}={group[option]!r} is not supported by the pure 16-bit {kind} optimizers: "
-                                 f"use {option}={plain!r}, or O2 (float32 master weights).")
         lr = float(group["lr"])
         hyper = ({"lr": lr, "momentum": group["momentum"], "weight_decay": group["weight_decay"]} if kind == "sgd"
                  else {"lr": lr, "betas": tuple(group["betas"]), "eps": group["eps"],
@@ -306,3 +303,13 @@ def pure16_groups(optimizer: torch.optim.Optimizer, update: str) -> tuple[str, l
             raise ImportError("update='kahan' uses torch-optimi, which is not installed: pip install 'ampkit[pure16]' "
                               "(or torch-optimi), or use update='stochastic'.") from error
     return kind, groups
+
+
+def refuse_options(optimizer: torch.optim.Optimizer, options: dict[str, object], where: str, fix: str) -> None:
+    """Raise ValueError where a group of ``optimizer`` sets one of ``options`` to other than its plain value (the
+    dict's), naming it, ``where`` it is not supported, and the ``fix``."""
+    for group in optimizer.param_groups:
+        for option, plain in options.items():
+            if group.get(option, plain) != plain:
+                raise ValueError(f"{option}={group[option]!r} is not supported {where}: use {option}={plain!r}, or "
+                                 f"{fix}.")

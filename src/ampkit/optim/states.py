@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ampkit.optim.pure16 import StochasticRoundingOptimizer
+from ampkit.optim.pure16 import StochasticRoundingOptimizer, refuse_options
 from ampkit.shards import local_shard
 
 STATES = ("fp32", "bf16", "8bit", "4bit", "fp8")
@@ -105,18 +105,14 @@ def _adamw_groups(optimizer: torch.optim.Optimizer, states: str) -> list[dict[st
     if optimizer.state:
         raise ValueError(f"states={states!r}: the optimizer has already stepped, and its float32 moments would be "
                          "lost. Convert it before training.")
+    refuse_options(optimizer, _UNSUPPORTED, f"with states={states!r}", "states='fp32'")
     groups = []
     for group in optimizer.param_groups:
-        for option, plain in _UNSUPPORTED.items():
-            if group.get(option, plain) != plain:
-                raise ValueError(f"{option}={group[option]!r} is not supported with states={states!r}: use "
-                                 f"{option}={plain!r}, or states='fp32'.")
         if adam and group["weight_decay"] and not group.get("decoupled_weight_decay", False):
             raise ValueError(f"states={states!r} on torch.optim.Adam with weight_decay={group['weight_decay']}: "
                              "Adam's weight decay is an L2 term in the gradient, which the formats' AdamW has not. "
                              "Use torch.optim.AdamW (decoupled decay), or weight_decay=0.")
-        lr = group["lr"]
-        groups.append({"params": list(group["params"]), "lr": float(lr), "betas": tuple(group["betas"]),
+        groups.append({"params": list(group["params"]), "lr": float(group["lr"]), "betas": tuple(group["betas"]),
                        "eps": group["eps"], "weight_decay": group["weight_decay"]})
     return groups
 
@@ -149,6 +145,19 @@ def with_states(optimizer: torch.optim.Optimizer, states: str | None, update: st
     low_bit: torch.optim.Optimizer = getattr(torchao.optim, name)(
         groups, lr=groups[0]["lr"], block_size=block_size, bf16_stochastic_round=update == "stochastic")
     return low_bit
+
+
+def states_format(optimizer: torch.optim.Optimizer) -> str:
+    """The format ``optimizer`` keeps AdamW's moments in, as ``with_states`` names it: ``"8bit"``, ``"4bit"``,
+    ``"fp8"`` (torchao's), ``"bf16"`` or ``"fp32"`` (ampkit's stochastically rounding optimizer), or ``"as given"``
+    (any other optimizer: moments in its parameters' dtype)."""
+    name = type(optimizer).__name__
+    for states, (torchao_name, _, _) in LOW_BIT.items():
+        if name == torchao_name and type(optimizer).__module__.startswith("torchao."):
+            return states
+    if isinstance(optimizer, StochasticRoundingOptimizer) and optimizer.state_dtype is not None:
+        return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(optimizer.state_dtype, str(optimizer.state_dtype))
+    return "as given"
 
 
 def state_bytes(numels: Iterable[int], states: str, param_bytes: int) -> int:
