@@ -103,8 +103,10 @@ def main() -> None:
     summary = {}
     for label in labels:
         ratios = [seeds[s][label]["final_train_loss"] / seeds[s]["fp32"]["final_train_loss"] for s in seeds]
+        speeds = [seeds[s][label]["ms_per_step"] / seeds[s]["fp32"]["ms_per_step"] for s in seeds]
         summary[label] = {"bytes_per_parameter": seeds["0"][label]["bytes_per_parameter"],
-                          "final_loss_vs_float32": ratios, "mean_vs_float32": statistics.fmean(ratios)}
+                          "final_loss_vs_float32": ratios, "mean_vs_float32": statistics.fmean(ratios),
+                          "ms_per_step_vs_float32": statistics.fmean(speeds)}
     errors = accumulation_errors()
     table = Table("run", "bytes/parameter", *(f"loss vs fp32, seed {s}" for s in seeds), "mean")
     for label, row in summary.items():
@@ -115,6 +117,7 @@ def main() -> None:
           f"of bfloat16 accumulation {errors['bfloat16']:.2e}")
     path = save("bytes-per-parameter", {"seeds": seeds, "summary": summary, "accumulation_errors": errors,
                                         "micro_batches": MICRO_BATCHES, "accumulated": ACCUMULATED,
+                                        "o2_states": O2_STATES, "o3_states": O3_STATES,
                                         "wall_s": time.perf_counter() - start})
     print(f"wrote {path}")
 

@@ -456,21 +456,44 @@ def gpt_head_section(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+# Issue 42's targets: a setting's bytes per parameter at most this, its mean final loss within 1.01x float32's.
+BYTES_TARGETS = {"bf16 O2 fp32-grads": 18.0, "bf16 O2 fp32-grads 8bit-states": 12.0,
+                 "bf16 O3 stochastic bf16-states": 8.0}
+LOSS_TARGET = 1.01
+
+
 def bytes_per_parameter_section(results: dict[str, Any]) -> str:
-    """O2 with float32 gradient accumulation against bfloat16 accumulation and float32, on the GPT (issue 42)."""
+    """O2 with float32 gradient accumulation against bfloat16 accumulation and float32, and AdamW's moments in fewer
+    bits, on the GPT (issue 42)."""
     seeds = list(results["seeds"])
     rows = [f"`python benchmarks/bench_bytes_per_parameter.py`, {results['created']}, on "
-            f"{machine_line(results['machine'])}: `ampkit compare --model gpt --opt-level O2 --grad-accum fp32 bf16 "
-            f"--micro-batches {results['micro_batches']} --no-probe` on seeds {', '.join(seeds)} (400 steps, batch 32 "
-            f"in {results['micro_batches']} micro-batches; the runs of a seed interleaved). Bytes per parameter: the "
-            "weights, gradients, masters and optimizer states the run held after training, measured from its tensors; "
-            "final train loss (mean of the last 40 steps) over float32's of the same seed.", "",
-            f"| run | bytes/parameter | {' | '.join(f'loss vs float32, seed {s}' for s in seeds)} | mean over seeds |",
-            "|---|---|" + "---|" * len(seeds) + "---|"]
+            f"{machine_line(results['machine'])}: one comparison per seed ({', '.join(seeds)}; 400 steps, batch 32 "
+            f"in {results['micro_batches']} micro-batches, the runs of a seed interleaved) of float32, `--opt-level O2 "
+            "--grad-accum fp32 bf16`, O2 fp32-grads with `--states " + " ".join(results.get("o2_states", []))
+            + "`, and `--opt-level O3 --update stochastic --states " + " ".join(results.get("o3_states", []))
+            + "`. Bytes per parameter: the weights, gradients, masters and optimizer states the run held after "
+            "training, measured from its tensors; final train loss (mean of the last 40 steps) over float32's of the "
+            "same seed; ms/step over float32's, the mean over seeds.", "",
+            f"| run | bytes/parameter | {' | '.join(f'loss vs float32, seed {s}' for s in seeds)} | mean over seeds "
+            "| ms/step vs float32 |",
+            "|---|---|" + "---|" * len(seeds) + "---|---|"]
     for label, row in results["summary"].items():
+        speed = row.get("ms_per_step_vs_float32")
         rows.append(f"| {label} | {row['bytes_per_parameter']:.2f} | "
                     + " | ".join(f"{r:.4f}x" for r in row["final_loss_vs_float32"])
-                    + f" | {row['mean_vs_float32']:.4f}x |")
+                    + f" | {row['mean_vs_float32']:.4f}x | {'-' if speed is None else f'{speed:.2f}x'} |")
+    verdicts = []
+    for label, bound in BYTES_TARGETS.items():
+        row = results["summary"].get(label)
+        if row is None:
+            continue
+        size, loss = row["bytes_per_parameter"], row["mean_vs_float32"]
+        size_text = (f"{size:.2f} <= {bound:g}" if size <= bound else f"{size:.2f}, over {bound:g} by {size - bound:.2f}")
+        loss_text = (f"mean loss {loss:.4f}x <= {LOSS_TARGET}x" if loss <= LOSS_TARGET
+                     else f"mean loss {loss:.4f}x, over {LOSS_TARGET}x")
+        verdicts.append(f"{label}: {size_text} bytes/parameter, {loss_text}")
+    if verdicts:
+        rows += ["", "Against the targets (issue 42): " + "; ".join(verdicts) + "."]
     errors = results["accumulation_errors"]
     rows += ["", f"One step's gradients of the same GPT at O2 accumulated over {results['accumulated']} micro-batches "
              "(2 windows each), against the micro-batches' gradients taken one at a time and summed in float32 "
@@ -692,7 +715,7 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
         sections += [f"{level} GPT: float16 with and without loss scaling (the paper's experiment)", "", underflow, ""]
     per_parameter = load(directory, "bytes-per-parameter.json")
     if per_parameter:
-        sections += [f"{level} Bytes per parameter: gradients accumulated in float32 at O2", "",
+        sections += [f"{level} Bytes per parameter: gradients accumulated in float32, optimizer states in fewer bits", "",
                      bytes_per_parameter_section(per_parameter), ""]
     head = load(directory, "gpt-head.json")
     if head:

@@ -9,13 +9,13 @@ empty, truncated or not ampkit's, and restores every object or none.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from ampkit.files import atomic_write
+from ampkit.optim.states import check_same_format, snapshot, states_format
 from ampkit.shards import is_sharded
 
 CHECKPOINT_VERSION = 1
@@ -98,6 +98,8 @@ def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **obj
         "ampkit_checkpoint": CHECKPOINT_VERSION,
         "states": states,
         "extra": dict(extra or {}),
+        # each optimizer's format of AdamW's moments (ampkit.optim.states): another format's cannot be loaded
+        "formats": {name: states_format(obj) for name, obj in objects.items() if isinstance(obj, torch.optim.Optimizer)},
     }
     atomic_write(Path(path), lambda tmp: torch.save(state, tmp))
 
@@ -162,7 +164,10 @@ def load_checkpoint(path: str | Path, **objects: _Stateful) -> dict[str, Any]:
     if missing:
         raise RuntimeError(f"Checkpoint {path} has no state for {missing}; it holds {sorted(saved)}. "
                            "Pass the objects by the names they were saved under.")
-    before = {name: copy.deepcopy(obj.state_dict()) for name, obj in objects.items()}
+    for name, obj in objects.items():
+        if name in state.get("formats", {}) and isinstance(obj, torch.optim.Optimizer):  # older files do not say
+            check_same_format(state["formats"][name], obj, f"Checkpoint {path}: {name!r}")
+    before = {name: snapshot(obj.state_dict()) for name, obj in objects.items()}  # torchao's states have no deepcopy
     restored: list[str] = []
     try:
         for name, obj in objects.items():

@@ -29,7 +29,7 @@ from torch import nn
 
 from ampkit._torch import pytree
 from ampkit.checkpoint import check_plain
-from ampkit.optim.states import dequantized, is_quantized
+from ampkit.optim.states import check_same_format, dequantized, is_quantized, states_format
 from ampkit.shards import local_shard
 
 SHARDED_VERSION = 1
@@ -110,7 +110,8 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
     state["quantized"] = _quantized_parts(optimizer)
     # One value each, not flattened by DCP: the names and the extra values are read back whole.
     state[_META] = json.dumps({"version": SHARDED_VERSION, "objects": sorted(objects),
-                               "optimizer": optimizer is not None, "world_size": _world_size()})
+                               "optimizer": optimizer is not None, "world_size": _world_size(),
+                               "states": states_format(optimizer) if optimizer is not None else None})
     state["extra"] = json.dumps(dict(extra or {}))
     temporary = path.parent / _rank0_decides(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
     if _is_rank0():
@@ -212,6 +213,8 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         raise RuntimeError(f"{path} has no state for {missing}; it holds {meta['objects']}.")
     if optimizer is not None and not meta["optimizer"]:
         raise RuntimeError(f"{path} was saved without an optimizer: pass optimizer=None, or resume from another.")
+    if optimizer is not None and meta.get("states") is not None:  # older checkpoints do not say
+        check_same_format(meta["states"], optimizer, str(path))
     # Read into copies, so a failure leaves every object as it was.
     state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), _states(model, optimizer))
     state["objects"] = {name: pytree.tree_map_only(torch.Tensor, torch.clone, obj.state_dict())

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ampkit import _torch
-from ampkit.optim.states import states_format
+from ampkit.optim.states import check_same_format, states_format
 
 STATE_VERSION = 1
 
@@ -162,7 +162,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             "optimizer": self.optimizer.state_dict(),
             "master_params": [m.detach().clone() for m in self.master_params],
             "grad_dtype": self._grad_dtype(),
-            "states": states_format(self.optimizer),
+            "states": states_format(self),
         }
 
     def _grad_dtype(self) -> str:
@@ -213,11 +213,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"MasterWeightOptimizer state's 'optimizer' is {type(inner).__name__}, not the inner "
                                "optimizer's state dict ('state' and 'param_groups'): pass the dict from its "
                                "state_dict().")
-        saved_states = state_dict.get("states", states_format(self.optimizer))  # older state dicts do not say
-        if saved_states != states_format(self.optimizer):
-            raise RuntimeError(f"The checkpoint's optimizer kept AdamW's moments as {saved_states!r}, this one keeps "
-                               f"them as {states_format(self.optimizer)!r}: its moments cannot be read. Pass "
-                               f"initialize states={saved_states!r} to resume it ('as given': no states=).")
+        check_same_format(state_dict.get("states", states_format(self)), self,  # older state dicts do not say
+                          "The checkpoint's optimizer")
         saved_grads = state_dict.get("grad_dtype", self._grad_dtype())  # older state dicts do not say
         if saved_grads != self._grad_dtype():
             warnings.warn(f"The checkpoint's run accumulated gradients in {saved_grads!r}, this one in "

@@ -25,6 +25,7 @@ shards; ``estimate_memory(..., states=...)`` counts each exactly.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
@@ -151,6 +152,8 @@ def states_format(optimizer: torch.optim.Optimizer) -> str:
     """The format ``optimizer`` keeps AdamW's moments in, as ``with_states`` names it: ``"8bit"``, ``"4bit"``,
     ``"fp8"`` (torchao's), ``"bf16"`` or ``"fp32"`` (ampkit's stochastically rounding optimizer), or ``"as given"``
     (any other optimizer: moments in its parameters' dtype)."""
+    if hasattr(optimizer, "master_params"):  # a MasterWeightOptimizer: its inner optimizer keeps the moments
+        optimizer = optimizer.optimizer  # type: ignore[attr-defined]
     name = type(optimizer).__name__
     for states, (torchao_name, _, _) in LOW_BIT.items():
         if name == torchao_name and type(optimizer).__module__.startswith("torchao."):
@@ -158,6 +161,17 @@ def states_format(optimizer: torch.optim.Optimizer) -> str:
     if isinstance(optimizer, StochasticRoundingOptimizer) and optimizer.state_dtype is not None:
         return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(optimizer.state_dtype, str(optimizer.state_dtype))
     return "as given"
+
+
+def check_same_format(saved: str, optimizer: torch.optim.Optimizer, what: str) -> None:
+    """Refuse to load moments kept as ``saved`` (``states_format``'s name) into ``optimizer`` where it keeps another
+    format (RuntimeError naming both and the fix): its state and group keys differ, and torch would take 8-bit
+    tensors as float32 moments."""
+    current = states_format(optimizer)
+    if saved != current:
+        raise RuntimeError(f"{what} kept AdamW's moments as {saved!r}, this one keeps them as {current!r}: its moments "
+                           f"cannot be read. Pass ampkit.initialize (or prepare_optimizer) states={saved!r} to resume "
+                           "it ('as given': no states=).")
 
 
 def state_bytes(numels: Iterable[int], states: str, param_bytes: int) -> int:
@@ -202,3 +216,21 @@ def dequantized(value: torch.Tensor) -> torch.Tensor:
 
     return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
                               stride=value.stride())
+
+
+def snapshot(state: Any) -> Any:
+    """A copy of ``state`` (a state dict: nested dicts and lists of tensors and plain values) whose tensors are new
+    copies, torchao's low-bit states too: they implement no ``clone`` (nor ``copy.deepcopy``), so a copy is made
+    of their inner tensors and the subclass rebuilt from them (the tensor-subclass protocol's
+    ``__tensor_flatten__`` / ``__tensor_unflatten__``, which DTensor follows too)."""
+    if isinstance(state, dict):
+        return {key: snapshot(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(snapshot(value) for value in state)
+    if not isinstance(state, torch.Tensor):
+        return copy.deepcopy(state)
+    if type(state) is torch.Tensor or type(state) is torch.nn.Parameter or not hasattr(state, "__tensor_flatten__"):
+        return state.detach().clone()
+    names, context = state.__tensor_flatten__()
+    inner = {name: snapshot(getattr(state, name)) for name in names}
+    return type(state).__tensor_unflatten__(inner, context, state.size(), state.stride())
