@@ -648,3 +648,114 @@ def test_a_non_finite_input_stays_visible_through_block_scaled_formats(format: s
     x[0, 3], x[1, 5] = math.inf, math.nan
     y = ampkit.fake_quantize(x, format)
     assert not torch.isfinite(y[0]).all() and not torch.isfinite(y[1]).all()
+
+
+# -- FSDP2 on one rank, tune, and compositions ----------------------------------------------------------------
+
+@pytest.fixture()
+def one_rank():  # type: ignore[no-untyped-def]
+    """A gloo process group of this process alone, for fully_shard on a 1-rank mesh; destroyed after."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(opt_level="O5"), r"Unknown opt_level: 'O5'"),
+    (dict(opt_level="O2", dtype="fp8"), r"fp8"),
+    (dict(opt_level="O2", reduce_dtype="int8"), r"reduce_dtype"),
+    (dict(opt_level="O1", keep_float32=[nn.Embedding]), r"keep_float32= applies at O2 only"),
+])
+def test_fully_shard_refuses_bad_settings_before_any_change(options: dict, match: str, one_rank: None) -> None:
+    from ampkit.distributed import fully_shard
+
+    model, _ = _model()
+    before = _weights(model)
+    with pytest.raises(ValueError, match=match):
+        fully_shard(model, **options)
+    assert _same(before, _weights(model)) and all(p.dtype == torch.float32 for p in model.parameters())
+    assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())
+
+
+@pytest.mark.parametrize("level, update, states, match", [
+    ("O1", "plain", "int8", r"Unknown states 'int8'"),
+    ("O3", "kahan", "8bit", r"states='8bit' with update='kahan'"),
+    ("O3", "plain", "fp32", r"states='fp32' at O3 with update='plain'"),
+    ("O1", "stochastic", None, r"update='stochastic' applies at O3 only"),
+])
+def test_prepare_optimizer_refuses_a_format_the_shards_cannot_keep(level: str, update: str, states: str | None,
+                                                                   match: str, one_rank: None) -> None:
+    from ampkit.distributed import fully_shard, prepare_optimizer
+
+    model = fully_shard(_model()[0], opt_level=level, dtype=torch.bfloat16, compute="native")
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=match):
+        prepare_optimizer(model, optimizer, update=update, states=states)
+    assert not optimizer.state and type(optimizer) is torch.optim.AdamW
+
+
+def test_sharded_8bit_moments_save_and_resume_on_one_rank(tmp_path: Path, one_rank: None,
+                                                           eager_torchao: None) -> None:
+    from ampkit.distributed import fully_shard, prepare_optimizer
+
+    def setup(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = fully_shard(_model(seed)[0], opt_level="O2", dtype=torch.bfloat16, compute="native")
+        return model, prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2), states="8bit")
+
+    model, optimizer = setup(0)
+    _step(model, optimizer, 0)
+    save_sharded_checkpoint(tmp_path / "run", model, optimizer)
+    _step(model, optimizer, 1)
+    resumed, resumed_optimizer = setup(1)
+    load_sharded_checkpoint(tmp_path / "run", resumed, resumed_optimizer)
+    _step(resumed, resumed_optimizer, 1)
+    for a, b in zip(model.parameters(), resumed.parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor())
+
+
+@pytest.mark.parametrize("options, error, match", [
+    (dict(batches=[]), ValueError, r"batches"),
+    (dict(formats=("fp2", "bf16")), ValueError, r"fp2"),
+    (dict(tolerance=-1.0), ValueError, r"tolerance"),
+    (dict(objective="speed"), ValueError, r"objective"),
+])
+def test_tune_refuses_bad_arguments_before_measuring(options: dict, error: type, match: str) -> None:
+    model, _ = _model()
+    batches = [(torch.randn(4, 64), torch.randint(0, 64, (4,))) for _ in range(4)]
+    kinds = [type(m) for m in model.modules()]
+    with pytest.raises(error, match=match):
+        ampkit.tune(model, **{"batches": batches, **options})
+    assert [type(m) for m in model.modules()] == kinds
+
+
+def test_compare_refuses_an_unknown_compile_mode_and_states_with_fp32_alone() -> None:
+    from ampkit.experiment import settings
+
+    with pytest.raises(ValueError, match=r"Unknown compile mode 'sometimes'"):
+        settings.plan(model="mlp", compile="sometimes", steps=2)
+    with pytest.raises(ValueError, match=r"ignores .*states=\['bf16'\]"):
+        settings.plan(model="mlp", precisions=["fp32"], states=["bf16"], steps=2)
+
+
+@pytest.mark.slow  # an inductor compile of the model
+def test_a_compiled_o2_model_with_8bit_moments_trains_as_the_eager_one(eager_torchao: None) -> None:
+    """torch.compile of the model composes with torchao's moments (the optimizer steps outside the graph)."""
+    eager, eager_optimizer = _with_states("8bit", "O2")
+    model, optimizer = _with_states("8bit", "O2")
+    compiled = torch.compile(model)
+    with torch.compiler.set_stance("default"):
+        for step in range(2):
+            _step(compiled, optimizer, step)
+    for step in range(2):
+        _step(eager, eager_optimizer, step)
+    for a, b in zip(model.parameters(), eager.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
