@@ -184,7 +184,7 @@ def moment_bytes(numel: int, states: str, param_bytes: int) -> int:
 
     Args:
         numel: the values of the (local) tensor the optimizer steps.
-        states: one of STATES, other than ``"fp32"``.
+        states: one of STATES.
         param_bytes: the bytes of one value of that tensor (4 for float32, 2 for 16-bit): torchao keeps an
             unquantized moment in the parameter's dtype.
     """
@@ -205,9 +205,10 @@ def dequantized(value: torch.Tensor) -> torch.Tensor:
     """A torchao low-bit state's values in float32, sharded as it is (an FSDP2 DTensor stays one).
 
     torch.distributed.checkpoint cannot copy torchao's state subclasses (pytorch/ao#1189): a sharded checkpoint
-    carries these values instead, and loading quantizes them again into the optimizer's own states. Each block
-    holds a value at its scale (the code of 1.0), so quantizing the dequantized block finds the same scale and
-    the same codes: the round trip is exact (tested, to the bit, on 2 ranks).
+    carries these values (which reshard to any world size), and loading quantizes them again into the
+    optimizer's own states. That round trip is not always exact: a block whose largest value is negative has no
+    code of -1.0 in torchao's signed 8-bit and 4-bit maps, so quantizing it again finds a smaller scale. The
+    checkpoint also carries each rank's codes and scales, which come back exactly on the same world size.
     """
     local = local_shard(value).dequantize().float()
     if local is value or not hasattr(value, "device_mesh"):
