@@ -148,3 +148,116 @@ def test_a_path_without_an_extension_saves(tmp_path) -> None:  # type: ignore[no
     ampkit.save_checkpoint(tmp_path / "run" / "last", model=model)  # was: "invalid file name: run/.last-xxx"
     ampkit.load_checkpoint(tmp_path / "run" / "last", model=model)
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["last"]  # no temporary file left behind
+
+
+def _trained_o2() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters()), "O2", torch.bfloat16,
+                                         compute="native")
+    model(torch.randn(4, 8)).float().pow(2).mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+class _Figures:
+    """A stateful object whose state is one float (a scaler's scale, a metric)."""
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict:
+        return {"scale": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["scale"]
+
+
+@pytest.mark.parametrize("poison, named", [
+    (lambda m, o: o.state[o.master_params[2]]["exp_avg_sq"].view(-1).__setitem__(5, float("nan")),
+     r"optimizer: exp_avg_sq of 2.weight"),
+    (lambda m, o: o.master_params[1].data.__setitem__(0, float("inf")), r"optimizer: the float32 master of 0.bias"),
+    (lambda m, o: m[0].weight.data.view(-1).__setitem__(3, float("nan")), r"model\['0.weight'\]"),
+    (lambda m, o: None, r"figures\['scale'\]"),
+])
+def test_a_state_holding_an_inf_or_a_nan_is_not_saved_and_the_previous_checkpoint_stays(
+        poison, named: str, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 43's fault (d): a NaN-poisoned checkpoint, once saved and resumed from, loses the run. The save is
+    refused naming the place (a moment by its parameter's name), nothing is written; allow_nonfinite=True saves it."""
+    model, optimizer = _trained_o2()
+    figures = _Figures(1.0)
+    ampkit.save_checkpoint(tmp_path / "last.pt", model=model, optimizer=optimizer, figures=figures)
+    before = (tmp_path / "last.pt").read_bytes()
+    poison(model, optimizer)
+    if "figures" in named:
+        figures.value = float("inf")
+    with pytest.raises(ValueError, match=rf"Not saving .*last.pt: the state holds an inf or a NaN \({named}.*"
+                                         r"The previous checkpoint is as it was.*allow_nonfinite=True"):
+        ampkit.save_checkpoint(tmp_path / "last.pt", model=model, optimizer=optimizer, figures=figures)
+    assert (tmp_path / "last.pt").read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
+    ampkit.save_checkpoint(tmp_path / "debug.pt", allow_nonfinite=True, model=model, optimizer=optimizer,
+                           figures=figures)
+    assert (tmp_path / "debug.pt").exists()
+
+
+def test_a_buffer_holding_minus_inf_is_its_value_and_saves(tmp_path: Path) -> None:
+    """An attention mask's -inf is a value, not a fault: buffers are not checked."""
+    model = nn.Linear(4, 4)
+    model.register_buffer("mask", torch.full((4, 4), float("-inf")).triu(1))
+    ampkit.save_checkpoint(tmp_path / "last.pt", model=model)
+    loaded = nn.Linear(4, 4)
+    loaded.register_buffer("mask", torch.zeros(4, 4))
+    ampkit.load_checkpoint(tmp_path / "last.pt", model=loaded)
+    assert torch.equal(loaded.mask, model.mask)
+
+
+def test_a_nan_in_torchao_s_8bit_moments_is_found_in_their_scales(tmp_path: Path) -> None:
+    pytest.importorskip("torchao.optim")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128))
+    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters()), "O1", torch.bfloat16,
+                                         compute="native", states="8bit")
+    with torch.compiler.set_stance("force_eager"):
+        model(torch.randn(4, 64)).float().pow(2).mean().backward()
+        optimizer.step()
+    optimizer.state[model[0].weight]["exp_avg"].scale[0] = float("nan")
+    with pytest.raises(ValueError, match=r"optimizer: exp_avg of 0.weight"):
+        ampkit.save_checkpoint(tmp_path / "last.pt", model=model, optimizer=optimizer)
+    assert not (tmp_path / "last.pt").exists()
+
+
+def _nan_on_rank_1(rank: int, world: int, path: str) -> dict:
+    from ampkit.distributed import fully_shard, load_sharded_checkpoint, save_sharded_checkpoint
+
+    torch.manual_seed(0)
+    model = fully_shard(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)), opt_level="O2",
+                        dtype=torch.bfloat16, compute="native")
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 8)).float().pow(2).mean().backward()
+    optimizer.step()
+    save_sharded_checkpoint(path, model, optimizer, extra={"step": 1})
+    if rank == 1:
+        optimizer.state[model[2].weight]["exp_avg"].to_local().view(-1)[0] = float("nan")
+    try:
+        save_sharded_checkpoint(path, model, optimizer, extra={"step": 2})
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return {"refused": refused, "extra": load_sharded_checkpoint(path, model, None)}
+
+
+@pytest.mark.distributed
+def test_a_sharded_save_is_refused_on_every_rank_when_one_rank_holds_a_nan(tmp_path: Path) -> None:
+    """Every rank refuses together (one refusing alone would leave the others waiting in DCP); the one holding the
+    NaN names it, the previous checkpoint loads."""
+    import warnings
+
+    from multiprocess import run_ranks
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ranks = run_ranks(_nan_on_rank_1, 2, str(tmp_path / "run"), timeout_s=120)
+    assert "on another rank" in ranks[0]["refused"]
+    assert "optimizer: exp_avg of 2.weight" in ranks[1]["refused"]
+    assert ranks[0]["extra"] == ranks[1]["extra"] == {"step": 1}

@@ -9,6 +9,7 @@ empty, truncated or not ampkit's, and restores every object or none.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,7 +17,7 @@ import torch
 
 from ampkit.files import atomic_write
 from ampkit.optim.states import check_same_format, snapshot, states_format
-from ampkit.shards import is_sharded
+from ampkit.shards import is_sharded, local_shard
 
 CHECKPOINT_VERSION = 1
 
@@ -61,7 +62,57 @@ def check_plain(value: Any, where: str) -> None:
     _walk(value, where, _plain_leaf)
 
 
-def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **objects: _Stateful) -> None:
+def nonfinite_places(objects: dict[str, Any], states: dict[str, Any]) -> list[str]:
+    """Where the states about to be saved hold an inf or a NaN: every floating tensor (a torchao low-bit state's
+    inner tensors too; an FSDP2 DTensor's local shard) and every float of each object's state, but a module's
+    buffers (an attention mask's -inf is its value). An optimizer's states and masters are named by their
+    parameter's name where a module among ``objects`` has it: ``optimizer: exp_avg_sq of 2.weight``."""
+    from torch import nn
+
+    names = {id(p): n for obj in objects.values() if isinstance(obj, nn.Module) for n, p in obj.named_parameters()}
+    found: list[str] = []
+    for name, obj in objects.items():
+        state = states[name]
+        if isinstance(obj, nn.Module):
+            buffers = {n for n, _ in obj.named_buffers()}
+            _find_nonfinite({k: v for k, v in state.items() if k not in buffers}, name, found)
+        elif isinstance(obj, torch.optim.Optimizer) and isinstance(state, dict):
+            # a MasterWeightOptimizer's inner state and masters follow its model's parameters, in order
+            params = getattr(obj, "model_params", None) or [p for g in obj.param_groups for p in g["params"]]
+            label = {i: names.get(id(p), f"parameter {i}") for i, p in enumerate(params)}
+            inner = state.get("optimizer", state) if "master_params" in state else state
+            for index, moments in (inner.get("state") or {}).items():
+                for key, value in moments.items():
+                    _find_nonfinite(value, f"{name}: {key} of {label.get(index, index)}", found)
+            for index, master in enumerate(state.get("master_params", [])):
+                _find_nonfinite(master, f"{name}: the float32 master of {label.get(index, index)}", found)
+        else:
+            _find_nonfinite(state, name, found)
+    return found
+
+
+def _find_nonfinite(value: Any, where: str, found: list[str]) -> None:
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _find_nonfinite(item, f"{where}[{key!r}]", found)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _find_nonfinite(item, f"{where}[{i}]", found)
+    elif isinstance(value, float) and not math.isfinite(value):
+        found.append(where)
+    elif isinstance(value, torch.Tensor):
+        local = local_shard(value)
+        if hasattr(local, "__tensor_flatten__") and type(local) is not torch.Tensor:  # torchao: codes and scales
+            for inner in local.__tensor_flatten__()[0]:
+                _find_nonfinite(getattr(local, inner), where, found)
+        elif local.is_floating_point() and local.numel():
+            wide = local.float() if local.element_size() == 1 else local  # FP8 codes: torch has no isfinite for them
+            if not bool(torch.isfinite(wide).all()):
+                found.append(where)
+
+
+def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, allow_nonfinite: bool = False,
+                    **objects: _Stateful) -> None:
     """Save each object's ``state_dict()`` under its keyword name, atomically.
 
     The file is written beside ``path`` and renamed into place, so a crash or a full disk
@@ -70,13 +121,16 @@ def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **obj
     Args:
         path: the checkpoint file (its folder is created).
         extra: plain values to keep alongside (epoch, step, a metric); returned by ``load_checkpoint``.
+        allow_nonfinite: save a state holding an inf or a NaN (default False: refused, see Raises).
         **objects: anything with ``state_dict()``: modules, optimizers, LR schedulers, loss scalers,
             ``MasterWeightOptimizer``.
 
     Raises:
         ValueError: no objects were given, or an ``extra`` value that would not load back (a numpy
             scalar, a Path: named, with the conversion to make); an FSDP2 model's DTensor state (use
-            ``ampkit.distributed.save_sharded_checkpoint``).
+            ``ampkit.distributed.save_sharded_checkpoint``); a weight, a master, an optimizer state or a
+            scaler's figure that is inf or NaN (``nonfinite_places`` names them; a run resumed from such a
+            checkpoint is lost): nothing is written, the previous checkpoint stays.
         TypeError: an object has no ``state_dict()`` (it is named).
 
     Examples:
@@ -94,6 +148,7 @@ def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **obj
         check_plain(value, f"extra[{key!r}]")
     states = {name: obj.state_dict() for name, obj in objects.items()}
     _walk(states, "states", _unsharded_leaf)  # FSDP2 shards: one process's file would keep one rank's part
+    refuse_nonfinite(objects, states, str(path), allow_nonfinite)
     state = {
         "ampkit_checkpoint": CHECKPOINT_VERSION,
         "states": states,
@@ -102,6 +157,20 @@ def save_checkpoint(path: str | Path, extra: dict[str, Any] | None = None, **obj
         "formats": {name: states_format(obj) for name, obj in objects.items() if isinstance(obj, torch.optim.Optimizer)},
     }
     atomic_write(Path(path), lambda tmp: torch.save(state, tmp))
+
+
+def refuse_nonfinite(objects: dict[str, Any], states: dict[str, Any], path: str, allow: bool,
+                     elsewhere: bool = False) -> None:
+    """Raise ValueError naming where ``states`` hold an inf or a NaN (``nonfinite_places``), unless ``allow``;
+    ``elsewhere``: another rank found some (every rank refuses together)."""
+    if allow:
+        return
+    found = nonfinite_places(objects, states)
+    if found or elsewhere:
+        where = f"{', '.join(found[:4])}{' ...' if len(found) > 4 else ''}" if found else "on another rank"
+        raise ValueError(f"Not saving {path}: the state holds an inf or a NaN ({where}); a run resumed from it would "
+                         "be lost. The previous checkpoint is as it was. Find the first non-finite value with "
+                         "ampkit.find_nonfinite, or pass allow_nonfinite=True to save it anyway (to debug).")
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ampkit._torch import pytree
-from ampkit.checkpoint import check_plain
+from ampkit.checkpoint import check_plain, nonfinite_places, refuse_nonfinite
 from ampkit.optim.states import check_same_format, dequantized, is_quantized, states_format
 from ampkit.shards import local_shard
 
@@ -68,7 +68,8 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
 
 
 def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                            extra: dict[str, Any] | None = None, **objects: Any) -> None:
+                            extra: dict[str, Any] | None = None, allow_nonfinite: bool = False,
+                            **objects: Any) -> None:
     """Save a (sharded) model, its optimizer and any other objects with DCP; every rank calls it.
 
     The folder is written beside ``path`` and renamed into place once every rank has written: a
@@ -79,11 +80,13 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         model: an FSDP2 model (``ampkit.distributed.fully_shard``), or a plain one.
         optimizer: its optimizer (optional).
         extra: plain values (epoch, step) returned by ``load_sharded_checkpoint``.
+        allow_nonfinite: save a state holding an inf or a NaN (default False: every rank refuses, see Raises).
         **objects: anything with ``state_dict()`` holding the same values on every rank: loss scalers,
             LR schedulers.
 
     Raises:
-        ValueError: an ``extra`` value that would not load back; ``path`` is a file.
+        ValueError: an ``extra`` value that would not load back; ``path`` is a file; a weight, an optimizer state
+            or an object's figure that is inf or NaN on any rank (named where it is; nothing is written).
         TypeError: an object has no ``state_dict()``.
 
     Example:
@@ -105,6 +108,13 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
                             "name, and plain values in extra={...}.")
     for key, value in (extra or {}).items():
         check_plain(value, f"extra[{key!r}]")
+    if not allow_nonfinite:  # every rank decides together: one refusing alone would leave the others in DCP
+        everything = {"model": model, **({"optimizer": optimizer} if optimizer is not None else {}), **objects}
+        local = {name: obj.state_dict() for name, obj in everything.items()}
+        found = torch.tensor([float(bool(nonfinite_places(everything, local)))])
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        refuse_nonfinite(everything, local, str(path), False, elsewhere=bool(found.item()))
     state = _states(model, optimizer)
     state["objects"] = {name: obj.state_dict() for name, obj in objects.items()}
     state["quantized"] = _quantized_parts(optimizer)
