@@ -12,7 +12,11 @@ float32 training, and AdamW's moments in fewer bits, on the GPT of `ampkit compa
    gradients taken one at a time and summed in float32: the relative error of each (the norm of the difference
    over the reference's, all parameters together).
 
-``--accumulation-only`` measures part 2 again and keeps part 1 from the existing record.
+3. A larger GPT (d_model 1024, 8 layers): each option's bytes per parameter by ``ampkit.estimate_memory`` (which
+   equals the tensors' count, tests/test_optimizer_states.py): the fixed costs per tensor (torchao's code tables,
+   the small tensors it leaves unquantized) weigh less on larger tensors.
+
+``--accumulation-only`` measures parts 2 and 3 again and keeps part 1 from the existing record.
 
 Writes results/bytes-per-parameter.json.
 
@@ -92,6 +96,26 @@ def accumulation_errors() -> dict[str, float]:
     return errors
 
 
+LARGER = dict(vocab_size=256, context=CONTEXT, d_model=1024, n_layers=8, n_heads=16)
+# (label, opt level, gradient dtype, states, update) of the larger GPT's estimates
+OPTIONS = [("fp32", "O1", None, None, "plain"), ("bf16 O2 fp32-grads", "O2", "fp32", None, "plain"),
+           *[(f"bf16 O2 fp32-grads {s}-states", "O2", "fp32", s, "plain") for s in O2_STATES],
+           *[(f"bf16 O3 stochastic {s}-states", "O3", None, s, "stochastic") for s in O3_STATES]]
+
+
+def larger_model_estimates() -> dict[str, float]:
+    torch.manual_seed(0)
+    gpt = GPT(**LARGER)
+    tokens = torch.randint(0, 256, (2, CONTEXT))
+    parameters = sum(p.numel() for p in gpt.parameters())
+    out = {}
+    for label, level, grad_dtype, states, update in OPTIONS:
+        estimate = ampkit.estimate_memory(gpt, tokens, level, grad_dtype=grad_dtype, states=states, update=update)
+        kept = estimate.float32 if label == "fp32" else estimate.mixed
+        out[label] = (kept.weights + kept.gradients + kept.master_weights + kept.optimizer_states) / parameters
+    return out
+
+
 def main() -> None:
     warnings.simplefilter("ignore", ampkit.ComputeModeWarning)
     start = time.perf_counter()
@@ -108,16 +132,20 @@ def main() -> None:
                           "final_loss_vs_float32": ratios, "mean_vs_float32": statistics.fmean(ratios),
                           "ms_per_step_vs_float32": statistics.fmean(speeds)}
     errors = accumulation_errors()
+    larger = larger_model_estimates()
     table = Table("run", "bytes/parameter", *(f"loss vs fp32, seed {s}" for s in seeds), "mean")
     for label, row in summary.items():
         table.add_row(label, f"{row['bytes_per_parameter']:.2f}", *(f"{r:.4f}x" for r in row["final_loss_vs_float32"]),
                       f"{row['mean_vs_float32']:.4f}x")
     Console().print(table)
+    print("A GPT of d_model 1024, 8 layers, by estimate_memory: "
+          + ", ".join(f"{label} {value:.2f}" for label, value in larger.items()) + " bytes/parameter")
     print(f"{ACCUMULATED} micro-batches: relative error of float32 accumulation {errors['float32']:.2e}, "
           f"of bfloat16 accumulation {errors['bfloat16']:.2e}")
     path = save("bytes-per-parameter", {"seeds": seeds, "summary": summary, "accumulation_errors": errors,
                                         "micro_batches": MICRO_BATCHES, "accumulated": ACCUMULATED,
                                         "o2_states": O2_STATES, "o3_states": O3_STATES,
+                                        "larger_model": {"config": LARGER, "bytes_per_parameter": larger},
                                         "wall_s": time.perf_counter() - start})
     print(f"wrote {path}")
 

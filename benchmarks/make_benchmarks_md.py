@@ -494,6 +494,14 @@ def bytes_per_parameter_section(results: dict[str, Any]) -> str:
         verdicts.append(f"{label}: {size_text} bytes/parameter, {loss_text}")
     if verdicts:
         rows += ["", "Against the targets (issue 42): " + "; ".join(verdicts) + "."]
+    larger = results.get("larger_model")
+    if larger:
+        config = larger["config"]
+        rows += ["", f"The same options on a larger GPT (d_model {config['d_model']}, {config['n_layers']} layers; "
+                 "`ampkit.estimate_memory`, which equals the tensors' count): "
+                 + ", ".join(f"{label} {value:.2f}" for label, value in larger["bytes_per_parameter"].items())
+                 + " bytes/parameter. torchao's code tables and the tensors it leaves unquantized are costs per "
+                 "tensor, which weigh less on larger tensors."]
     errors = results["accumulation_errors"]
     rows += ["", f"One step's gradients of the same GPT at O2 accumulated over {results['accumulated']} micro-batches "
              "(2 windows each), against the micro-batches' gradients taken one at a time and summed in float32 "
