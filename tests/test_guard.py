@@ -1,0 +1,191 @@
+"""ampkit.Guard (issue 43, its first part): planted faults, each against the same run without the guard."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ampkit
+
+STEPS = 30
+
+
+def _setup(level: str = "O2", dtype: torch.dtype = torch.bfloat16) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    return ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, dtype, compute="native")
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, 16, generator=g)
+    return x, x[:, :4].sum(dim=1, keepdim=True).repeat(1, 4)
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, guard: ampkit.Guard | None,
+           batch: object = _batch, scaler: object = None) -> list[float]:
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        x, y = batch(step)  # type: ignore[operator]
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        (scaler.scale(loss) if scaler is not None else loss).backward()  # type: ignore[attr-defined]
+        if guard is not None:
+            guard.step(loss, batch=(x, y))
+        elif scaler is not None:
+            scaler.step(optimizer)  # type: ignore[attr-defined]
+            scaler.update()  # type: ignore[attr-defined]
+        else:
+            optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _nan_at_12(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _batch(step)
+    if step == 12:
+        x = x.clone()
+        x[3, 5] = math.nan
+    return x, y
+
+
+def test_a_batch_with_a_nan_is_skipped_and_named_and_training_goes_on() -> None:
+    """Issue 43's fault (c): unguarded, one NaN batch makes every weight NaN for good; guarded, that step is skipped,
+    the batch named, and the run ends as the run without that batch does."""
+    model, optimizer = _setup()
+    guard = ampkit.Guard(model, optimizer)
+    guarded = _train(model, optimizer, guard, _nan_at_12)
+    assert [(e.step, e.signal, e.action) for e in guard.events] == [(12, "nonfinite-loss", "skipped")]
+    assert "the batch: its tensor 0 holds an inf or a NaN" in guard.events[0].where
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert math.isfinite(guarded[-1])
+    plain, plain_optimizer = _setup()
+    unguarded = _train(plain, plain_optimizer, None, _nan_at_12)
+    assert all(math.isnan(v) for v in unguarded[13:])  # the fault, unguarded
+
+
+def test_a_weight_gone_non_finite_is_traced_to_its_layer_and_the_last_good_state_restored() -> None:
+    """An inf planted in the second linear's master after step 19: the replay names that layer (its input already
+    non-finite: the weight), and "restore" puts back the state kept at step 19 (every 10 good steps); training goes
+    on, finite."""
+    model, optimizer = _setup()
+    guard = ampkit.Guard(model, optimizer, action="restore", keep_every=10)
+
+    def planted(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step == 20:
+            with torch.no_grad():
+                optimizer.master_params[2][0, 0] = math.inf  # type: ignore[attr-defined]
+                model[2].weight[0, 0] = math.inf
+        return _batch(step)
+
+    _train(model, optimizer, guard, planted)
+    event = guard.events[0]
+    assert (event.step, event.signal, event.action) == (20, "nonfinite-loss", "restored step 19")
+    assert event.where.startswith("2 (") and "its inputs already non-finite" in event.where
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    assert len(guard.events) == 1
+
+
+def test_a_loss_spike_beyond_its_recent_history_is_skipped() -> None:
+    model, optimizer = _setup()
+    guard = ampkit.Guard(model, optimizer, window=10)
+
+    def spiking(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = _batch(step)
+        return (x, y * 100) if step == 25 else (x, y)
+
+    weights: dict[int, list[torch.Tensor]] = {}
+    _train(model, optimizer, guard, spiking)
+    assert [(e.step, e.signal, e.action) for e in guard.events] == [(25, "loss-spike", "skipped")]
+    assert "over the last 10 steps" in guard.events[0].where
+    del weights
+
+
+def test_repeated_skips_of_a_float16_scaler_are_recorded() -> None:
+    """A scaler that skips every step (the loss overflows float16 at any scale): the guard records it once it has
+    skipped max_skips in a row; the scaler keeps its own decisions."""
+    model, optimizer = _setup("O2", torch.float16)
+    scaler = ampkit.DynamicLossScaler(init_scale=2.0**16, min_scale=1.0)
+    guard = ampkit.Guard(model, optimizer, scaler, max_skips=3)
+
+    def overflowing(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = _batch(step)
+        return x * 1e4, y
+
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in range(6):  # the scaler itself gives up (NonFiniteError) after 10 skips at its smallest scale
+        optimizer.zero_grad(set_to_none=True)
+        x, y = overflowing(step)
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        assert not guard.step(loss, batch=(x, y))
+    skips = [e for e in guard.events if e.signal == "repeated-skips"]
+    assert skips and skips[0].step == 2 and "skipped 3 steps in a row" in skips[0].where
+    assert scaler.stats.skipped > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_a_sound_run_is_untouched_by_the_guard() -> None:
+    """No event, and the same losses and weights as the run without the guard, to the bit."""
+    model, optimizer = _setup()
+    guard = ampkit.Guard(model, optimizer, action="restore")
+    guarded = _train(model, optimizer, guard)
+    plain, plain_optimizer = _setup()
+    assert _train(plain, plain_optimizer, None) == guarded and guard.events == []
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+
+
+def test_the_timeline_and_the_plot_are_written(tmp_path: Path) -> None:
+    model, optimizer = _setup()
+    guard = ampkit.Guard(model, optimizer)
+    _train(model, optimizer, guard, _nan_at_12)
+    timeline = json.loads(guard.write_timeline(tmp_path / "guard.json").read_text())
+    assert timeline["steps"] == STEPS and timeline["losses"][12] is None
+    assert timeline["events"][0]["signal"] == "nonfinite-loss" and timeline["events"][0]["step"] == 12
+    png = guard.write_plot(tmp_path / "guard.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(action="raise"), r"Unknown action 'raise'. Choose one of \['skip', 'restore'\]"),
+    (dict(scaler=torch.amp.GradScaler("cpu")), r"torch.amp.GradScaler does not say whether it skipped a step"),
+    (dict(spike_sigmas=0), r"spike_sigmas=0 is invalid"),
+    (dict(window=2), r"window=2 is invalid: an integer >= 4"),
+    (dict(keep_every=0), r"keep_every=0 is invalid"),
+])
+def test_bad_guard_settings_are_refused(options: dict, match: str) -> None:
+    model, optimizer = _setup()
+    with pytest.raises(ValueError, match=match):
+        ampkit.Guard(model, optimizer, **options)
+
+
+def test_an_optimizer_of_another_model_is_refused() -> None:
+    model, _ = _setup()
+    other, other_optimizer = _setup()
+    with pytest.raises(ValueError, match=r"The optimizer steps tensors that are not this model's parameters"):
+        ampkit.Guard(model, other_optimizer)
+
+
+def test_an_fsdp2_model_is_refused_until_every_rank_can_take_the_same_action() -> None:
+    """A rank skipping a step the others take would leave the shards out of step: refused at the first call."""
+    import socket
+
+    import torch.distributed as dist
+
+    from ampkit.distributed import fully_shard
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        model = fully_shard(nn.Sequential(nn.Linear(4, 4)), opt_level="O1")
+        with pytest.raises(ValueError, match=r"Guard does not take an FSDP2 model yet"):
+            ampkit.Guard(model, torch.optim.AdamW(model.parameters()))
+    finally:
+        dist.destroy_process_group()
