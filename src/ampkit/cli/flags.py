@@ -13,7 +13,7 @@ FLAGS = {
     "batch_size": "--batch-size", "epochs": "--epochs", "steps": "--steps", "lr": "--lr", "device": "--device",
     "seed": "--seed", "computes": "--compute", "loss_scales": "--loss-scale", "updates": "--update",
     "loss_divisor": "--loss-divisor", "out": "--out", "activation_budgets": "--activation-budget",
-    "grad_accums": "--grad-accum", "micro_batches": "--micro-batches", "states": "--states",
+    "grad_accums": "--grad-accum", "micro_batches": "--micro-batches", "states": "--states", "update": "--update",
 }
 _PARAMETER = re.compile(rf"\b({'|'.join(FLAGS)})=(\[[^\]]*\]|'[^']*'|[^\s,:;)]+)")
 
