@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ampkit.experiment.config import CONTEXT
+from ampkit.experiment.comparison import REVISE_AFTER
 from ampkit.experiment.cost import ESTIMATE_STEPS
 from ampkit.experiment.training import final_steps
 from ampkit.files import atomic_write
@@ -561,6 +562,7 @@ ESTIMATE_TIMES_EACH_SETTING = "2026-12-01T14:40"
 # From this on, the plan times 5 steps of each setting and of float32 in turn and takes medians (before: 3 float32
 # steps, then a single step of each setting, one after another).
 ESTIMATE_TIMES_IN_TURN = "2026-12-02T21:00"
+REVISED_FROM_RUNS = "2026-12-03T00:40"  # records from this on carry revised_s
 
 
 def estimate_section(directory: Path) -> str | None:
@@ -574,13 +576,15 @@ def estimate_section(directory: Path) -> str | None:
                   "each setting timed" if results["created"] >= ESTIMATE_TIMES_EACH_SETTING else "float32's step")
         native = results.get("machine", {}).get("cpu_native_bf16")
         cpu = {True: "native bf16", False: "AVX2 (bf16 emulated)"}.get(native, "?")
+        revised = results.get("revised_s")
+        again = f"{revised:.0f} ({results['wall_s'] / revised:.2f}x)" if revised else "-"
         rows.append(f"| {path.parent.name.removeprefix('compare-')} | {cpu} | {results['created'][:16]} | {method} | "
                     f"{results['estimated_s']:.0f} | {results['wall_s']:.0f} | "
-                    f"{results['wall_s'] / results['estimated_s']:.2f}x |")
+                    f"{results['wall_s'] / results['estimated_s']:.2f}x | {again} |")
     if not rows:
         return None
-    return "\n".join(["| record | CPU | created | estimate | estimated s | took s | took / estimated |",
-                      "|---|---|---|---|---|---|---|", *rows])
+    return "\n".join(["| record | CPU | created | estimate | estimated s | took s | took / estimated | "
+                       "from the runs' first steps: s (took / it) |", "|---|---|---|---|---|---|---|---|", *rows])
 
 
 def underflow_section(directory: Path, relative: str) -> str | None:
@@ -709,7 +713,9 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
                      "and, for compiled runs, one compile of the float32 model; before, every run was costed at "
                      f"float32's step or the kernels' measured throughput. Since {ESTIMATE_TIMES_IN_TURN}, it takes "
                      f"the median of {ESTIMATE_STEPS} steps of float32 and of each setting, timed in turn as the runs "
-                     "take their steps (a single step per setting had let a busy moment decide the plan).", "",
+                     "take their steps (a single step per setting had let a busy moment decide the plan). Since "
+                     f"{REVISED_FROM_RUNS}, the comparison makes the estimate again after {REVISE_AFTER} steps of each "
+                     "run beyond its first, from the runs' own steps (`revised_s`; the last column).", "",
                      estimates, ""]
     mxfp8 = mxfp8_section(directory)
     if mxfp8:

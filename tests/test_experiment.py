@@ -97,6 +97,36 @@ def test_runs_step_in_lockstep_in_alternating_order() -> None:
     assert [run.label for run in result.runs] == [a, b] and all(run.steps == 3 for run in result.runs)
 
 
+@pytest.mark.slow  # three comparisons of processes: 25 s here
+def test_the_estimate_is_made_again_from_the_runs_own_first_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After REVISE_AFTER steps of each run beyond its first: the time so far, each run's remaining steps at the
+    median of its own (a slow step of one run moves nothing), and the evaluations. A run slowed by 0.2 s a step
+    from its third step on: the revision counts its remaining steps at that pace, the plan could not."""
+    import time
+
+    from ampkit.experiment.process import RunProcess
+
+    real_step = RunProcess.step
+
+    def slowed(self: RunProcess) -> tuple[int, float]:
+        if self.config.precision == "bf16" and self.steps_done >= 2:
+            time.sleep(0.2)
+        return real_step(self)
+
+    monkeypatch.setattr(RunProcess, "step", slowed)
+    steps = comparison.REVISE_AFTER + 11
+    configs = [RunConfig(model="mlp", steps=steps, batch_size=8),
+               RunConfig(model="mlp", steps=steps, batch_size=8, precision="bf16", opt_level="O2")]
+    told: list[float] = []
+    result = comparison.compare(configs, revise=told.append, evaluation_s=1.5)
+    assert told == [result.revised_s]
+    assert result.revised_s > 1.5 + 0.2 * (steps - comparison.REVISE_AFTER - 1)  # the slow run's remaining steps
+    assert result.revised_s == pytest.approx(result.wall_s + 1.5, rel=0.5)  # the evaluations here are quick
+    assert result.to_dict()["revised_s"] == result.revised_s
+    short = comparison.compare([RunConfig(model="mlp", steps=comparison.REVISE_AFTER, batch_size=8)])
+    assert short.revised_s is None  # too few steps to revise from
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_peak_memory_counts_what_training_adds_not_torch_itself(device: str) -> None:
     """The memory column: peak resident memory on the CPU, torch.cuda.max_memory_allocated on CUDA,

@@ -7,6 +7,7 @@ import json
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -14,7 +15,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ampkit.cli.flags import as_flags, directory
 from ampkit.experiment import report
-from ampkit.experiment.comparison import Comparison, check_out_dir, compare, reserve_out_dir
+from ampkit.experiment.comparison import REVISE_AFTER, Comparison, check_out_dir, compare, reserve_out_dir
 from ampkit.experiment.config import COMPILE_MODES, GRAD_ACCUMS, LOSS_SCALES, PRECISIONS, RunConfig, low_dtype
 from ampkit.experiment.cost import Estimate, estimate
 from ampkit.experiment.data import DATASETS
@@ -151,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2, allow_nan=False))
     else:
         console.print(report.table(result))
-        console.print(f"Took {time.perf_counter() - planned:.0f} s (estimated {cost.total_s:.0f} s), after "
+        again = f"; {result.revised_s:.0f} s from the runs' first steps" if result.revised_s is not None else ""
+        console.print(f"Took {time.perf_counter() - planned:.0f} s (estimated {cost.total_s:.0f} s{again}), after "
                       f"{planned - start:.0f} s of planning. Wrote " + ", ".join(str(p) for p in paths))
     for line in diverged:
         print(line, file=sys.stderr)
@@ -160,10 +162,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: Estimate,
              console: Console) -> Comparison:
+    times = dict(estimated_s=estimate.total_s, evaluation_s=estimate.evaluation_s)
+
+    def revised(say: Callable[[str], None]) -> Callable[[float], None]:
+        return lambda total_s: say(f"ampkit compare: from the runs' own first {REVISE_AFTER + 1} steps, about "
+                                   f"{total_s:.0f} s in all (the plan estimated {estimate.total_s:.0f} s).")
+
     if args.quiet:
-        return compare(configs, estimated_s=estimate.total_s)
+        return compare(configs, **times)
     if args.json or not console.is_terminal:  # a log file, CI, a pipe: plain lines on stderr, never a long silence
-        return compare(configs, PlainProgress(), estimated_s=estimate.total_s)
+        return compare(configs, PlainProgress(), revise=revised(lambda line: print(line, file=sys.stderr, flush=True)),
+                       **times)
     with Progress(
         TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
         TimeElapsedColumn(), console=console,
@@ -171,7 +180,7 @@ def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: Estim
         tasks = {c.label: bars.add_task(c.label, total=c.steps, loss="-") for c in configs}
         return compare(
             configs, lambda label, step, total, loss: bars.update(tasks[label], completed=step, loss=f"{loss:.4f}"),
-            estimated_s=estimate.total_s,
+            revise=revised(bars.console.print), **times,
         )
 
 

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import datetime
 import re
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,9 @@ RATIO_FIELDS = {
 }
 
 
+# The runs' own steps after which the estimate is made again from them (each run's first step, which warms up, aside).
+REVISE_AFTER = 5
+
 # What a recompute plan changes, compared against the same setting without the plan.
 PLAN_FIELDS = ("ms_per_step", "peak_memory_bytes", "saved_for_backward_bytes")
 
@@ -48,6 +52,7 @@ class Comparison:
     created: str
     estimated_s: float | None = None  # the plan's estimate of the total wall time
     wall_s: float | None = None  # the total wall time, measured
+    revised_s: float | None = None  # the estimate again, from the runs' own first steps (``REVISE_AFTER``)
 
     @property
     def baseline(self) -> RunResult:
@@ -83,7 +88,7 @@ class Comparison:
             runs.append(entry)
         record = {
             "version": 2, "created": self.created, "machine": self.machine, "config": self.config,
-            "estimated_s": self.estimated_s, "wall_s": self.wall_s, "runs": runs,
+            "estimated_s": self.estimated_s, "wall_s": self.wall_s, "revised_s": self.revised_s, "runs": runs,
         }
         non_finite: list[str] = []
         record = strict_json(record, "", non_finite)
@@ -92,7 +97,8 @@ class Comparison:
 
 
 def compare(
-    configs: list[RunConfig], progress: Progress | None = None, estimated_s: float | None = None
+    configs: list[RunConfig], progress: Progress | None = None, estimated_s: float | None = None,
+    revise: Callable[[float], None] | None = None, evaluation_s: float = 0.0,
 ) -> Comparison:
     """Run every configuration in its own subprocess, steps interleaved, and collect the results.
 
@@ -105,20 +111,36 @@ def compare(
         configs: from ``plan()``; the first is the float32 baseline.
         progress: called as ``progress(label, step, total_steps, loss)`` after each step.
         estimated_s: the plan's estimate (``estimate(configs).total_s``), kept in the record.
+        revise: called once, after ``REVISE_AFTER`` steps of every run beyond its first, with the total wall time
+            estimated again from the runs themselves: the time so far, each run's remaining steps at the median of
+            its own, and ``evaluation_s`` (the plan's estimate of the evaluations). Kept as ``revised_s``.
+        evaluation_s: see ``revise``.
 
     Raises:
         RuntimeError: a run failed (its error output is in the message); the others are stopped.
     """
     start = time.perf_counter()
+    revised_s = None
     with contextlib.ExitStack() as stack:
         hosts = [stack.enter_context(RunProcess(config)) for config in configs]
+        step_s: dict[int, list[float]] = {i: [] for i in range(len(hosts))}  # each run's timed steps, first aside
         try:
             for round_ in range(max(config.steps for config in configs)):
-                for host in hosts if round_ % 2 == 0 else reversed(hosts):
+                for index in range(len(hosts)) if round_ % 2 == 0 else reversed(range(len(hosts))):
+                    host = hosts[index]
                     if host.training:
+                        began = time.perf_counter()
                         step, loss = host.step()
+                        if round_ > 0:
+                            step_s[index].append(time.perf_counter() - began)
                         if progress is not None:
                             progress(host.config.label, step, host.config.steps, loss)
+                if round_ == REVISE_AFTER and revised_s is None:
+                    revised_s = time.perf_counter() - start + evaluation_s + sum(
+                        statistics.median(times) * (host.config.steps - host.steps_done)
+                        for host, times in zip(hosts, step_s.values()) if times and host.training)
+                    if revise is not None:
+                        revise(revised_s)
             runs = []
             for host in hosts:  # one at a time: evaluating together oversubscribes the cores (measured slower)
                 host.finish()
@@ -133,6 +155,7 @@ def compare(
         created=datetime.datetime.now().isoformat(timespec="seconds"),
         estimated_s=estimated_s,
         wall_s=time.perf_counter() - start,
+        revised_s=revised_s,
     )
 
 

@@ -54,6 +54,7 @@ class Estimate:
             float32 model's, after a warm-up step); its runs are costed at it.
         first_step_s: the float32 warm-up step here; each run's first step is as much slower than the
             others (at its setting's ratio to float32).
+        evaluation_s: the part of ``run_s`` that is evaluation, all runs together.
     """
 
     float32_step_s: float
@@ -64,6 +65,7 @@ class Estimate:
     compile_s: float = 0.0
     setting_step_s: dict[str, float] = dataclasses.field(default_factory=dict)
     first_step_s: float = 0.0
+    evaluation_s: float = 0.0  # the runs' evaluations, in ``run_s`` (``compare`` revises the rest from the runs)
 
     @property
     def total_s(self) -> float:
@@ -152,14 +154,15 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
     speedups = {p: 1 / time_factor(p, list(GEMM_OPS)) for p in precisions}
     startup = setup_s * max(1.0, len(configs) / (os.cpu_count() or 1))  # the runs start at once, on every core
     n_eval = len(dataset.test_y) if dataset.kind == "image" else 64
-    runs = []
+    runs, evaluations = [], []
     for config in configs:
         factor = 1.0 if config.precision == "fp32" else setting_s[_setting(config)] / step_s
         train = (config.steps * step_s + max(first_s - step_s, 0.0)) * factor + (compile_s if config.compiled else 0.0)
         train += first_extra_s.get(_setting(config), 0.0)
         evaluation = 0.0 if config.probe else (n_eval / config.batch_size + PRECISE_BN_BATCHES) * forward_s * factor
         runs.append(train + evaluation)
-    return Estimate(step_s, forward_s, startup, runs, speedups, compile_s, setting_s, first_s)
+        evaluations.append(evaluation)
+    return Estimate(step_s, forward_s, startup, runs, speedups, compile_s, setting_s, first_s, sum(evaluations))
 
 
 def _setting(config: RunConfig) -> str:

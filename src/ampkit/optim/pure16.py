@@ -107,6 +107,8 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
             a run resumed from a checkpoint, sharded or not, draws as an uninterrupted one.
         state_dtype: the moments' (momentum buffer's) dtype: None (default: each weight's own),
             ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
+        state_rounding: how 16-bit states are written: ``"stochastic"`` (default) or ``"nearest"`` (as torch's
+            and torch-optimi's optimizers keep 16-bit moments: a second moment then never decays).
 
     Raises:
         ValueError: an unknown kind or a bad hyperparameter.
@@ -114,19 +116,21 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, kind: str, lr: float, momentum: float = 0.0, weight_decay: float | None = None,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, seed: int = 0,
-                 state_dtype: torch.dtype | None = None) -> None:
+                 state_dtype: torch.dtype | None = None, state_rounding: str = "stochastic") -> None:
         if kind not in ("sgd", "adamw"):
             raise ValueError(f"Unknown kind {kind!r}: choose 'sgd' or 'adamw'.")
         if state_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"state_dtype={state_dtype!r} is not a state dtype: choose None (the weights'), "
                              "torch.float32, torch.bfloat16 or torch.float16.")
+        if state_rounding not in ("stochastic", "nearest"):
+            raise ValueError(f"state_rounding={state_rounding!r} is not a rounding: choose 'stochastic' or 'nearest'.")
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
             raise ValueError(f"lr={lr!r} is invalid: use a finite learning rate >= 0.")
         weight_decay = (0.01 if kind == "adamw" else 0.0) if weight_decay is None else weight_decay
         super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "betas": betas,
                                   "eps": eps})
         self.kind = kind
-        self.state_dtype = state_dtype
+        self.state_dtype, self.state_rounding = state_dtype, state_rounding
         self.seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -140,7 +144,7 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
             state = self.state[p]
             weight, grad = p.float(), p.grad.float()
             generator = self._generator_for(p, index, state)
-            store = functools.partial(_store, generator=generator)
+            store = functools.partial(_store, generator=generator, nearest=self.state_rounding == "nearest")
             if self.kind == "sgd":
                 _sgd_update(weight, grad, state, group, self.state_dtype or p.dtype, store)
             else:
@@ -173,13 +177,14 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
                     self.state[params[name]][key] = value.to(device=params[name].device, copy=True)
 
 
-def _store(target: torch.Tensor, values: torch.Tensor, generator: torch.Generator | None) -> None:
-    """Write float32 ``values`` into ``target``: exactly in float32, stochastically rounded in 16 bits.
+def _store(target: torch.Tensor, values: torch.Tensor, generator: torch.Generator | None, nearest: bool = False) -> None:
+    """Write float32 ``values`` into ``target``: exactly in float32, stochastically rounded in 16 bits (rounded to
+    nearest with ``nearest``).
 
     An FSDP2 tensor is written on this rank's shard (its states stay DTensors, as checkpoints need).
     """
     target, values = local_shard(target), local_shard(values)
-    if target.dtype == torch.float32:
+    if target.dtype == torch.float32 or nearest:
         target.copy_(values)
     elif target.dtype == torch.bfloat16:
         target.copy_(_cut_to_bfloat16(values, generator))  # exact: the low bits are zero
