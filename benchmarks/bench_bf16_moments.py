@@ -2,12 +2,13 @@
 `ampkit compare`.
 
 Pure bfloat16 training with stochastic rounding of the weights (`--opt-level O3 --update stochastic`) and AdamW's
-moments kept three ways: float32 (`states="fp32"`), bfloat16 stochastically rounded (`states="bf16"`, ampkit's
-default) and bfloat16 rounded to nearest (`StochasticRoundingOptimizer(state_rounding="nearest")`, as torch's and
-torch-optimi's optimizers keep 16-bit moments), each against float32 training, on seeds 0, 1 and 2 (400 steps,
-batch 32 in 4 micro-batches, as the bytes-per-parameter record). The runs train one after another in this process
-(the loss is what is compared, not the time): each run is deterministic, so the stochastically rounded run's loss
-is the bytes-per-parameter record's own.
+moments kept four ways: float32 (`states="fp32"`), and bfloat16 (`states="bf16"`) with both moments stochastically
+rounded, both rounded to nearest (as torch's and torch-optimi's optimizers keep 16-bit moments), and ampkit's
+default (`StochasticRoundingOptimizer(state_rounding="auto")`: the second moment, whose step changes it by less
+than half a bfloat16 spacing, stochastically, the first to nearest), each against float32 training, on seeds 0, 1
+and 2 (400 steps, batch 32 in 4 micro-batches, as the bytes-per-parameter record). The runs train one after another
+in this process (the loss is what is compared, not the time); each run is deterministic, so the default's loss is
+the bytes-per-parameter record's own.
 
 Writes results/bf16-moments.json.
 
@@ -32,8 +33,9 @@ from ampkit.optim import pure16, states
 from common import save
 
 SEEDS = (0, 1, 2)
-VARIANTS = {"fp32 moments": ("fp32", "stochastic"), "bf16 moments, stochastic": ("bf16", "stochastic"),
-            "bf16 moments, nearest": ("bf16", "nearest")}
+VARIANTS = {"fp32 moments": ("fp32", "auto"), "bf16 moments, both stochastic": ("bf16", "stochastic"),
+            "bf16 moments, both nearest": ("bf16", "nearest"),
+            "bf16 moments, auto (the default: second stochastic, first nearest)": ("bf16", "auto")}
 
 
 def final_loss(config: RunConfig, rounding: str) -> float:

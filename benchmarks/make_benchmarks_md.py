@@ -511,6 +511,23 @@ def bytes_per_parameter_section(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def bf16_moments_section(results: dict[str, Any]) -> str:
+    """Pure bf16 training's moments in float32, in bf16 stochastically rounded and rounded to nearest (issue 42)."""
+    seeds = list(results["seeds"])
+    rows = [f"`python benchmarks/bench_bf16_moments.py`, {results['created']}, on {machine_line(results['machine'])}: "
+            "the GPT at `--opt-level O3 --update stochastic` (400 steps, batch 32 in 4 micro-batches, as the record "
+            "above) with AdamW's moments in float32 (`states=\"fp32\"`) and in bf16 (`states=\"bf16\"`) with both "
+            "moments stochastically rounded, both rounded to nearest (as torch's and torch-optimi's optimizers keep "
+            "them), and by `state_rounding=\"auto\"`, the default (the second moment stochastically, the first to "
+            "nearest); final train loss over float32 training's, per seed.", "",
+            f"| moments | {' | '.join(f'loss vs float32, seed {s}' for s in seeds)} | mean over seeds |",
+            "|---|" + "---|" * len(seeds) + "---|"]
+    for name, mean in results["means"].items():
+        rows.append(f"| {name} | " + " | ".join(f"{results['seeds'][s][name]:.4f}x" for s in seeds)
+                    + f" | {mean:.4f}x |")
+    return "\n".join(rows)
+
+
 def _by_setting(results: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
     """A compare record's trained runs by setting, the compute mode left out of the label (``bf16 O1``)."""
     runs = results["runs"] if results else []
@@ -731,6 +748,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     if per_parameter:
         sections += [f"{level} Bytes per parameter: gradients accumulated in float32, optimizer states in fewer bits", "",
                      bytes_per_parameter_section(per_parameter), ""]
+    moments = load(directory, "bf16-moments.json")
+    if moments:
+        sections += [f"{level} Pure bf16: its moments stochastically rounded or rounded to nearest (an ablation)", "",
+                     bf16_moments_section(moments), ""]
     head = load(directory, "gpt-head.json")
     if head:
         sections += [f"{level} GPT: what bf16 keeps in float32 (an ablation)", "", gpt_head_section(head), ""]

@@ -189,3 +189,15 @@ def test_an_fsdp2_model_is_refused_until_every_rank_can_take_the_same_action() -
             ampkit.Guard(model, torch.optim.AdamW(model.parameters()))
     finally:
         dist.destroy_process_group()
+
+
+def test_a_nan_batch_under_a_float16_scaler_is_skipped_before_the_scaler_sees_it() -> None:
+    """float16 O2 with ampkit's dynamic scaler: the guard drops the NaN batch's step itself (the scaler never counts
+    it as an overflow, nor lowers its scale for it), and the scaler goes on with the next step."""
+    model, optimizer = _setup("O2", torch.float16)
+    scaler = ampkit.DynamicLossScaler()
+    guard = ampkit.Guard(model, optimizer, scaler)
+    _train(model, optimizer, guard, _nan_at_12, scaler)
+    assert [(e.step, e.signal) for e in guard.events] == [(12, "nonfinite-loss")]
+    assert scaler.stats.steps + scaler.stats.skipped == STEPS - 1  # every step but the guard's reached the scaler
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

@@ -104,8 +104,9 @@ def test_each_format_at_o2_follows_float32_adamw(states: str, tolerance: float) 
 
 def test_bfloat16_moments_decay_as_adamw_s_formula_says_where_rounding_to_nearest_freezes_them() -> None:
     """One large gradient, then zero gradients: AdamW's second moment decays by beta2 a step (the formula,
-    v_k = beta2**k v_0). Stochastically rounded bfloat16 moments follow it on average; rounded to nearest,
-    0.999 v rounds back to v and the moment never decays (what torch.optim.AdamW on bfloat16 tensors does)."""
+    v_k = beta2**k v_0). The stochastically rounded bfloat16 second moment follows it on average; rounded to
+    nearest, 0.999 v rounds back to v and the moment never decays (what torch.optim.AdamW on bfloat16 tensors
+    does)."""
     torch.manual_seed(0)
     weight = nn.Parameter(torch.zeros(20000))
     model, optimizer = ampkit.initialize(nn.ParameterList([weight]), torch.optim.AdamW([weight], lr=0.0), "O0",
@@ -123,6 +124,31 @@ def test_bfloat16_moments_decay_as_adamw_s_formula_says_where_rounding_to_neares
     assert decayed.float().mean().item() == pytest.approx(expected, rel=0.01)
     frozen = nearest.state[bf16_weight]["exp_avg_sq"].float().mean().item()
     assert frozen == pytest.approx(1 - 0.999, rel=0.01)  # not 0.74 of it: it never moved
+
+
+def test_nearest_rounded_moments_follow_adamw_s_formula_rounded_once_and_an_unknown_rounding_is_refused() -> None:
+    """state_rounding="nearest" (the ablation's): each step's moments computed in float32 from the stored ones and
+    rounded to bfloat16 once (torch's AdamW on bfloat16 tensors rounds after each of its ops, a step further off)."""
+    from ampkit.optim.pure16 import StochasticRoundingOptimizer
+
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(64, dtype=torch.bfloat16))
+    ours = StochasticRoundingOptimizer([weight], "adamw", lr=0.0, state_rounding="nearest")
+    twin = nn.Parameter(weight.detach().clone())
+    auto = StochasticRoundingOptimizer([twin], "adamw", lr=0.0)  # "auto": the first moment to nearest too
+    m = v = torch.zeros(64, dtype=torch.bfloat16)
+    for step in range(5):
+        grad = torch.randn(64, generator=torch.Generator().manual_seed(step)).bfloat16()
+        weight.grad, twin.grad = grad, grad.clone()
+        ours.step()
+        auto.step()
+        g = grad.float()
+        m = m.float().lerp(g, 1 - 0.9).bfloat16()  # torch.optim.AdamW's expressions, in float32
+        v = v.float().mul(0.999).addcmul(g, g, value=1 - 0.999).bfloat16()
+        assert torch.equal(ours.state[weight]["exp_avg"], m) and torch.equal(ours.state[weight]["exp_avg_sq"], v)
+        assert torch.equal(auto.state[twin]["exp_avg"], m)
+    with pytest.raises(ValueError, match=r"state_rounding='up' is not a rounding: choose 'auto', 'stochastic' or 'nearest'"):
+        StochasticRoundingOptimizer([weight], "adamw", lr=0.0, state_rounding="up")
 
 
 @pytest.mark.parametrize("level, states, update, grad_dtype", [

@@ -85,13 +85,14 @@ def _random_low_bits(n: int, device: torch.device, generator: torch.Generator | 
 
 
 class StochasticRoundingOptimizer(torch.optim.Optimizer):
-    """SGD (with momentum and weight decay) or AdamW, each update computed in float32 and every 16-bit
-    value it writes (a 16-bit weight, a 16-bit state) stochastically rounded.
+    """SGD (with momentum and weight decay) or AdamW, each update computed in float32 and each 16-bit weight
+    it writes stochastically rounded.
 
     Optimizer states are kept in the weights' dtype (as torch-optimi does) or in ``state_dtype``. A 16-bit
-    state is rounded stochastically too: AdamW's second moment decays by ``beta2`` (0.999) a step, a
-    relative change under half bfloat16's spacing, so rounded to nearest it never decays at all
-    (``ampkit.optim.states``). float32 weights (O2's masters, with ``state_dtype=torch.bfloat16``) are
+    state whose step changes it by less than half a 16-bit spacing is rounded stochastically too: AdamW's
+    second moment decays by ``beta2`` (0.999) a step, so rounded to nearest it never decays at all
+    (``ampkit.optim.states``); the first moment (0.9) is rounded to nearest, where stochastic rounding's
+    noise cost loss on the GPT. float32 weights (O2's masters, with ``state_dtype=torch.bfloat16``) are
     written exactly.
 
     Args:
@@ -107,8 +108,10 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
             a run resumed from a checkpoint, sharded or not, draws as an uninterrupted one.
         state_dtype: the moments' (momentum buffer's) dtype: None (default: each weight's own),
             ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``.
-        state_rounding: how 16-bit states are written: ``"stochastic"`` (default) or ``"nearest"`` (as torch's
-            and torch-optimi's optimizers keep 16-bit moments: a second moment then never decays).
+        state_rounding: how 16-bit states are written: ``"auto"`` (default: stochastically where a step's change
+            is below half a 16-bit spacing, AdamW's second moment; to nearest where it is not, the first moment
+            and SGD's momentum at 0.9), ``"stochastic"`` or ``"nearest"`` (as torch's and torch-optimi's
+            optimizers keep 16-bit moments: a second moment then never decays).
 
     Raises:
         ValueError: an unknown kind or a bad hyperparameter.
@@ -116,14 +119,15 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, kind: str, lr: float, momentum: float = 0.0, weight_decay: float | None = None,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, seed: int = 0,
-                 state_dtype: torch.dtype | None = None, state_rounding: str = "stochastic") -> None:
+                 state_dtype: torch.dtype | None = None, state_rounding: str = "auto") -> None:
         if kind not in ("sgd", "adamw"):
             raise ValueError(f"Unknown kind {kind!r}: choose 'sgd' or 'adamw'.")
         if state_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"state_dtype={state_dtype!r} is not a state dtype: choose None (the weights'), "
                              "torch.float32, torch.bfloat16 or torch.float16.")
-        if state_rounding not in ("stochastic", "nearest"):
-            raise ValueError(f"state_rounding={state_rounding!r} is not a rounding: choose 'stochastic' or 'nearest'.")
+        if state_rounding not in ("auto", "stochastic", "nearest"):
+            raise ValueError(f"state_rounding={state_rounding!r} is not a rounding: choose 'auto', 'stochastic' or "
+                             "'nearest'.")
         if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
             raise ValueError(f"lr={lr!r} is invalid: use a finite learning rate >= 0.")
         weight_decay = (0.01 if kind == "adamw" else 0.0) if weight_decay is None else weight_decay
@@ -144,13 +148,22 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
             state = self.state[p]
             weight, grad = p.float(), p.grad.float()
             generator = self._generator_for(p, index, state)
-            store = functools.partial(_store, generator=generator, nearest=self.state_rounding == "nearest")
+            store = functools.partial(self._store_state, generator=generator)
             if self.kind == "sgd":
                 _sgd_update(weight, grad, state, group, self.state_dtype or p.dtype, store)
             else:
                 _adamw_update(weight, grad, state, group, self.state_dtype or p.dtype, store)
             _store(p, weight, generator)
         return loss
+
+    def _store_state(self, target: torch.Tensor, values: torch.Tensor, coefficient: float,
+                     generator: torch.Generator) -> None:
+        """Write a state whose update weighs the new value by ``coefficient`` (1 - beta): stochastically rounded
+        where that is below half of bfloat16's relative spacing (2**-9: AdamW's second moment, 0.001), where
+        rounding to nearest would lose every step's change, else to nearest (the first moment, 0.1: stochastic
+        rounding's noise there cost loss on the GPT, ``benchmarks/bench_bf16_moments.py``)."""
+        nearest = self.state_rounding == "nearest" or (self.state_rounding == "auto" and coefficient >= 2**-9)
+        _store(target, values, generator, nearest)
 
     def _generator_for(self, p: torch.Tensor, index: int, state: dict[str, Any]) -> torch.Generator:
         """The generator of this parameter's draws at this step, seeded from (seed, the parameter's index, its
@@ -193,9 +206,9 @@ def _store(target: torch.Tensor, values: torch.Tensor, generator: torch.Generato
 
 
 def _sgd_update(weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-                dtype: torch.dtype, store: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+                dtype: torch.dtype, store: Callable[[torch.Tensor, torch.Tensor, float], None]) -> None:
     """torch.optim.SGD's step (no dampening or Nesterov) applied to float32 ``weight`` in place;
-    the momentum buffer is kept in ``dtype``, written by ``store``."""
+    the momentum buffer is kept in ``dtype``, written by ``store`` (with its update's weight of the new value)."""
     if group["weight_decay"]:
         grad = grad.add(weight, alpha=group["weight_decay"])  # not in place: may be the gradient itself
     if group["momentum"]:
@@ -204,15 +217,15 @@ def _sgd_update(weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
             buffer = grad
         else:
             buffer = state["momentum_buffer"].float().mul_(group["momentum"]).add_(grad)
-        store(state["momentum_buffer"], buffer)
+        store(state["momentum_buffer"], buffer, 1 - group["momentum"])
         grad = buffer
     weight.add_(grad, alpha=-group["lr"])
 
 
 def _adamw_update(weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
-                  dtype: torch.dtype, store: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+                  dtype: torch.dtype, store: Callable[[torch.Tensor, torch.Tensor, float], None]) -> None:
     """torch.optim.AdamW's step (its formula, in its order) applied to float32 ``weight`` in place;
-    the moments are kept in ``dtype``, written by ``store``."""
+    the moments are kept in ``dtype``, written by ``store`` (with each one's weight of the new value)."""
     beta1, beta2 = group["betas"]
     if "step" not in state:
         state["step"] = 0
@@ -223,8 +236,8 @@ def _adamw_update(weight: torch.Tensor, grad: torch.Tensor, state: dict[str, Any
     weight.mul_(1 - group["lr"] * group["weight_decay"])
     exp_avg = state["exp_avg"].float().lerp_(grad, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"].float().mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    store(state["exp_avg"], exp_avg)
-    store(state["exp_avg_sq"], exp_avg_sq)
+    store(state["exp_avg"], exp_avg, 1 - beta1)
+    store(state["exp_avg_sq"], exp_avg_sq, 1 - beta2)
     denominator = exp_avg_sq.sqrt().div_(math.sqrt(1 - beta2**step)).add_(group["eps"])
     weight.addcdiv_(exp_avg, denominator, value=-group["lr"] / (1 - beta1**step))
 
