@@ -65,8 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
                         help="what the O2/O3 runs' 16-bit weights' gradients accumulate in: fp32, or their own "
                              "dtype (bf16 or fp16: the default); several add a run each")
     parser.add_argument("--states", nargs="+", choices=STATES,
-                        help="the format of AdamW's moments in the mixed runs: fp32 (default), bf16 (stochastically "
-                             "rounded), 8bit, 4bit, fp8 (torchao's low-bit AdamW); several add a run each")
+                        help="the format of AdamW's moments in the mixed runs: fp32 (default), bf16 (the second "
+                             "moment stochastically rounded), 8bit, 4bit, fp8 (torchao's low-bit AdamW); several add a run each")
     parser.add_argument("--micro-batches", type=int, default=1,
                         help="split each step's batch into this many micro-batches, a backward each, their gradients "
                              "accumulated into one step (a divisor of the batch size; default 1)")

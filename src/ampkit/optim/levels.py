@@ -86,8 +86,8 @@ def initialize(
             16-bit weights: with DDP keep the default (``ampkit.distributed.fully_shard`` accumulates in its
             ``reduce_dtype``). See ``ampkit.optim.grads``.
         states: the format of AdamW's moments (``ampkit.optim.states``): None (default: the optimizer's own,
-            float32 at O0-O2, the weights' dtype at O3), ``"fp32"``, ``"bf16"`` (stochastically rounded),
-            ``"8bit"``, ``"4bit"`` or ``"fp8"`` (torchao's low-bit AdamW). The optimizer must be a
+            float32 at O0-O2, the weights' dtype at O3), ``"fp32"``, ``"bf16"`` (its second moment stochastically
+            rounded), ``"8bit"``, ``"4bit"`` or ``"fp8"`` (torchao's low-bit AdamW). The optimizer must be a
             torch.optim.AdamW (or Adam without weight decay); it is replaced by one keeping that format (at
             O2 the masters' optimizer is).
 
