@@ -39,7 +39,7 @@ from ampkit.modes import resolve_dtype
 from ampkit.optim import pure16
 from ampkit.optim.kept import add_input_casts, needs_input_casts
 from ampkit.optim.levels import cast_model_, check_keep_float32, check_settings, forward_wrappers, wrap_forward
-from ampkit.optim.states import check_states, with_states
+from ampkit.optim.states import check_states, for_level
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 
@@ -234,10 +234,7 @@ def prepare_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, update
     if update != "plain":
         pure16.pure16_groups(optimizer, update)  # refuses before anything is replaced
     check_states(states, optimizer, layout.opt_level, layout.dtype, update)
-    converted = with_states(optimizer, states, update, float32_weights=layout.opt_level != "O3")
-    if converted is optimizer and update != "plain":  # the moments are the weights' dtype: the update decides
-        converted = pure16.pure16_optimizer(optimizer, update)
-    return converted
+    return for_level(optimizer, states, update, float32_weights=layout.opt_level != "O3")
 
 
 def precompute_fp8_scales(model: nn.Module) -> None:

@@ -26,7 +26,7 @@ from ampkit.optim.kept import (
     needs_input_casts,
 )
 from ampkit.optim.master import MasterWeightOptimizer
-from ampkit.optim.states import check_states, with_states
+from ampkit.optim.states import check_states, for_level
 from ampkit.precision.decide import float32_ops
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
@@ -129,7 +129,7 @@ def initialize(
     check_states(states, optimizer, opt_level, dtype, update)
     model._ampkit_opt_level = opt_level  # type: ignore[assignment]
     if optimizer is not None and opt_level != "O3":
-        optimizer = with_states(optimizer, states)
+        optimizer = for_level(optimizer, states)
     if opt_level == "O0":
         return model, optimizer
     if opt_level == "O1":
@@ -139,10 +139,7 @@ def initialize(
         optimizer = MasterWeightOptimizer(optimizer)  # before the cast: masters are exact
     cast_model_(model, opt_level, dtype, tuple(keep_float32))
     if optimizer is not None and opt_level == "O3":
-        kept = optimizer
-        optimizer = with_states(optimizer, states, update, float32_weights=False)
-        if optimizer is kept and update != "plain":  # the states are the weights' dtype: the update decides
-            optimizer = pure16.pure16_optimizer(optimizer, update)
+        optimizer = for_level(optimizer, states, update, float32_weights=False)
     if accumulate is not None:
         grads.accumulate_in(model.parameters(), accumulate)
         if opt_level == "O3" and optimizer is not None:

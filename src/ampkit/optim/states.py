@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ampkit.optim.pure16 import StochasticRoundingOptimizer, refuse_options
+from ampkit.optim.pure16 import StochasticRoundingOptimizer, pure16_optimizer, refuse_options
 from ampkit.shards import local_shard
 
 STATES = ("fp32", "bf16", "8bit", "4bit", "fp8")
@@ -148,6 +148,16 @@ def with_states(optimizer: torch.optim.Optimizer, states: str | None, update: st
     low_bit: torch.optim.Optimizer = getattr(torchao.optim, name)(
         groups, lr=groups[0]["lr"], block_size=block_size, bf16_stochastic_round=update == "stochastic")
     return low_bit
+
+
+def for_level(optimizer: torch.optim.Optimizer, states: str | None, update: str = "plain",
+              float32_weights: bool = True) -> torch.optim.Optimizer:
+    """The optimizer a level steps with: its moments in ``states`` (``with_states``) and, where those are the
+    16-bit weights' own, its O3 ``update`` (``pure16_optimizer``); ``check_states`` has accepted the choice."""
+    converted = with_states(optimizer, states, update, float32_weights)
+    if converted is optimizer and update != "plain":  # the moments are the weights' dtype: the update decides
+        converted = pure16_optimizer(optimizer, update)
+    return converted
 
 
 def states_format(optimizer: torch.optim.Optimizer) -> str:
