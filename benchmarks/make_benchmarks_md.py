@@ -746,8 +746,9 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
         sections += [f"{level} GPT: float16 with and without loss scaling (the paper's experiment)", "", underflow, ""]
     per_parameter = load(directory, "bytes-per-parameter.json")
     if per_parameter:
+        blocks["bytes-per-parameter"] = bytes_per_parameter_section(per_parameter)
         sections += [f"{level} Bytes per parameter: gradients accumulated in float32, optimizer states in fewer bits", "",
-                     bytes_per_parameter_section(per_parameter), ""]
+                     blocks["bytes-per-parameter"], ""]
     moments = load(directory, "bf16-moments.json")
     if moments:
         sections += [f"{level} Pure bf16: its moments stochastically rounded or rounded to nearest (an ablation)", "",

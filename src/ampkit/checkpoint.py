@@ -174,7 +174,8 @@ def refuse_nonfinite(objects: dict[str, Any], states: dict[str, Any], path: str,
 
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """The checkpoint's contents: ``{"ampkit_checkpoint": version, "states": {...}, "extra": {...}}``.
+    """The checkpoint's contents: ``{"ampkit_checkpoint": version, "states": {...}, "extra": {...}, "formats":
+    {...}}`` (``formats``: each optimizer's format of AdamW's moments; files from before it do not have it).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
