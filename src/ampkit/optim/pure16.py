@@ -92,7 +92,7 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
     state whose step changes it by less than half a 16-bit spacing is rounded stochastically too: AdamW's
     second moment decays by ``beta2`` (0.999) a step, so rounded to nearest it never decays at all
     (``ampkit.optim.states``); the first moment (0.9) is rounded to nearest, where stochastic rounding's
-    noise cost loss on the GPT. float32 weights (O2's masters, with ``state_dtype=torch.bfloat16``) are
+    noise cost loss in pure bf16 training on the GPT. float32 weights (O2's masters, with ``state_dtype=torch.bfloat16``) are
     written exactly.
 
     Args:
@@ -160,8 +160,8 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
                      generator: torch.Generator) -> None:
         """Write a state whose update weighs the new value by ``coefficient`` (1 - beta): stochastically rounded
         where that is below half of bfloat16's relative spacing (2**-9: AdamW's second moment, 0.001), where
-        rounding to nearest would lose every step's change, else to nearest (the first moment, 0.1: stochastic
-        rounding's noise there cost loss on the GPT, ``benchmarks/bench_bf16_moments.py``)."""
+        rounding to nearest would lose every step's change, else to nearest (the first moment, 0.1: in pure bf16
+        training stochastic rounding's noise there cost loss on the GPT, ``benchmarks/bench_bf16_moments.py``)."""
         nearest = self.state_rounding == "nearest" or (self.state_rounding == "auto" and coefficient >= 2**-9)
         _store(target, values, generator, nearest)
 

@@ -11,7 +11,8 @@ coarse storage (Dettmers et al., "8-bit Optimizers via Block-wise Quantization",
   second moment stochastically rounded. Rounded to nearest, it never decays: ``0.999 * v`` is within half
   of bfloat16's spacing of ``v`` (2**-9 relative and more) and rounds back to ``v``, so one large gradient
   keeps that weight's steps small for good. The first moment changes by a tenth a step and is rounded to
-  nearest: stochastic rounding's noise there cost loss on the GPT (``benchmarks/bench_bf16_moments.py``).
+  nearest: in pure bf16 training, stochastic rounding's noise there cost loss on the GPT
+  (``benchmarks/bench_bf16_moments.py``).
   torchao has no bfloat16 moments.
 - ``"8bit"``, ``"4bit"``, ``"fp8"``: torchao's ``AdamW8bit`` (dynamic-tree codes, a float32 scale per
   block of 256), ``AdamW4bit`` (blocks of 128) and ``AdamWFp8`` (float8_e4m3fn, blocks of 256). As
