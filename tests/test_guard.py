@@ -201,3 +201,19 @@ def test_a_nan_batch_under_a_float16_scaler_is_skipped_before_the_scaler_sees_it
     assert [(e.step, e.signal) for e in guard.events] == [(12, "nonfinite-loss")]
     assert scaler.stats.steps + scaler.stats.skipped == STEPS - 1  # every step but the guard's reached the scaler
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_a_non_finite_gradient_with_a_finite_loss_is_skipped_and_said_not_reproduced() -> None:
+    """An inf that reaches a gradient but not the loss (planted after the backward, as a faulty reduction would
+    leave it): without a scaler the guard checks the gradients itself; the replay does not reproduce it, and says so."""
+    model, optimizer = _setup()
+    guard = ampkit.Guard(model, optimizer)
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x).float(), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    model[0].weight.grad[0, 0] = math.inf
+    loss = nn.functional.mse_loss(model(x).float(), y)
+    assert not guard.step(loss, batch=(x, y))
+    assert [(e.signal, e.where) for e in guard.events] == [("nonfinite-gradient",
+                                                           "not reproduced by a replay of the batch")]
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and model[0].weight.grad is None

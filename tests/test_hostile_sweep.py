@@ -611,7 +611,8 @@ def test_a_plan_applied_twice_is_refused_the_second_time(tmp_path: Path) -> None
 def test_compare_refuses_a_plan_for_another_model_before_any_run(tmp_path: Path) -> None:
     from ampkit.experiment import settings
 
-    with pytest.raises(ValueError, match=r"plan"):
+    with pytest.raises(ValueError, match=r"plan.json' was made for another model \(Sequential\); model='mlp' has "
+                                         r"other linears: make a plan for it with `ampkit tune --model mlp`"):
         settings.plan(model="mlp", precision_plan=str(_plan(tmp_path)), steps=2)
 
 

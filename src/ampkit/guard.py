@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit._torch import pytree
 from ampkit.files import atomic_write
 from ampkit.optim.states import snapshot
 from ampkit.shards import is_sharded
@@ -176,7 +177,8 @@ class Guard:
             return "nonfinite-loss", self._attribute(batch)
         if self.scaler is None or not getattr(self.scaler, "enabled", True):  # a scaler checks its gradients itself
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]  # O2's masters get theirs later
-            if grads and not math.isfinite(float(sum(g.float().sum() for g in grads))):
+            # each gradient summed in float32 where it lies (no float32 copy of a 16-bit one), then one host read
+            if grads and not math.isfinite(float(torch.stack([g.sum(dtype=torch.float32) for g in grads]).sum())):
                 return "nonfinite-gradient", self._attribute(batch)
         if len(self._recent) >= self._recent.maxlen // 2:  # type: ignore[operator]
             mean, spread = statistics.fmean(self._recent), statistics.pstdev(self._recent)
@@ -190,7 +192,8 @@ class Guard:
         from ampkit.diagnostics.nonfinite import find_nonfinite
 
         inputs, target = _split(batch)
-        for index, tensor in enumerate(_tensors(inputs) + _tensors(target)):
+        leaves = [t for t in pytree.tree_leaves((inputs, target)) if isinstance(t, torch.Tensor)]
+        for index, tensor in enumerate(leaves):
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                 return f"the batch: its tensor {index} holds an inf or a NaN"
         if inputs is None:
@@ -256,14 +259,4 @@ def _split(batch: Any) -> tuple[Any, Any]:
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     return batch, None
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _tensors(item)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _tensors(item)]
-    return []
 

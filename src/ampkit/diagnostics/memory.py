@@ -248,7 +248,7 @@ def estimate_memory(
     return MemoryEstimate(n, fp32, mixed)
 
 
-def sharded_estimate(model: nn.Module, whole: MemoryEstimate, opt_level: str, dtype: torch.dtype, states: int,
+def sharded_estimate(model: nn.Module, whole: MemoryEstimate, opt_level: str, dtype: torch.dtype, moments: int,
                      update: str, keep_float32: tuple[type[nn.Module], ...], world_size: int,
                      blocks: Sequence[type[nn.Module]] | None, formats: str | None = None) -> MemoryEstimate:
     """``whole``'s per-rank counterpart under ``fully_shard``: parameters, gradients and optimizer states
@@ -268,8 +268,8 @@ def sharded_estimate(model: nn.Module, whole: MemoryEstimate, opt_level: str, dt
     low = torch.finfo(dtype).bits // 8
     stored = low if opt_level == "O3" else 4  # O0-O2 keep float32 shards, O3 16-bit ones
     extra = t * low if update == "kahan" else 0
-    fp32 = dataclasses.replace(whole.float32, weights=4 * n, gradients=4 * t, optimizer_states=4 * states * t)
-    optimizer_states = extra + (stored * states * t if formats is None else state_bytes(
+    fp32 = dataclasses.replace(whole.float32, weights=4 * n, gradients=4 * t, optimizer_states=4 * moments * t)
+    optimizer_states = extra + (stored * moments * t if formats is None else state_bytes(
         (shard(p) for p in trained), formats, stored))
     mixed = dataclasses.replace(whole.mixed, label=whole.mixed.label + " fsdp", weights=stored * n,
                                 gradients=stored * t, master_weights=0, optimizer_states=optimizer_states)
