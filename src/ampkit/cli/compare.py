@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: Estimate,
              console: Console) -> Comparison:
-    times = dict(estimated_s=estimate.total_s, evaluation_s=estimate.evaluation_s)
+    times: dict[str, Any] = dict(estimated_s=estimate.total_s, evaluation_s=estimate.evaluation_s)
 
     def revised(say: Callable[[str], None]) -> Callable[[float], None]:
         return lambda total_s: say(f"ampkit compare: from the runs' own first {REVISE_AFTER + 1} steps, about "

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -323,7 +323,7 @@ def pure16_groups(optimizer: torch.optim.Optimizer, update: str) -> tuple[str, l
     return kind, groups
 
 
-def refuse_options(optimizer: torch.optim.Optimizer, options: dict[str, object], where: str, fix: str) -> None:
+def refuse_options(optimizer: torch.optim.Optimizer, options: Mapping[str, object], where: str, fix: str) -> None:
     """Raise ValueError where a group of ``optimizer`` sets one of ``options`` to other than its plain value (the
     dict's), naming it, ``where`` it is not supported, and the ``fix``."""
     for group in optimizer.param_groups:

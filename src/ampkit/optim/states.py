@@ -228,8 +228,8 @@ def dequantized(value: torch.Tensor) -> torch.Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
-                              stride=value.stride())
+    return DTensor.from_local(local, value.device_mesh, value.placements,  # type: ignore[attr-defined]
+                              run_check=False, shape=value.shape, stride=value.stride())
 
 
 def snapshot(state: Any) -> Any:
@@ -247,4 +247,4 @@ def snapshot(state: Any) -> Any:
         return state.detach().clone()
     names, context = state.__tensor_flatten__()
     inner = {name: snapshot(getattr(state, name)) for name in names}
-    return type(state).__tensor_unflatten__(inner, context, state.size(), state.stride())
+    return type(state).__tensor_unflatten__(inner, context, state.size(), state.stride())  # type: ignore[attr-defined]
