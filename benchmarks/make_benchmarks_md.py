@@ -223,6 +223,21 @@ def scaler_table(results: dict[str, Any]) -> str:
     )
 
 
+def guard_table(results: dict[str, Any]) -> str:
+    rows = [
+        f"`python benchmarks/bench_guard.py`, {results['created']}, on {machine_line(results['machine'])}: the GPT "
+        f"of `ampkit compare` ({results['precision']}, batch {results['batch_size']}), three copies stepped in "
+        f"alternation, {results['timed_steps']} timed steps each, medians. Target (issue 43): at most 1.03x while "
+        "nothing goes wrong.",
+        "",
+        "| run | ms/step | vs no guard | the same losses as without it |",
+        "|---|---|---|---|",
+    ]
+    rows += [f"| {name} | {row['ms_per_step']:.1f} | {row['ratio']:.3f}x | {'yes' if row['same_losses'] else 'no'} |"
+             for name, row in results["rows"].items()]
+    return "\n".join(rows)
+
+
 def distributed_table(results: dict[str, Any]) -> str:
     ms, sent, steps = results["allreduce_ms"], results["allreduce_bytes"], results["ddp_step_ms"]
     rows = [
@@ -774,6 +789,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     if inspect:
         sections += [f"{level} Numerics report (`ampkit inspect`)", "",
                      inspect_section(inspect).replace("benchmarks/results/", f"{relative}/"), ""]
+    guard = load(directory, "guard.json")
+    if guard:
+        blocks["guard-overhead"] = guard_table(guard)
+        sections += [f"{level} The guard's cost while nothing goes wrong", "", blocks["guard-overhead"], ""]
     distributed = load(directory, "distributed.json")
     if distributed:
         sections += [f"{level} Distributed gradient compression", "", distributed_table(distributed), ""]

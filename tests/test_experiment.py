@@ -295,7 +295,7 @@ def test_existing_results_are_never_overwritten(tmp_path: Path, capsys: pytest.C
     [
         (["--device", "cuda"], "CUDA is not available here"),
         (["--device", "tpu"], "Unknown device 'tpu'"),
-        (["--model", "vgg"], r"Unknown model 'vgg'. Choose one of \['gpt', 'gpt-outlier', 'mlp', 'resnet18'\]"),
+        (["--model", "vgg"], r"Unknown model 'vgg'. Choose one of \['gpt', 'gpt-outlier', 'gpt-overflow', 'mlp', 'resnet18'\]"),
         (["--data", "cifar"], "Unknown data 'cifar'. Choose one of"),
         (["--model", "nosuchmodule:make"], "Cannot load model factory 'nosuchmodule:make'"),
     ],

@@ -1,4 +1,5 @@
-"""ampkit.Guard (issue 43, its first part): planted faults, each against the same run without the guard."""
+"""ampkit.Guard (issue 43): planted faults (c) and (d), each against the same run without the guard; settings refused.
+(The layer watch and its raise: test_guard_layers.py.)"""
 
 from __future__ import annotations
 
@@ -28,9 +29,13 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, guard: ampkit.Guard | None,
-           batch: object = _batch, scaler: object = None) -> list[float]:
+           batch: object = _batch, scaler: object = None, plant: object = None, steps: int = STEPS) -> list[float]:
+    """``steps`` steps of mean square error on ``batch(step)``, through the guard, else the scaler, else plainly;
+    ``plant(step)`` first, where given (a fault planted at a step)."""
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
+        if plant is not None:
+            plant(step)  # type: ignore[operator]
         optimizer.zero_grad(set_to_none=True)
         x, y = batch(step)  # type: ignore[operator]
         loss = nn.functional.mse_loss(model(x).float(), y)
@@ -152,11 +157,14 @@ def test_the_timeline_and_the_plot_are_written(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("options, match", [
-    (dict(action="raise"), r"Unknown action 'raise'. Choose one of \['skip', 'restore'\]"),
+    (dict(action="lower"), r"Unknown action 'lower'. Choose one of \['skip', 'restore', 'raise'\]"),
     (dict(scaler=torch.amp.GradScaler("cpu")), r"torch.amp.GradScaler does not say whether it skipped a step"),
     (dict(spike_sigmas=0), r"spike_sigmas=0 is invalid"),
     (dict(window=2), r"window=2 is invalid: an integer >= 4"),
     (dict(keep_every=0), r"keep_every=0 is invalid"),
+    (dict(sample_every=-1), r"sample_every=-1 is invalid: an integer >= 0"),
+    (dict(saturation=0), r"saturation=0 is invalid: a fraction in \(0, 1\]"),
+    (dict(near_overflow=1.5), r"near_overflow=1.5 is invalid"),
 ])
 def test_bad_guard_settings_are_refused(options: dict, match: str) -> None:
     model, optimizer = _setup()
@@ -171,8 +179,9 @@ def test_an_optimizer_of_another_model_is_refused() -> None:
         ampkit.Guard(model, other_optimizer)
 
 
-def test_an_fsdp2_model_is_refused_until_every_rank_can_take_the_same_action() -> None:
-    """A rank skipping a step the others take would leave the shards out of step: refused at the first call."""
+def test_raise_is_refused_for_an_fsdp2_model() -> None:
+    """FSDP2's all-gathers cast a layer as the sharding says, whatever its region: refused at the first call (a
+    sharded run takes "skip" and "restore": tests/test_guard_layers.py, on 2 ranks)."""
     import socket
 
     import torch.distributed as dist
@@ -185,8 +194,10 @@ def test_an_fsdp2_model_is_refused_until_every_rank_can_take_the_same_action() -
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
     try:
         model = fully_shard(nn.Sequential(nn.Linear(4, 4)), opt_level="O1")
-        with pytest.raises(ValueError, match=r"Guard does not take an FSDP2 model yet"):
-            ampkit.Guard(model, torch.optim.AdamW(model.parameters()))
+        with pytest.raises(ValueError, match=r"action='raise' does not take an FSDP2 model: its layers are sharded"):
+            ampkit.Guard(model, torch.optim.AdamW(model.parameters()), action="raise")
+        guard = ampkit.Guard(model, torch.optim.AdamW(model.parameters()))
+        assert guard.agreement.world == 1 and guard.agreement.group is not None  # found on the shards
     finally:
         dist.destroy_process_group()
 

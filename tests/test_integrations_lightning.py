@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 import subprocess
 import sys
@@ -226,3 +227,47 @@ def test_fp8_is_a_plugin_argument(tmp_path: Path) -> None:
     trainer.save_checkpoint(tmp_path / "fp8.ckpt")
     state = torch.load(tmp_path / "fp8.ckpt", weights_only=False)["state_dict"]
     assert torch.equal(state["net.3.scale"], model.net[3].scale)  # the amax state travels with the checkpoint
+
+
+def _nan_loader(step: int) -> torch.utils.data.DataLoader:
+    """``loader(32, 32 * STEPS)`` with a NaN in one image of batch ``step``."""
+    x, y = loader(32 * STEPS, 32 * STEPS).dataset.tensors
+    x = x.clone()
+    x[32 * step + 3, 0] = float("nan")
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=32)
+
+
+@pytest.mark.parametrize("plugin", [None, "O1"])
+def test_the_guard_callback_skips_a_nan_batch_and_names_it(plugin: str | None, tmp_path: Path) -> None:
+    """Issue 43's fault (c) under Lightning: unguarded, one NaN batch makes every weight NaN; with GuardCallback the
+    step is refused (its gradients set to None before the optimizer's step), the batch named, the run goes on; the
+    timeline and the picture are written at the end of fit."""
+    from ampkit.integrations.lightning_guard import GuardCallback
+
+    def fit(callbacks: list) -> Digits:
+        torch.manual_seed(0)
+        model = Digits()
+        plugins = [AmpkitPrecision("O1", torch.bfloat16, compute="float32", device="cpu")] if plugin else []
+        options = dict(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                       enable_progress_bar=False, enable_model_summary=False)
+        L.Trainer(plugins=plugins, callbacks=callbacks, **options).fit(model, _nan_loader(2))
+        return model
+
+    unguarded = fit([])
+    assert all(torch.isnan(p).any() for p in unguarded.parameters())
+    callback = GuardCallback(tmp_path / "guard")
+    guarded = fit([callback])
+    assert all(torch.isfinite(p).all() for p in guarded.parameters())
+    [event] = callback.guard.events
+    assert (event.step, event.signal, event.action) == (2, "nonfinite-loss", "skipped")
+    assert event.where == "the batch: its tensor 0 holds an inf or a NaN"
+    assert len(callback.guard.losses) == STEPS and callback.guard.losses[3] is not None
+    assert json.loads((tmp_path / "guard.json").read_text())["events"][0]["step"] == 2
+    assert (tmp_path / "guard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_guard_callback_takes_no_scaler_and_one_optimizer() -> None:
+    from ampkit.integrations.lightning_guard import GuardCallback
+
+    with pytest.raises(ValueError, match="GuardCallback takes no scaler: the Trainer's precision plugin owns"):
+        GuardCallback(scaler=ampkit.DynamicLossScaler())

@@ -67,6 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
     parser.add_argument("--states", nargs="+", choices=STATES,
                         help="the format of AdamW's moments in the mixed runs: fp32 (default), bf16 (the second "
                              "moment stochastically rounded), 8bit, 4bit, fp8 (torchao's low-bit AdamW); several add a run each")
+    parser.add_argument("--guard", action="store_true",
+                        help="train every run through ampkit.Guard: bad steps refused and named, a failing layer's "
+                             "precision raised (O1); events in the table, guard-*.png beside the curves")
     parser.add_argument("--micro-batches", type=int, default=1,
                         help="split each step's batch into this many micro-batches, a backward each, their gradients "
                              "accumulated into one step (a divisor of the batch size; default 1)")
@@ -110,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, computes=args.compute, probe=False if args.no_probe else None,
             loss_scales=args.loss_scale, updates=args.update, loss_divisor=args.loss_divisor,
             activation_budgets=args.activation_budget, compile=args.compile, precision_plan=args.plan,
-            grad_accums=args.grad_accum, micro_batches=args.micro_batches, states=args.states,
+            grad_accums=args.grad_accum, micro_batches=args.micro_batches, states=args.states, guard=args.guard,
         )
         # builds and steps the model (a bad model fails here); a line per timing, as the runs' progress does
         cost = estimate(configs, lambda line: print(f"ampkit compare: {line}", file=sys.stderr, flush=True))
@@ -152,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2, allow_nan=False))
     else:
         console.print(report.table(result))
+        for line in report.guard_lines(result):
+            console.print(f"  guard, {line}", highlight=False)
         again = f"; {result.revised_s:.0f} s from the runs' first steps" if result.revised_s is not None else ""
         console.print(f"Took {time.perf_counter() - planned:.0f} s (estimated {cost.total_s:.0f} s{again}), after "
                       f"{planned - start:.0f} s of planning. Wrote " + ", ".join(str(p) for p in paths))

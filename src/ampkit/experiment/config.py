@@ -82,6 +82,9 @@ class RunConfig:
     # A precision plan file (ampkit tune): the run converts the plan's linears first, the rest train in
     # ``precision`` (its base); None: no plan.
     precision_plan: str | None = None
+    # The run's steps go through an ampkit.Guard (action "raise" where the run's weights are float32, O1; else
+    # "skip"), its timeline in RunResult.guard.
+    guard: bool = False
 
     @property
     def scaling(self) -> str:
@@ -104,7 +107,7 @@ class RunConfig:
         ``bf16 O1 native probe`` for a probe; the fp8 settings name their recipe
         (``fp8-delayed-hybrid O1``); ``... fp32-grads`` where gradients accumulate in float32; ``... 8bit-states``
         where AdamW's moments are kept in 8 bits; ``... compiled``
-        for a run through torch.compile."""
+        for a run through torch.compile. (``guard`` is not in it: every run of a comparison has it or none.)"""
         if self.precision == "fp32":
             return "fp32" + (" compiled" if self.compiled else "")
         recipe = FP8_RECIPES.get(self.precision)
@@ -159,3 +162,4 @@ class RunResult:
     parameters: int = 0  # the model's parameters (a tied weight once)
     zero_grad_fraction: float | None = None  # of gradient values exactly zero, mean over sampled steps
     compile_s: float | None = None  # compiled runs: the first step's seconds (tracing and compiling), not in ms_per_step
+    guard: dict | None = None  # guarded runs: the guard's timeline (Guard.timeline(): events, losses, samples, raised)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -14,6 +15,7 @@ from rich.table import Table
 from ampkit.experiment.comparison import PLAN_FIELDS, Comparison
 from ampkit.experiment.config import WARMUP_STEPS, RunResult
 from ampkit.files import publish_new
+from ampkit.guard.plot import plot_timeline
 
 MIB = 2**20
 
@@ -57,6 +59,9 @@ def table(comparison: Comparison) -> Table:
     compiled = any(run.compile_s is not None for run in comparison.runs)
     if compiled:
         caption += "; compiled: torch.compile (inductor); +N s: its first step, which compiles, not in ms/step"
+    guarded = any(run.guard is not None for run in comparison.runs)
+    if guarded:
+        caption += "; guard: N: the events ampkit.Guard saw in the run (listed below the table; guard-*.png)"
     out = Table(title=title, box=box.SIMPLE_HEAD, caption=caption, pad_edge=False)
     scaled = any(run.final_loss_scale is not None for run in comparison.runs)
     # Headers on two lines and figures above their ratios, so the table fits an 80-column terminal.
@@ -87,8 +92,20 @@ def table(comparison: Comparison) -> Table:
         ]
         if scaled:
             row += [str(run.skipped_steps), "-" if run.final_loss_scale is None else f"{run.final_loss_scale:g}"]
+        if run.guard is not None:
+            row[0] += f"\nguard: {len(run.guard['events'])}"
         out.add_row(*row)
     return out
+
+
+def guard_lines(comparison: Comparison) -> list[str]:
+    """A line per guard event of every run: the run, the step, the signal, where, what the guard did."""
+    return [f"{run.label}: step {e['step'] + 1} {e['signal']}, {e['where']}: {e['action']}"
+            for run in comparison.runs if run.guard is not None for e in run.guard["events"]]
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.]+", "-", label).strip("-")
 
 
 def write_curves(comparison: Comparison, path: Path) -> None:
@@ -106,6 +123,14 @@ def write_curves(comparison: Comparison, path: Path) -> None:
         # a style of its own per run, drawn thinner on top: two runs with equal losses both stay visible
         ax.plot(range(1, len(run.losses) + 1), run.losses, label=run.label, linewidth=2.2 - 1.4 * index / len(shown),
                 linestyle=("-", "--", "-.", ":")[index % 4], alpha=0.9)
+        for event in (run.guard or {"events": []})["events"]:  # at the last finite loss before it
+            step = event["step"]
+            finite = [v for v in run.losses[: step + 1] if math.isfinite(v)]
+            ax.plot(step + 1, finite[-1] if finite else 1.0, marker="x", color="tab:red", markersize=9,
+                    markeredgewidth=2, label="guard event" if not ax.get_legend_handles_labels()[1].count(
+                        "guard event") else None)
+            ax.annotate(f"{event['signal']}\n{event['layer'] or ''}", (step + 1, finite[-1] if finite else 1.0),
+                        fontsize=6, color="tab:red", xytext=(4, 4), textcoords="offset points")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")
@@ -154,8 +179,8 @@ def write_summary(comparison: Comparison, path: Path) -> None:
 
 
 def write_all(comparison: Comparison, out: Path) -> list[Path]:
-    """results.json, curves.png and summary.png in ``out``, all three or none, never over a file that
-    appeared there meanwhile (``files.publish_new``); returns their paths.
+    """results.json, curves.png, summary.png and a guard-<run>.png per guarded run in ``out``, all or none, never
+    over a file that appeared there meanwhile (``files.publish_new``); returns their paths.
 
     Raises:
         FileExistsError: one of them exists in ``out`` (named): nothing was written.
@@ -166,5 +191,9 @@ def write_all(comparison: Comparison, out: Path) -> list[Path]:
         out / "curves.png": lambda tmp: write_curves(comparison, tmp),
         out / "summary.png": lambda tmp: write_summary(comparison, tmp),
     }
+    for run in comparison.runs:
+        if run.guard is not None:
+            title = f"ampkit guard, {run.label}: {len(run.guard['events'])} event(s)"
+            writers[out / f"guard-{_slug(run.label)}.png"] = functools.partial(plot_timeline, run.guard, title=title)
     publish_new(writers)
     return list(writers)

@@ -40,6 +40,7 @@ from ampkit.planning.recompute import parse_budget
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt": {"data": "text", "batch_size": 32, "steps": 400, "lr": 6e-3},
     "gpt-outlier": {"data": "text", "batch_size": 32, "steps": 400, "lr": 6e-3},
+    "gpt-overflow": {"data": "text", "batch_size": 32, "steps": 400, "lr": 6e-3},
     **{PREFIX + name: {"data": "text", "batch_size": 32, "steps": 200, "lr": 3e-3} for name in ARCHITECTURES},
 }
 IMAGE_DEFAULTS: dict[str, Any] = {"data": "digits", "batch_size": 64, "epochs": 2, "lr": 2e-3}
@@ -109,6 +110,7 @@ def plan(
     grad_accums: Sequence[str] | None = None,
     micro_batches: int = 1,
     states: Sequence[str] | None = None,
+    guard: bool = False,
 ) -> list[RunConfig]:
     """The runs of a comparison: float32 first, then the mixed settings, then a probe.
 
@@ -273,6 +275,7 @@ def plan(
         seed=seed,
         loss_divisor=float(loss_divisor),
         micro_batches=micro_batches,
+        guard=guard,
     )
     configs = [RunConfig(precision="fp32", opt_level="O0", **common)]
     configs += [
@@ -305,7 +308,7 @@ def plan(
         if first is not None:
             # the probe times native kernels at O1: O3's update and fp16's scaling choice do not apply to it
             configs.append(dataclasses.replace(first, opt_level="O1", compute="native", steps=PROBE_STEPS, probe=True,
-                                               update="plain", compiled=False))
+                                               update="plain", compiled=False, guard=False))
     return configs
 
 

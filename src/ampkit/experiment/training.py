@@ -34,6 +34,8 @@ from ampkit.formats.block_linear import convert_to_block_scaled
 from ampkit.planning.precision_plan import PrecisionPlan
 from ampkit.planning.recompute import plan_recompute
 from ampkit.formats.fp8 import convert_to_fp8
+from ampkit.guard import Guard
+from ampkit.guard.layers import can_raise_16
 from ampkit.optim.levels import initialize
 from ampkit.scaling.adaptive import AdaptiveLossScaler
 from ampkit.scaling.scaler import DynamicLossScaler, StaticLossScaler
@@ -78,6 +80,7 @@ def execute(
         plan_recompute(model, x0, config.activation_budget, loss_fn=lambda logits: F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), y0.reshape(-1))).apply(model)
     forward = torch.compile(model) if config.compiled else model  # after every conversion and plan
+    guard = make_guard(model, optimizer, scaler) if config.guard else None
     losses: list[float] = []
     times: list[float] = []
     saved = 0
@@ -103,13 +106,17 @@ def execute(
             c0 = time.perf_counter()
             zeros.append(zero_fraction(model))
             counting_s = time.perf_counter() - c0
-        if scaler.step(optimizer):
+        if guard is not None:
+            took = guard.step(loss, batch=(x, y))  # the scaler's step and update, where the step is sound
+        else:
+            took = scaler.step(optimizer)
+            scaler.update()
+        if took:
             scheduler.step()
-        scaler.update()
         loss_value = loss.item()  # syncs, so the step's time is complete
         times.append(time.perf_counter() - t0 - counting_s)
         losses.append(loss_value)
-        if not math.isfinite(loss_value) and not scaler.enabled:
+        if not math.isfinite(loss_value) and not scaler.enabled and guard is None:  # a guard skips the step
             diverged = (f"the loss became {loss_value} at step {i + 1} with no loss scaling to skip the step "
                         f"(lr={config.lr:g}): lower the learning rate, or look for the overflowing layer with `ampkit inspect`")
         progress(i + 1, loss_value, diverged is not None)
@@ -150,7 +157,17 @@ def execute(
         parameters=sum(p.numel() for p in model.parameters()),
         zero_grad_fraction=statistics.fmean(zeros) if zeros else None,
         compile_s=times[0] if config.compiled and times else None,
+        guard=guard.timeline() if guard is not None else None,
     )
+
+
+def make_guard(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: DynamicLossScaler) -> Guard:
+    """The run's guard: it raises a failing layer's precision where the run's weights are float32 under autocast
+    (O1) or the layer is FP8 or block-scaled; else (float32, O2, O3) it skips the bad step."""
+    mixed = getattr(model, "_ampkit_opt_level", "O0") != "O0"
+    action = "raise" if mixed and not can_raise_16(model) else "skip"
+    return Guard(model, optimizer, scaler, action=action, loss_fn=lambda logits, y: F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)))
 
 
 def prepare(config: RunConfig, dataset: data_mod.Dataset, device: torch.device,

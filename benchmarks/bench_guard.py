@@ -1,0 +1,84 @@
+"""What ``ampkit.Guard`` costs while nothing goes wrong, on the GPT of `ampkit compare` (issue 43's overhead target:
+at most 3% of the step time).
+
+The same bf16 O1 model and batches as compare's GPT run (batch 32, its lr), built three times from one seed and
+stepped in alternation (A B C, C B A: ``interleaved_medians``): without a guard (``scaler.step`` as compare takes it),
+with ``Guard(sample_every=10)`` (the default: the layers' figures sampled every tenth step) and with
+``sample_every=1``. Each call is one training step (forward, backward, the guard's checks, the optimizer's step). The
+ratio of the medians is the overhead; the guarded models' losses are checked against the unguarded one's (a sound
+run: the guard changes nothing).
+
+Writes results/guard.json.
+
+    python benchmarks/bench_guard.py [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+import ampkit
+from ampkit.experiment import data as data_mod
+from ampkit.experiment.config import CONTEXT, RunConfig
+from ampkit.experiment.training import make_scaler, prepare
+from common import interleaved_medians, save
+
+VARIANTS = {"no guard": None, "guard, sampled every 10 steps": 10, "guard, sampled every step": 1}
+
+
+def stepper(config: RunConfig, sample_every: int | None, dataset: data_mod.Dataset,
+            losses: list[float]) -> Callable[[], None]:
+    """One training step a call of a fresh model of ``config`` (the same weights and batches for every variant)."""
+    model, optimizer = prepare(config, dataset, torch.device("cpu"))
+    scaler = make_scaler(config.scaling, model)
+    guard = None if sample_every is None else ampkit.Guard(model, optimizer, scaler, sample_every=sample_every)
+    plan = data_mod.batches(dataset, config.batch_size, 10_000, config.seed, CONTEXT)
+    step = iter(range(len(plan)))
+
+    def one() -> None:
+        x, y = data_mod.pair(dataset, plan[next(step)], CONTEXT, "train")
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        scaler.scale(loss).backward()
+        if guard is not None:
+            guard.step(loss, batch=(x, y))
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        losses.append(loss.item())
+
+    return one
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per variant (default 300)")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    start = time.perf_counter()
+    config = RunConfig(model="gpt", data="text", precision="bf16", opt_level="O1", batch_size=32, lr=6e-3)
+    dataset = data_mod.load(config.data)
+    losses: dict[str, list[float]] = {name: [] for name in VARIANTS}
+    steps = {name: stepper(config, every, dataset, losses[name]) for name, every in VARIANTS.items()}
+    samples: dict[str, list[float]] = {}
+    medians = interleaved_medians(steps, warmup=5, repeats=args.steps, samples=samples)
+    baseline = medians["no guard"]
+    same = {name: losses[name] == losses["no guard"] for name in VARIANTS}
+    rows = {name: {"ms_per_step": medians[name] * 1e3, "ratio": medians[name] / baseline,
+                   "same_losses": same[name]} for name in VARIANTS}
+    for name, row in rows.items():
+        print(f"{name}: {row['ms_per_step']:.1f} ms/step, {row['ratio']:.4f}x, the same losses: {row['same_losses']}")
+    path = save("guard", {"model": "gpt", "precision": "bf16 O1", "batch_size": config.batch_size,
+                          "timed_steps": args.steps, "rows": rows, "wall_s": time.perf_counter() - start})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""A training run that watches its own numerics: ``Guard`` takes the optimizer step and refuses the bad ones.
+
+The failures that cost mixed precision users the most are the ones nothing closes the loop on: a NaN batch or an
+overflow poisons the weights, a loss spike hours in, a NaN-poisoned checkpoint saved and resumed from. torch's
+GradScaler skips a step and says nothing of where; ``detect_anomaly`` is backward-only and slow. The guard sits
+where the step is taken:
+
+- **watches**, each step: the loss (finite? a spike beyond ``spike_sigmas`` standard deviations of its last
+  ``window`` values?), the gradients (finite? one summing pass and one host read, where no loss scaler checks
+  them), and the scaler's skipped steps in a row;
+- **attributes** a non-finite loss or gradient: the batch itself (a NaN in the inputs), else a replay of the batch
+  on a copy of the model (``find_nonfinite``) names the first module and op whose output is not finite;
+- **samples**, every ``sample_every`` steps, each narrow layer's saturation, underflow and largest value on the
+  step's own forward (``layers.py``); a layer past ``saturation``, ``underflow`` or ``near_overflow`` is a signal;
+- **acts** by its ``action``: ``"skip"`` the step, ``"restore"`` the last good state it keeps in memory (the
+  model's and the optimizer's, every ``keep_every`` good steps) and skip, or ``"raise"`` the named layer's precision
+  (FP8 and block-scaled to 16 bits, 16 bits to float32: ``layers.raise_layer``) and skip; the batch is named either
+  way. A layer's signal leaves the step's gradients finite: the step is taken (skipping cannot cure a layer), the
+  layer raised under ``"raise"``, the event recorded under the others;
+- **records** each event (step, signal, where, action) in ``events``, ``write_timeline`` (JSON) and
+  ``write_plot`` (the loss with the events marked, and the sampled layers' figures over time).
+
+``ampkit.save_checkpoint`` refuses a state holding an inf or a NaN, with or without a guard.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ampkit._torch import pytree
+from ampkit.files import atomic_write
+from ampkit.guard import layers, ranks
+from ampkit.optim.states import snapshot
+from ampkit.shards import is_sharded, shard_group
+
+ACTIONS = ("skip", "restore", "raise")
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardEvent:
+    """One thing the guard saw, and what it did.
+
+    Attributes:
+        step: the guard's step count when it happened (0 for the first ``step`` call).
+        signal: ``"nonfinite-loss"``, ``"nonfinite-gradient"``, ``"loss-spike"``, ``"repeated-skips"``,
+            ``"layer-saturation"``, ``"layer-underflow"`` or ``"layer-near-overflow"``.
+        where: the batch or the module and op the trouble came from, or the figures of a spike, in words.
+        action: ``"skipped"``, ``"restored step N"``, ``"raised to float32 and skipped"`` (a non-finite loss or
+            gradient), ``"raised to 16 bits"`` or ``"raised to float32"`` (a layer's signal: its gradients are finite,
+            the step is taken), or ``"recorded"`` (the step taken: the scaler skips on its own, or a layer's signal
+            under ``"skip"`` or ``"restore"``).
+        loss: the step's loss (None where not finite).
+        layer: the module named, where one is (the one raised, under ``"raise"``).
+    """
+
+    step: int
+    signal: str
+    where: str
+    action: str
+    loss: float | None
+    layer: str | None = None
+
+
+class Guard:
+    """Take the optimizer step only when the step's loss and gradients are sound; name what was not.
+
+    Args:
+        model: the model being trained (after ``initialize`` or ``fully_shard``).
+        optimizer: its optimizer (as ``initialize`` returned it).
+        scaler: an ampkit loss scaler (its ``step`` says whether it skipped), or None. torch's GradScaler does not
+            say, and is refused.
+        action: ``"skip"`` (default: drop the step), ``"restore"`` (put back the last good state, then skip) or
+            ``"raise"`` (raise the named layer's precision, then skip; a float32 model under autocast, O1, or one
+            whose only narrow layers are FP8 or block-scaled: a 16-bit layer of an O2/O3 model has 16-bit weights).
+        loss_fn: ``loss_fn(output, batch_target) -> loss`` for the replay that attributes a non-finite value
+            (default: ``find_nonfinite``'s: cross-entropy for integer targets, mean square error for floating ones).
+        spike_sigmas: a finite loss above the mean of the last ``window`` losses by more than this many of their
+            standard deviations is a spike (default 6; ``math.inf``: never).
+        window: the losses a spike is measured against (default 50; spikes are looked for once it is half full).
+        keep_every: good steps between the states kept for ``"restore"`` (default 50); the kept copy of the model's
+            and the optimizer's state takes their memory once more.
+        max_skips: the scaler's skipped steps in a row that make an event (default 5).
+        sample_every: steps between samples of the layers' figures (default 10; 0: never). The step's own forward
+            is measured, so the steps between cost a Python call per watched module (benchmarks/bench_guard.py).
+        saturation: a sampled layer clamping (or, in 16 bits, not keeping finite) more than this fraction of its
+            values is a signal (default 0.01).
+        underflow: a sampled FP8 or block-scaled layer flushing more than this fraction of its input's nonzero
+            values to zero, or a float16 one with more of its output below float16's smallest normal (default 0.05).
+        near_overflow: a sampled 16-bit layer's largest output above this fraction of its format's largest value
+            is a signal (default 0.5: a doubling from overflow).
+        process_group: with torch.distributed, the ranks that must take the same action (``ranks.py``: the loss,
+            the gradients, the batches and the layers' figures are reduced over them before a verdict): found on an
+            FSDP2 model's parameters; under DDP pass ``torch.distributed.group.WORLD``. None without one.
+
+    Raises:
+        ValueError: an unknown action, a bad number, torch's GradScaler, an optimizer over other tensors,
+            ``"raise"`` for an FSDP2 model or where a 16-bit layer has 16-bit weights (O2, O3), a process group
+            without torch.distributed.
+
+    Example:
+        >>> guard = ampkit.Guard(model, optimizer, scaler)
+        >>> for x, y in loader:
+        ...     optimizer.zero_grad(set_to_none=True)
+        ...     loss = loss_fn(model(x), y)
+        ...     scaler.scale(loss).backward()
+        ...     guard.step(loss, batch=(x, y))  # instead of scaler.step(optimizer); scaler.update()
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None, action: str = "skip",
+                 loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, spike_sigmas: float = 6.0,
+                 window: int = 50, keep_every: int = 50, max_skips: int = 5, sample_every: int = 10,
+                 saturation: float = 0.01, underflow: float = 0.05, near_overflow: float = 0.5,
+                 process_group: Any = None) -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"Unknown action {action!r}. Choose one of {list(ACTIONS)}: 'skip' drops a bad step, "
+                             "'restore' puts back the last good state the guard kept, then drops it, 'raise' raises the "
+                             "named layer's precision.")
+        if isinstance(scaler, torch.amp.GradScaler):
+            raise ValueError("scaler=torch.amp.GradScaler does not say whether it skipped a step: pass an ampkit "
+                             "loss scaler (ampkit.DynamicLossScaler, whose step returns False on a skip), or None.")
+        if scaler is not None and not (callable(getattr(scaler, "step", None)) and callable(getattr(scaler, "update",
+                                                                                                  None))):
+            raise ValueError(f"scaler={type(scaler).__name__} has no step() and update(): pass an ampkit loss scaler "
+                             "or None.")
+        if not (isinstance(spike_sigmas, (int, float)) and spike_sigmas > 0):
+            raise ValueError(f"spike_sigmas={spike_sigmas!r} is invalid: a number > 0 (math.inf: never a spike).")
+        least = {"window": 4, "keep_every": 1, "max_skips": 1, "sample_every": 0}
+        for name, value in (("window", window), ("keep_every", keep_every), ("max_skips", max_skips),
+                            ("sample_every", sample_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least[name]:
+                raise ValueError(f"{name}={value!r} is invalid: an integer >= {least[name]}.")
+        for name, fraction in (("saturation", saturation), ("underflow", underflow), ("near_overflow", near_overflow)):
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+                raise ValueError(f"{name}={fraction!r} is invalid: a fraction in (0, 1].")
+        sharded = next((p for p in model.parameters() if is_sharded(p)), None)
+        if sharded is not None and action == "raise":
+            raise ValueError("action='raise' does not take an FSDP2 model: its layers are sharded, and their "
+                             "all-gathers cast to the sharding's dtypes whatever a layer's region says. Use "
+                             "action='skip' or 'restore' (every rank acts alike), or raise the layer by hand with "
+                             "fully_shard's keep_float32.")
+        if process_group is not None and not dist.is_initialized():
+            raise ValueError("process_group is given but torch.distributed is not initialized: call "
+                             "torch.distributed.init_process_group first, or pass process_group=None.")
+        own = {id(p) for p in model.parameters()}  # an O2 optimizer's masters stand for its model's parameters
+        stepped = getattr(optimizer, "model_params", None) or [p for g in optimizer.param_groups for p in g["params"]]
+        if any(id(p) not in own for p in stepped):
+            raise ValueError("The optimizer steps tensors that are not this model's parameters (or their masters): "
+                             "pass the model and the optimizer initialize returned.")
+        sixteen = layers.can_raise_16(model) if action == "raise" else []
+        if sixteen:
+            raise ValueError(f"action='raise' cannot raise a 16-bit layer of this model to float32: its weights are "
+                             f"16-bit ({sixteen[0]}: {dict(model.named_parameters())[sixteen[0]].dtype}; O2 and O3 "
+                             "cast them). Initialize at O1 (float32 weights under autocast), or use action='skip' "
+                             "or 'restore'.")
+        self.model, self.optimizer, self.scaler, self.action = model, optimizer, scaler, action
+        self.loss_fn, self.spike_sigmas, self.keep_every, self.max_skips = loss_fn, spike_sigmas, keep_every, max_skips
+        self.sample_every, self.limits = sample_every, {"saturation": saturation, "underflow": underflow,
+                                                        "amax": near_overflow}
+        self.losses: list[float | None] = []  # every step's loss, None where not finite
+        self.events: list[GuardEvent] = []
+        self.raised: dict[str, str] = {}  # layer name -> "float32" or "16 bits", in the order raised
+        self.samples: list[tuple[int, dict[str, tuple[float, float, float]]]] = []  # (step, figures by layer)
+        self.watch = layers.LayerWatch(model)
+        self.watch.sampling = sample_every > 0
+        self.agreement = ranks.Agreement(process_group if process_group is not None
+                                         else shard_group(sharded) if sharded is not None else None)
+        self._params = list(model.parameters())
+        self._recent: deque[float] = deque(maxlen=window)
+        self._kept: tuple[int, dict[str, Any]] | None = None  # (step, state) for "restore"
+        self._good_steps = 0
+        self._skips_in_a_row = 0
+
+    @property
+    def step_count(self) -> int:
+        """Steps the guard has seen (taken or not)."""
+        return len(self.losses)
+
+    def step(self, loss: torch.Tensor, batch: Any = None) -> bool:
+        """Check this step's loss, gradients and (on a sampled step) layers, after ``backward``; then take the
+        optimizer step (through the scaler, with its ``update``) or refuse it.
+
+        Args:
+            loss: the step's loss, unscaled (the guard reads it: one host sync).
+            batch: the step's ``(inputs, target)`` or inputs, to name a non-finite one and to replay it.
+
+        Returns:
+            True when the optimizer stepped.
+        """
+        if not self.check(loss, batch):
+            return False
+        if self.scaler is not None:
+            took = bool(self.scaler.step(self.optimizer))
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+            took = True
+        self.taken(took)
+        return took
+
+    def check(self, loss: torch.Tensor, batch: Any = None, gradients: bool | None = None) -> bool:
+        """``step``'s first half, for a loop that steps the optimizer itself (the Lightning callback): judge the
+        step and act on a bad one (its gradients set to None, so that torch's optimizers step none of them).
+
+        Args:
+            gradients: whether to check the gradients are finite; None (default): where no enabled loss scaler of
+                the guard's checks them. A loop whose own scaler checks them passes False.
+
+        Returns:
+            True where the step may be taken; then call ``taken`` after it.
+        """
+        step = self.step_count
+        if gradients is None:
+            gradients = self.scaler is None or not getattr(self.scaler, "enabled", True)
+        grads = ranks.gradient_sum(self._params) if gradients else None
+        value, gradient, bad_batches = self.agreement.verdict(loss, grads, batch)  # the step's one host read
+        finite = math.isfinite(value)
+        self.losses.append(value if finite else None)
+        sampled = self.agreement.layers(self.watch.take()) if self.watch.sampling else {}
+        self.watch.sampling = self.sample_every > 0 and (step + 1) % self.sample_every == 0
+        if sampled:
+            self.samples.append((step, sampled))
+        problem = None
+        if not (finite and math.isfinite(gradient)):
+            where, layer = self._attribute(batch, bad_batches)
+            problem = ("nonfinite-loss" if not finite else "nonfinite-gradient", where, layer)
+        else:
+            problem = self._spike(value)
+        if problem is None and sampled:
+            layer_problem = self._layer_problem(sampled)
+            if layer_problem is not None:  # finite gradients: the step is taken (skipping cannot cure a layer)
+                signal, where, name = layer_problem
+                self._record(step, signal, where, name, self._raise(name) if self.action == "raise" else "recorded",
+                             value)
+        if problem is not None:
+            self._act(step, *problem, value if finite else None)
+            return False
+        return True
+
+    def taken(self, took: bool = True) -> None:
+        """``step``'s second half: whether the optimizer stepped after a ``check`` that allowed it (False: a loss
+        scaler skipped it)."""
+        step, value = self.step_count - 1, self.losses[-1]
+        assert value is not None, "taken() follows a check() that allowed the step"
+        self._skips_in_a_row = 0 if took else self._skips_in_a_row + 1
+        if self._skips_in_a_row == self.max_skips:
+            scale = f" (scale now {self.scaler.get_scale():g})" if self.scaler is not None else ""
+            self._record(step, "repeated-skips", f"the loss scaler skipped {self.max_skips} steps in a row{scale}",
+                         None, "recorded", value)
+        if not took:
+            return
+        self._recent.append(value)
+        self._good_steps += 1
+        if self.action == "restore" and (self._kept is None or self._good_steps % self.keep_every == 0):
+            self._kept = (step, {"model": snapshot(self.model.state_dict()),
+                                 "optimizer": snapshot(self.optimizer.state_dict())})
+
+    def _spike(self, value: float) -> tuple[str, str, None] | None:
+        """A loss spike's signal and figures, or None."""
+        if len(self._recent) >= self._recent.maxlen // 2:  # type: ignore[operator]
+            mean, spread = statistics.fmean(self._recent), statistics.pstdev(self._recent)
+            if value > mean + self.spike_sigmas * max(spread, 1e-3 * abs(mean)):  # a flat loss: 0.1% is no spike
+                return "loss-spike", (f"loss {value:.4g} against {mean:.4g} +- {spread:.2g} over the last "
+                                      f"{len(self._recent)} steps"), None
+        return None
+
+    def _layer_problem(self, sampled: dict[str, tuple[float, float, float]]) -> tuple[str, str, str] | None:
+        """The sampled layer furthest past a limit (as a multiple of it), with its signal, or None."""
+        worst: tuple[float, str, str, str] | None = None
+        for name, figures in sampled.items():
+            for figure, number in zip(layers.FIGURES, figures):
+                if figure == "amax" and self.watch.kinds.get(name) != "16-bit":
+                    continue  # FP8's scale puts its largest value at the format's largest by design
+                limit = self.limits[figure]
+                if number > limit and (worst is None or number / limit > worst[0]):
+                    signal = {"saturation": "layer-saturation", "underflow": "layer-underflow",
+                              "amax": "layer-near-overflow"}[figure]
+                    what = {"saturation": "values clamped or not finite", "underflow": "values flushed or below "
+                            "the smallest normal", "amax": "largest value over the format's largest"}[figure]
+                    worst = (number / limit, signal, f"{name} ({self.watch.kinds.get(name)}): {what} {number:.3g}, "
+                             f"past {limit:g}", name)
+        return None if worst is None else worst[1:]  # type: ignore[return-value]
+
+    def _attribute(self, batch: Any, bad_batches: list[int]) -> tuple[str, str | None]:
+        """Where a non-finite value came from, in words, and the module to raise (None: the batch, or unknown)."""
+        from ampkit.diagnostics.nonfinite import find_nonfinite
+
+        if self.agreement.group is not None:  # every rank says the same: no replay of one rank's batch
+            if bad_batches:
+                return f"the batch of rank {', '.join(map(str, bad_batches))}: a tensor holding an inf or a NaN", None
+            return ("not replayed: the model is sharded (ampkit.find_nonfinite on the unsharded model with this "
+                    "batch names the op)"), None
+        index = ranks.nonfinite_batch(_split(batch))
+        if index is not None:
+            return f"the batch: its tensor {index} holds an inf or a NaN", None
+        inputs, target = _split(batch)
+        if inputs is None:
+            return "unknown (pass the batch to Guard.step to replay it)", None
+        sampling, self.watch.sampling = self.watch.sampling, False  # the replica's hooks are the watch's own
+        try:
+            replica = copy.deepcopy(self.model)  # the replay's backward must not add into the run's gradients
+            finding = find_nonfinite(replica, inputs, target=target, loss_fn=self.loss_fn)
+        finally:
+            self.watch.sampling = sampling
+        if finding is None:
+            return "not reproduced by a replay of the batch", None
+        upstream = "" if finding.finite_inputs else ", its inputs already non-finite"
+        layer = finding.module if finding.finite_inputs and finding.module != "(model)" else None
+        return f"{finding.module} ({finding.op} in {finding.phase}{upstream})", layer
+
+    def _act(self, step: int, signal: str, where: str, layer: str | None, loss: float | None) -> None:
+        for param in (p for group in self.optimizer.param_groups for p in group["params"]):
+            param.grad = None  # nothing of this step reaches a later one
+        self.model.zero_grad(set_to_none=True)
+        action = "skipped"
+        if self.action == "restore" and self._kept is not None:
+            kept_step, state = self._kept
+            self.model.load_state_dict(snapshot(state["model"]))
+            self.optimizer.load_state_dict(snapshot(state["optimizer"]))
+            action = f"restored step {kept_step}"
+        elif self.action == "raise" and layer is not None:
+            action = self._raise(layer) + " and skipped"
+        self._record(step, signal, where, layer, action, loss)
+
+    def _raise(self, layer: str) -> str:
+        """Raise ``layer`` one step (``layers.raise_layer``); what was done, in words."""
+        if self.raised.get(layer) == "float32":
+            return f"not raised ({layer} runs in float32 already)"
+        to = layers.raised_to(self.model.get_submodule(layer))
+        self.watch.watch(layer, layers.raise_layer(self.model, layer))
+        self.raised[layer] = to
+        return f"raised to {to}"
+
+    def _record(self, step: int, signal: str, where: str, layer: str | None, action: str,
+                loss: float | None) -> None:
+        self.events.append(GuardEvent(step, signal, where, action, loss, layer))
+
+    def timeline(self) -> dict[str, Any]:
+        """What the guard saw, as plain data (strict JSON: a non-finite loss is None): every step's loss, the
+        events, the layers raised, and each sample's figures by layer, with the limits and each layer's kind."""
+        samples = [{"step": step, "layers": {name: dict(zip(layers.FIGURES, figures)) for name, figures in found.items()}}
+                   for step, found in self.samples]
+        return {"version": 2, "steps": self.step_count, "sample_every": self.sample_every, "limits": self.limits,
+                "kinds": dict(self.watch.kinds), "losses": list(self.losses),
+                "events": [dataclasses.asdict(e) for e in self.events], "raised": dict(self.raised), "samples": samples}
+
+    def write_timeline(self, path: str | Path) -> Path:
+        """``timeline()`` as strict JSON, written atomically."""
+        text = json.dumps(self.timeline(), indent=1, allow_nan=False)
+        atomic_write(Path(path), lambda tmp: tmp.write_text(text + "\n"))
+        return Path(path)
+
+    def write_plot(self, path: str | Path, title: str = "") -> Path:
+        """The loss with the events marked, and the sampled layers' figures over the steps (``plot.py``; PNG)."""
+        from ampkit.guard.plot import plot_timeline
+
+        timeline = self.timeline()
+        atomic_write(Path(path), lambda tmp: plot_timeline(timeline, tmp, title))
+        return Path(path)
+
+
+def _split(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, target)`` of a batch given as a pair, or inputs alone."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    return batch, None
+

@@ -1,0 +1,216 @@
+"""The guard's watch on the layers that compute narrower than float32, and the one precision raise it makes.
+
+**Watched**: FP8 linears (``Fp8Linear``: their input as cast with the delayed scale that forward used),
+block-scaled linears (their input as the recipe quantizes it) and every other leaf module with parameters
+whose output is float16 or bfloat16 (under an autocast region, or a 16-bit model). Every ``sample_every``
+steps, forward hooks measure the step's own forward (no extra pass; several forwards in a step, micro-batches,
+keep the worst): three figures a layer, kept as tensors and read with one host sync at the guard's step.
+
+- ``saturation``: FP8, the fraction of the input's nonzero values clamped at the format's largest; block-scaled,
+  the fraction of blocks one of whose values passed the element type's largest; 16 bits, 1 where a value of the
+  output is not finite (float16's overflow), else 0 (one pass over the output: its smallest and largest values).
+- ``underflow``: FP8 and block-scaled, the fraction of the input's nonzero values flushed to zero; float16, the
+  fraction of the output's nonzero values below its smallest normal (bfloat16 has float32's range: 0).
+- ``amax``: the largest magnitude over the format's largest (16 bits: of the output; FP8: of the scaled input).
+
+Between samples the hooks return at once (a Python call per watched module per forward).
+
+**Raised** (``raise_layer``): an FP8 or block-scaled linear becomes a plain linear on the same Parameters (the
+16-bit format of the run's region or model: the optimizer keeps them); a 16-bit layer computes in float32: its
+forward runs with autocast off on float32 inputs. Not a policy's per-module override: the guard does not own the
+region the model runs in (``initialize``'s, a user's ``ampkit.autocast`` or a plain ``torch.autocast`` all take
+this), and the change is one module's, as the layer that failed is one. A 16-bit layer of a 16-bit model (O2, O3)
+has 16-bit weights, so nothing of its own computes in float32 there: ``Guard`` refuses ``action="raise"`` for them.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ampkit._torch import pytree
+from ampkit.formats.block_linear import BlockScaledLinear, quantize_operand
+from ampkit.formats.fp8 import Fp8Linear, fp8_max
+from ampkit.formats.recipes import INPUT, SMALLEST_SUBNORMAL
+
+SIXTEEN = (torch.float16, torch.bfloat16)
+FIGURES = ("saturation", "underflow", "amax")
+
+
+def kind(module: nn.Module) -> str:
+    """How ``module`` is watched: ``"fp8"``, ``"block"``, ``"16-bit"`` (a leaf with parameters), or ``""``."""
+    if isinstance(module, Fp8Linear):
+        return "fp8"
+    if isinstance(module, BlockScaledLinear):
+        return "block"
+    if next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None:
+        return "16-bit"
+    return ""
+
+
+def _nonzero(a: torch.Tensor) -> torch.Tensor:
+    return (a > 0).sum().clamp(min=1)
+
+
+def fp8_figures(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(saturation, underflow, amax) of ``x`` cast to FP8 ``dtype`` with ``scale``, as one float32 tensor."""
+    a = x.detach().abs().float()
+    scaled = a * scale
+    nonzero = _nonzero(a)
+    return torch.stack([(scaled > fp8_max(dtype)).sum() / nonzero,
+                        ((a > 0) & (scaled <= SMALLEST_SUBNORMAL[dtype] / 2)).sum() / nonzero,
+                        scaled.amax() / fp8_max(dtype)]).float()
+
+
+def block_figures(x: torch.Tensor, module: BlockScaledLinear) -> torch.Tensor:
+    """(saturation, underflow, 0) of ``x`` quantized as ``module``'s recipe quantizes its input."""
+    x = x.detach().reshape(-1, x.shape[-1]).float()
+    q = quantize_operand(x, module.recipe)
+    return torch.stack([q.block_saturated.float().mean(), q.flushed.sum() / _nonzero(x.abs()),
+                        torch.zeros((), device=x.device)]).float()
+
+
+def sixteen_figures(output: Any) -> torch.Tensor | None:
+    """(saturation, underflow, amax) of a 16-bit output's floating tensors, else None (a float32 output). One pass
+    over a tensor (its smallest and largest value), two more for float16's underflow: ``saturation`` is 1 where a
+    value is not finite (an inf or a NaN reaches the min or the max), else 0; ``amax`` the largest magnitude over
+    the format's largest (1 where not finite)."""
+    outputs = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.dtype in SIXTEEN]
+    if not outputs:
+        return None
+    worst = []
+    for out in outputs:
+        info = torch.finfo(out.dtype)
+        low, high = torch.aminmax(out.detach())
+        largest = torch.maximum(-low, high).float()
+        saturated = (~torch.isfinite(largest)).float()
+        amax = torch.nan_to_num(largest / info.max, nan=1.0, posinf=1.0)
+        if out.dtype == torch.float16:
+            a = out.detach().abs()
+            tiny = ((a > 0) & (a < info.tiny)).sum() / _nonzero(a)
+        else:  # bfloat16 has float32's range
+            tiny = amax.new_zeros(())
+        worst.append(torch.stack([saturated, tiny.float(), amax]))
+    return torch.stack(worst).amax(0)
+
+
+class LayerWatch:
+    """Forward hooks on a model's narrow layers; ``figures`` collects each sampled step's, by layer name."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.sampling = False
+        self.figures: dict[str, torch.Tensor] = {}
+        self._handles: dict[str, list[Any]] = {}
+        self.kinds: dict[str, str] = {}  # name -> kind(module)
+        self._scales: dict[str, torch.Tensor] = {}
+        for name, module in model.named_modules():
+            if name and kind(module):
+                self.watch(name, module)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._handles)
+
+    def watch(self, name: str, module: nn.Module) -> None:
+        """Hook ``module`` (again, after a raise replaced or rewrapped it) as ``name``."""
+        for handle in self._handles.pop(name, []):
+            handle.remove()
+        handles = [module.register_forward_hook(self._hook(name))]
+        if isinstance(module, Fp8Linear):  # the forward updates its scale: the one it uses is read before
+            handles.append(module.register_forward_pre_hook(self._scale_hook(name)))
+        self._handles[name] = handles
+        self.kinds[name] = kind(module)
+
+    def remove(self) -> None:
+        for handles in self._handles.values():
+            for handle in handles:
+                handle.remove()
+        self._handles.clear()
+
+    def _active(self) -> bool:
+        return self.sampling and torch.is_grad_enabled()  # training forwards only, not an evaluation's
+
+    def _scale_hook(self, name: str) -> Any:
+        def pre_hook(module: Fp8Linear, args: tuple) -> None:
+            if self._active():
+                self._scales[name] = module.scale[INPUT].clone()
+        return pre_hook
+
+    def _hook(self, name: str) -> Any:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not self._active():
+                return
+            if isinstance(module, Fp8Linear) and name in self._scales:
+                figures: torch.Tensor | None = fp8_figures(args[0], self._scales.pop(name),
+                                                           module.recipe.dtype(INPUT))
+            elif isinstance(module, BlockScaledLinear):
+                figures = block_figures(args[0], module)
+            else:
+                figures = sixteen_figures(output)
+            if figures is not None:
+                previous = self.figures.get(name)
+                self.figures[name] = figures if previous is None else torch.maximum(previous, figures)
+        return hook
+
+    def take(self) -> dict[str, torch.Tensor]:
+        """The sampled step's figures by layer (tensors: ``ranks.Agreement.layers`` reads them), and a clean slate."""
+        figures, self.figures = self.figures, {}
+        self._scales.clear()
+        return figures
+
+
+class _Raised16(nn.Linear):
+    """An FP8 or block-scaled linear raised to the run's 16-bit format: a linear on its Parameters (a transformers
+    ``Conv1D``'s weight kept in its transposed layout)."""
+
+    transposed: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
+
+
+def _float32(value: Any) -> Any:
+    return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in SIXTEEN else t, value)
+
+
+def raised_to(module: nn.Module) -> str:
+    """What ``raise_layer`` makes of ``module``: ``"bf16"``/``"fp16"`` words for FP8 and block-scaled, else float32."""
+    return "16 bits" if isinstance(module, (Fp8Linear, BlockScaledLinear)) else "float32"
+
+
+def can_raise_16(model: nn.Module) -> list[str]:
+    """The parameters of ``model`` outside FP8 and block-scaled linears kept in 16 bits (O2, O3), by name."""
+    narrow = {id(p) for m in model.modules() if isinstance(m, (Fp8Linear, BlockScaledLinear))
+              for p in m.parameters()}
+    return [n for n, p in model.named_parameters() if p.dtype in SIXTEEN and id(p) not in narrow]
+
+
+def raise_layer(model: nn.Module, name: str) -> nn.Module:
+    """Raise ``model``'s layer ``name`` one step (see the module's docstring); returns the module now there."""
+    module = model.get_submodule(name)
+    if isinstance(module, (Fp8Linear, BlockScaledLinear)):
+        raised = _Raised16.__new__(_Raised16)
+        nn.Module.__init__(raised)
+        raised.in_features, raised.out_features = module.in_features, module.out_features
+        raised.weight, raised.bias = module.weight, module.bias  # type: ignore[assignment]  # its Parameters
+        raised.transposed = bool(getattr(module, "transposed", False))
+        raised.train(module.training)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, raised)
+        return raised
+    device_type = next(module.parameters()).device.type
+    forward = module.__dict__.get("forward")  # an instance's own forward (a wrapper), else its class's
+
+    def in_float32(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device_type, enabled=False):
+            run = forward if forward is not None else functools.partial(type(self).forward, self)
+            return run(*_float32(args), **_float32(kwargs))
+
+    # bound to the module, so that a deep copy (the guard's replay) runs the copy's own forward
+    module.forward = types.MethodType(in_float32, module)  # type: ignore[method-assign]
+    return module

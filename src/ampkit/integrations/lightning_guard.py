@@ -1,0 +1,91 @@
+"""``ampkit.Guard`` as a Lightning callback: ``Trainer(callbacks=[GuardCallback("run/guard")])``.
+
+Lightning steps the optimizer itself (through its precision plugin, ampkit's ``AmpkitPrecision`` or its own), so the
+callback judges each step between the backward and the step (``on_before_optimizer_step``, after the plugin has
+unscaled the gradients) with ``Guard.check``; a refused step has its gradients set to None, which torch's
+optimizers step over. The loss is taken at ``on_before_backward``, divided by the plugin's loss scale where it has
+one (over the micro-batches of ``accumulate_grad_batches``, their mean); the batch at ``on_train_batch_start``.
+At the end of ``fit`` the timeline and the picture are written (``<prefix>.json``, ``<prefix>.png``).
+
+Requires ``pip install ampkit[lightning]``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from ampkit.guard import Guard
+
+
+class GuardCallback(Callback):
+    """Watch a Lightning run's numerics with ``ampkit.Guard`` and act on a bad step.
+
+    Args:
+        prefix: where to write the timeline and the picture at the end of ``fit`` (``prefix + ".json"``,
+            ``prefix + ".png"``); None writes nothing (the guard is ``callback.guard``).
+        **options: ``Guard``'s settings (``action``, ``loss_fn``, ``sample_every``...), but ``scaler``: the
+            Trainer's precision plugin owns the loss scaler.
+
+    Raises:
+        ValueError: at ``fit``, a module with more than one optimizer (the guard judges one step), or bad options
+            (``Guard``'s errors, before any step).
+    """
+
+    def __init__(self, prefix: str | Path | None = None, **options: Any) -> None:
+        if "scaler" in options:
+            raise ValueError("GuardCallback takes no scaler: the Trainer's precision plugin owns the loss scaler, "
+                             "and the callback judges the step after the plugin has unscaled the gradients.")
+        self.prefix, self.options = prefix, options
+        self.guard: Guard | None = None
+        self._batch: Any = None
+        self._losses: list[torch.Tensor] = []
+        self._allowed: bool | None = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"GuardCallback judges one optimizer's step; this module has {len(trainer.optimizers)}: "
+                             "configure one optimizer, or use ampkit.Guard in a loop of your own.")
+        optimizer = trainer.optimizers[0]
+        self.guard = Guard(pl_module, getattr(optimizer, "_optimizer", optimizer), **self.options)
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._batch = batch
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        scaler = _scaler(trainer)
+        self._losses.append(loss.detach().float() / (scaler.get_scale() if scaler is not None else 1.0))
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        assert self.guard is not None
+        loss = torch.stack(self._losses).mean() if self._losses else torch.tensor(float("nan"))
+        self._losses = []
+        # an enabled scaler of the plugin checks the gradients and skips an overflowing step itself
+        self._allowed = self.guard.check(loss, self._batch, gradients=_scaler(trainer) is None)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._allowed is None or self.guard is None:  # no optimizer step in this batch (accumulating)
+            return
+        if self._allowed:
+            plugin = trainer.precision_plugin
+            taken = getattr(plugin, "last_step_taken", None)
+            self.guard.taken(taken(trainer.optimizers[0]) if taken is not None else True)
+        self._allowed = None
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.prefix is not None and self.guard is not None and trainer.is_global_zero:
+            self.guard.write_timeline(f"{self.prefix}.json")
+            self.guard.write_plot(f"{self.prefix}.png")
+
+
+def _scaler(trainer: Trainer) -> Any:
+    """The precision plugin's enabled loss scaler (ampkit's, or torch's GradScaler of "16-mixed"), else None."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is None:
+        return None
+    enabled = scaler.is_enabled() if callable(getattr(scaler, "is_enabled", None)) else getattr(scaler, "enabled", True)
+    return scaler if enabled else None

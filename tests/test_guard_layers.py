@@ -1,0 +1,297 @@
+"""ampkit.Guard's layer watch and its raise action (issue 43's faults (a) and (b)), each against the same run without
+the guard and the run without the fault."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import ampkit
+import test_guard
+from ampkit.experiment.models import ChannelScale
+from ampkit.formats.fp8 import Fp8Linear, Fp8Recipe
+from ampkit.guard import layers
+from ampkit.scaling.scaler import NonFiniteError
+
+STEPS = 40
+
+
+class GrowingLinear(nn.Linear):
+    """A linear whose weight is multiplied by ``gain`` and its output divided by it: the same function in exact
+    arithmetic. ``gain`` grows by ``rate`` at each training forward from the ``start``-th on (up to 2**24), so in
+    float16 its output overflows at a known step; in float32 nothing does."""
+
+    gain: torch.Tensor
+
+    def __init__(self, *args: object, rate: float = 2.0, start: int = 5, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.rate, self.start, self.calls = rate, start, 0
+        self.register_buffer("gain", torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and torch.is_grad_enabled():
+            self.calls += 1
+            self.gain.fill_(min(2.0**24, self.rate ** max(0, self.calls - self.start)))
+        return F.linear(x, self.weight * self.gain) / self.gain + self.bias
+
+
+def _growing(rate: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), GrowingLinear(32, 32, rate=rate), nn.LayerNorm(32), nn.ReLU(),
+                          nn.Linear(32, 4))
+    return ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O1", torch.float16,
+                             compute="native")
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 16, generator=g)
+    return x, x[:, :4].sum(dim=1, keepdim=True).repeat(1, 4)
+
+
+def _train(model: nn.Module, optimizer: torch.optim.Optimizer, guard: ampkit.Guard | None, scaler: object,
+           plant: object = None, steps: int = STEPS) -> list[float]:
+    return test_guard._train(model, optimizer, guard, _batch, scaler, plant, steps)
+
+
+def _final(losses: list[float]) -> float:
+    """The final loss: the mean of the last 20 steps' (each step's batch differs)."""
+    return sum(losses[-20:]) / 20
+
+
+def test_a_layer_overflowing_float16_is_named_within_one_step_and_raised_to_float32() -> None:
+    """Fault (a): a layer's weights grow until its float16 output overflows. Unguarded, the dynamic scaler skips every
+    step from then on (the forward overflows at any scale) until it gives up; guarded, the layer is named at the first
+    overflowing step, raised to float32, and the run ends within 2% of the unfaulted run's final loss (100 steps)."""
+    unfaulted = _train(*_growing(rate=1.0), None, ampkit.DynamicLossScaler(), steps=100)
+    model, optimizer = _growing(rate=2.0)
+    scaler = ampkit.DynamicLossScaler()
+    with pytest.raises(NonFiniteError, match="10 optimizer steps in a row were skipped at a loss scale that cannot"):
+        _train(model, optimizer, None, scaler, steps=100)  # diverges: it skips every step, then gives up
+    first = next(step for step, _, overflow in scaler.stats.history if overflow)
+    assert all(overflow for _, _, overflow in scaler.stats.history[first:])
+
+    model, optimizer = _growing(rate=2.0)
+    scaler = ampkit.DynamicLossScaler()
+    guard = ampkit.Guard(model, optimizer, scaler, action="raise")
+    guarded = _train(model, optimizer, guard, scaler, steps=100)
+    event = guard.events[0]
+    assert event.signal == "nonfinite-loss" and event.layer == "1" and event.action == "raised to float32 and skipped", event
+    assert event.step == first  # named at the first overflowing step
+    assert guarded[event.step - 1] == pytest.approx(unfaulted[event.step - 1], rel=0.02)  # finite until then
+    assert not math.isfinite(guarded[event.step])  # named at the first overflowing step
+    assert len(guard.events) == 1 and guard.raised == {"1": "float32"}
+    assert all(math.isfinite(v) for v in guarded[event.step + 1:])
+    assert _final(guarded) == pytest.approx(_final(unfaulted), rel=0.02)
+
+
+def _outlier_model() -> tuple[nn.Module, torch.optim.Optimizer, ChannelScale, nn.Module]:
+    torch.manual_seed(0)
+    head = nn.Linear(64, 4)
+    outlier = ChannelScale(64, channel=7, factor=1.0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), outlier, Fp8Linear.from_linear(nn.Linear(64, 64), Fp8Recipe()),
+                          nn.GELU(), head)
+    mask = torch.ones(64, 64).index_fill_(1, torch.tensor([7]), 0.0)
+    model[3].weight.register_hook(lambda grad: grad * mask)  # the outlier's column stays as planted (gpt-outlier's)
+    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=3e-3), "O1", torch.bfloat16,
+                                         compute="native")
+    return model, optimizer, outlier, model[3]
+
+
+def _plant_at(step: int, outlier: ChannelScale, linear: nn.Module) -> object:
+    def plant(now: int) -> None:
+        if now == step:  # the same function in exact arithmetic: the channel x 1e6, its weight column / 1e6
+            with torch.no_grad():
+                outlier.scale[7] = 1e6
+                linear.weight[:, 7] /= 1e6
+    return plant
+
+
+def test_an_fp8_linear_whose_input_gets_an_outlier_channel_is_named_and_raised_to_16_bits() -> None:
+    """Fault (b): an FP8 linear's input gets an outlier channel at step 21 (as gpt-outlier plants it, mid-run). Its
+    delayed scale then flushes the other channels to zero; unguarded, the loss moves away from the unfaulted run's;
+    guarded (layers sampled every step), the layer is named and raised to 16 bits on the step the outlier came
+    (its step taken: the gradients are finite), before the loss moved beyond 1% from the unfaulted run's."""
+    model, optimizer, _, _ = _outlier_model()
+    unfaulted = _train(model, optimizer, None, None)
+    model, optimizer, outlier, linear = _outlier_model()
+    unguarded = _train(model, optimizer, None, None, _plant_at(21, outlier, linear))
+    assert sum(unguarded[-10:]) > 3 * sum(unfaulted[-10:])  # FP8 flushes all but the outlier channel: lost
+
+    model, optimizer, outlier, linear = _outlier_model()
+    guard = ampkit.Guard(model, optimizer, action="raise", sample_every=1)
+    guarded = _train(model, optimizer, guard, None, _plant_at(21, outlier, linear))
+    event = guard.events[0]
+    assert event.layer == "3" and event.signal in ("layer-saturation", "layer-underflow"), event
+    assert event.step == 21 and event.action == "raised to 16 bits"
+    assert not isinstance(model[3], Fp8Linear) and model[3].weight is linear.weight  # the optimizer's Parameter
+    # raised on the step the outlier came, before the loss moved 1% from the unfaulted run's, and for the next steps
+    # it stays there (later, FP8's and bf16's roundings part the two runs' batches by a few percent, not the 3x above)
+    assert max(abs(g - u) / u for g, u in zip(guarded[:27], unfaulted[:27])) < 0.01
+    assert sum(guarded[-10:]) / 10 == pytest.approx(sum(unfaulted[-10:]) / 10, rel=0.03)
+    assert guard.samples[0][0] == 0 and "3" in guard.samples[0][1]
+
+
+def test_the_steps_between_samples_measure_nothing() -> None:
+    """Layers are sampled every ``sample_every`` steps (step 0, N, 2N...), on the step's own forward."""
+    model, optimizer, _, _ = _outlier_model()
+    guard = ampkit.Guard(model, optimizer, sample_every=7)
+    _train(model, optimizer, guard, None)
+    assert [step for step, _ in guard.samples] == [0, 7, 14, 21, 28, 35]
+    assert set(guard.samples[0][1]) == {"0", "3", "5"}  # the bf16 linears and the FP8 one; not the float32 norms
+
+
+def test_a_layer_signal_without_raise_is_recorded_and_the_step_taken(tmp_path: Path) -> None:
+    model, optimizer, outlier, linear = _outlier_model()
+    guard = ampkit.Guard(model, optimizer, action="skip", sample_every=1)
+    _train(model, optimizer, guard, None, _plant_at(21, outlier, linear))
+    assert guard.events and all(e.action == "recorded" and e.layer == "3" for e in guard.events)
+    assert isinstance(model[3], Fp8Linear)
+    timeline = json.loads(guard.write_timeline(tmp_path / "guard.json").read_text())
+    assert timeline["samples"][21]["layers"]["3"]["saturation"] > 0.01
+    assert timeline["raised"] == {}
+    png = guard.write_plot(tmp_path / "guard.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_float16_figures_are_read_from_the_output() -> None:
+    out = torch.tensor([1.0, 2.0**-20, -32752.0, 0.0], dtype=torch.float16)
+    assert layers.sixteen_figures(out).tolist() == [0.0, pytest.approx(1 / 3), 0.5]  # 2**-20 of 3 nonzero; 32752/65504
+    out[0] = -math.inf
+    assert layers.sixteen_figures(out).tolist() == [1.0, pytest.approx(1 / 3), 1.0]  # an inf: saturated
+    out[0] = math.nan
+    assert layers.sixteen_figures(out).tolist()[0] == 1.0
+    assert layers.sixteen_figures([out.bfloat16(), out.float()]).tolist() == [1.0, 0.0, 1.0]  # bf16: no underflow
+
+
+def test_raise_is_refused_for_a_16_bit_model() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters()), "O2", torch.bfloat16,
+                                         compute="native")
+    hooks = [len(m._forward_hooks) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"action='raise' cannot raise a 16-bit layer of this model to float32: its "
+                                         r"weights are 16-bit \(0.weight: torch.bfloat16"):
+        ampkit.Guard(model, optimizer, action="raise")
+    assert [len(m._forward_hooks) for m in model.modules()] == hooks  # refused before any hook
+
+
+@pytest.mark.slow  # two comparisons of the GPT: 20 s
+def test_compare_guard_shows_the_planted_float16_overflow_in_its_table_and_pictures(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``ampkit compare --guard`` on the planted float16 case (gpt-overflow: block 0's first MLP linear grows until
+    float16 overflows): unguarded, the fp16 run skips every step from the overflow on and ends diverged; guarded, the event is in the
+    table, in results.json, on the curves and in the run's guard picture, and the run trains on."""
+    from ampkit.cli.main import main
+
+    args = ["compare", "--model", "gpt-overflow", "--precision", "fp16", "--opt-level", "O1", "--steps", "40",
+            "--batch-size", "8", "--no-probe"]
+    assert main([*args, "--out", str(tmp_path / "plain"), "--json"]) == 1  # diverged
+    plain = json.loads((tmp_path / "plain" / "results.json").read_text())["runs"][1]
+    assert plain["guard"] is None and plain["skipped_steps"] >= 5  # from the overflow to the end
+    assert "outputs are inf/NaN in evaluation" in plain["diverged"]
+    capsys.readouterr()
+    assert main([*args, "--guard", "--out", str(tmp_path / "guarded")]) == 0
+    shown = capsys.readouterr().out
+    run = json.loads((tmp_path / "guarded" / "results.json").read_text())["runs"][1]
+    event = run["guard"]["events"][0]
+    assert event["layer"] == "blocks.0.mlp.0" and event["action"] == "raised to float32 and skipped"
+    assert run["skipped_steps"] == 0 and run["guard"]["raised"] == {"blocks.0.mlp.0": "float32"}
+    assert run["final_train_loss"] == pytest.approx(
+        json.loads((tmp_path / "guarded" / "results.json").read_text())["runs"][0]["final_train_loss"], rel=0.02)
+    assert "guard: 1" in shown and f"fp16 O1 fp32-compute: step {event['step'] + 1} nonfinite-loss" in " ".join(
+        shown.split())
+    for picture in ("curves.png", "guard-fp16-O1-fp32-compute.png", "guard-fp32.png"):
+        assert (tmp_path / "guarded" / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _sharded_worker(rank: int, world: int) -> dict:
+    """An MLP sharded with FSDP2 on 2 ranks, each on its half of the batch; at step 3 rank 1's half holds a NaN."""
+    from ampkit.distributed import fully_shard, prepare_optimizer
+
+    out = {}
+    for guarded in (False, True):
+        torch.manual_seed(0)
+        model = fully_shard(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)), opt_level="O1",
+                            dtype=torch.bfloat16, compute="native")
+        optimizer = prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        guard = ampkit.Guard(model, optimizer, sample_every=2) if guarded else None
+        for step in range(6):
+            x, y = _batch(step)
+            x, y = x[rank::world].clone(), y[rank::world]
+            if step == 3 and rank == 1:
+                x[2, 5] = math.nan
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.mse_loss(model(x).float(), y)
+            loss.backward()
+            guard.step(loss, batch=(x, y)) if guard is not None else optimizer.step()
+        weights = [p.detach().full_tensor() for p in model.parameters()]
+        out[guarded] = {"finite": all(bool(torch.isfinite(w).all()) for w in weights),
+                        "events": [dataclasses.astuple(e) for e in guard.events] if guard else [],
+                        "losses": guard.losses if guard else [], "samples": len(guard.samples) if guard else 0,
+                        "weights": weights}
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # 2 spawned ranks: about 15 s
+def test_on_fsdp2_shards_every_rank_takes_the_same_action() -> None:
+    """A NaN in one rank's half of the batch: unguarded, it reaches both ranks' weights through the reduce-scatter;
+    guarded, the verdict is reduced over the ranks first, so both skip the step, record the same event (naming rank
+    1's batch) and the same losses, and train on with finite weights."""
+    from multiprocess import run_ranks
+
+    ranks = run_ranks(_sharded_worker, 2, timeout_s=240)
+    for rank in ranks:
+        assert not rank[False]["finite"] and rank[True]["finite"]
+        [event] = rank[True]["events"]
+        assert event[:4] == (3, "nonfinite-loss", "the batch of rank 1: a tensor holding an inf or a NaN", "skipped")
+        assert rank[True]["samples"] == 3  # steps 0, 2, 4: the layers' figures reduced over the ranks
+    assert ranks[0][True]["events"] == ranks[1][True]["events"]
+    assert ranks[0][True]["losses"] == ranks[1][True]["losses"] and ranks[0][True]["losses"][3] is None
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0][True]["weights"], ranks[1][True]["weights"]))
+
+
+@pytest.mark.slow  # torch.compile: about 10 s
+def test_under_torch_compile_the_raise_recompiles_once_and_the_run_matches_eager() -> None:
+    """Fault (b) with the model compiled (a counting backend, dynamo's graphs run as traced): the guard names and
+    raises the FP8 linear at the same step as in eager code, the losses are eager's, and the raise adds its graphs
+    once (the module replaced), not a recompile at every later step."""
+    graphs: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    def run(compiled: bool) -> tuple[list[float], ampkit.Guard, list[int]]:
+        torch.compiler.reset()
+        graphs.clear()
+        model, optimizer, outlier, linear = _outlier_model()
+        guard = ampkit.Guard(model, optimizer, action="raise", sample_every=1)
+        forward = torch.compile(model, backend=counting) if compiled else model
+        plant, counts, losses = _plant_at(21, outlier, linear), [], []
+        for step in range(STEPS):
+            plant(step)
+            optimizer.zero_grad(set_to_none=True)
+            x, y = _batch(step)
+            loss = F.mse_loss(forward(x).float(), y)
+            loss.backward()
+            guard.step(loss, batch=(x, y))
+            losses.append(loss.item())
+            counts.append(len(graphs))
+        return losses, guard, counts
+
+    eager, eager_guard, _ = run(compiled=False)
+    compiled, guard, counts = run(compiled=True)
+    assert [(e.step, e.layer, e.action) for e in guard.events] == [(21, "3", "raised to 16 bits")]
+    assert [(e.step, e.layer) for e in eager_guard.events] == [(21, "3")]
+    assert compiled == pytest.approx(eager, rel=1e-5)
+    assert counts[21] == counts[0]  # sampled every step: no recompile before the raise
+    assert counts[22] - counts[21] <= 2 and counts[-1] == counts[22]  # the raise's graphs, once
