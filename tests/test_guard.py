@@ -96,6 +96,34 @@ def test_a_weight_gone_non_finite_is_traced_to_its_layer_and_the_last_good_state
     assert len(guard.events) == 1
 
 
+def test_restore_from_the_last_checkpoint_the_loop_saved(tmp_path: Path) -> None:
+    """``checkpoint=``: "restore" puts back the state last saved there (step 15's) instead of a copy in memory; before
+    the first save (a NaN batch at step 3) it only skips. Against the weights of that save, to the bit."""
+    model, optimizer = _setup()
+    path = tmp_path / "last.pt"
+    guard = ampkit.Guard(model, optimizer, action="restore", checkpoint=path)
+    saved: dict[str, torch.Tensor] = {}
+
+    def planted(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if step == 15:
+            ampkit.save_checkpoint(path, model=model, optimizer=optimizer)
+            saved.update({k: v.clone() for k, v in model.state_dict().items()})
+        if step == 20:
+            with torch.no_grad():
+                optimizer.master_params[2][0, 0] = math.inf  # type: ignore[attr-defined]
+                model[2].weight[0, 0] = math.inf
+        return _nan_at_3(step)
+
+    _train(model, optimizer, guard, planted, steps=21)
+    assert [e.action for e in guard.events] == [f"skipped (no checkpoint at {path} yet)", f"restored {path}"]
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in saved.items())
+
+
+def _nan_at_3(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = _batch(step)
+    return (torch.full_like(x, math.nan), y) if step == 3 else (x, y)
+
+
 def test_a_loss_spike_beyond_its_recent_history_is_skipped() -> None:
     model, optimizer = _setup()
     guard = ampkit.Guard(model, optimizer, window=10)
@@ -165,6 +193,7 @@ def test_the_timeline_and_the_plot_are_written(tmp_path: Path) -> None:
     (dict(sample_every=-1), r"sample_every=-1 is invalid: an integer >= 0"),
     (dict(saturation=0), r"saturation=0 is invalid: a fraction in \(0, 1\]"),
     (dict(near_overflow=1.5), r"near_overflow=1.5 is invalid"),
+    (dict(checkpoint="last.pt"), r"checkpoint='last.pt' is where action='restore' reads the state it puts back"),
 ])
 def test_bad_guard_settings_are_refused(options: dict, match: str) -> None:
     model, optimizer = _setup()

@@ -295,3 +295,38 @@ def test_under_torch_compile_the_raise_recompiles_once_and_the_run_matches_eager
     assert compiled == pytest.approx(eager, rel=1e-5)
     assert counts[21] == counts[0]  # sampled every step: no recompile before the raise
     assert counts[22] - counts[21] <= 2 and counts[-1] == counts[22]  # the raise's graphs, once
+
+
+def test_the_fp8_figures_agree_with_the_diagnostics_cast_figures() -> None:
+    """The guard's in-graph FP8 figures (no host read) against ``fp8.cast_numerics``, the diagnostics' own."""
+    from ampkit.formats.fp8 import cast_numerics
+    from ampkit.formats.recipes import E4M3
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    x[:, 3] *= 1e4  # clamped at the scale below
+    x[:, 5] *= 1e-6  # flushed
+    found = []
+    for scale in (torch.tensor(0.5), torch.tensor(2.0**-8)):
+        saturation, underflow, _ = layers.fp8_figures(x, scale, E4M3).tolist()
+        theirs = cast_numerics(x, scale, E4M3)
+        assert (saturation, underflow) == (pytest.approx(theirs.overflow), pytest.approx(theirs.underflow))
+        found.append((saturation > 0, underflow > 0))
+    assert found == [(True, True), (False, True)]  # at 2**-8, 1e4 fits E4M3's 448
+
+
+def test_a_block_scaled_linear_is_watched_and_raised_to_16_bits_on_its_own_parameters() -> None:
+    from ampkit.formats.block_linear import BlockScaledLinear
+    from ampkit.formats.recipes import BlockScaledRecipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(BlockScaledLinear.from_linear(nn.Linear(64, 32), BlockScaledRecipe("mxfp8", scale_mode="rceil")), nn.ReLU())
+    weight = model[0].weight
+    x = torch.randn(8, 64)
+    x[:, 1:32] *= 1e-12  # in each row's first block of 32, all but one value sit far below the block's largest
+    saturation, underflow, _ = layers.block_figures(x, model[0]).tolist()
+    assert saturation == 0 and underflow == pytest.approx(31 / 64, abs=0.02)  # RCEIL: no element saturates
+    raised = layers.raise_layer(model, "0")
+    assert model[0] is raised and not isinstance(raised, BlockScaledLinear) and raised.weight is weight
+    assert torch.equal(model(x), F.relu(F.linear(x, weight, model[0].bias)))
+    assert layers.raised_to(raised) == "float32"  # the next raise

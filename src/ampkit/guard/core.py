@@ -57,7 +57,7 @@ class GuardEvent:
         signal: ``"nonfinite-loss"``, ``"nonfinite-gradient"``, ``"loss-spike"``, ``"repeated-skips"``,
             ``"layer-saturation"``, ``"layer-underflow"`` or ``"layer-near-overflow"``.
         where: the batch or the module and op the trouble came from, or the figures of a spike, in words.
-        action: ``"skipped"``, ``"restored step N"``, ``"raised to float32 and skipped"`` (a non-finite loss or
+        action: ``"skipped"``, ``"restored step N"`` (or ``"restored <checkpoint>"``), ``"raised to float32 and skipped"`` (a non-finite loss or
             gradient), ``"raised to 16 bits"`` or ``"raised to float32"`` (a layer's signal: its gradients are finite,
             the step is taken), or ``"recorded"`` (the step taken: the scaler skips on its own, or a layer's signal
             under ``"skip"`` or ``"restore"``).
@@ -91,6 +91,9 @@ class Guard:
         window: the losses a spike is measured against (default 50; spikes are looked for once it is half full).
         keep_every: good steps between the states kept for ``"restore"`` (default 50); the kept copy of the model's
             and the optimizer's state takes their memory once more.
+        checkpoint: for ``"restore"``, a file the loop writes with ``ampkit.save_checkpoint(path, model=...,
+            optimizer=...)``: the state put back is the last one saved there (nothing kept in memory); None (default):
+            the copy kept every ``keep_every`` steps. Where no file is there yet, the bad step is only skipped.
         max_skips: the scaler's skipped steps in a row that make an event (default 5).
         sample_every: steps between samples of the layers' figures (default 10; 0: never). The step's own forward
             is measured, so the steps between cost a Python call per watched module (benchmarks/bench_guard.py).
@@ -122,7 +125,7 @@ class Guard:
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, spike_sigmas: float = 6.0,
                  window: int = 50, keep_every: int = 50, max_skips: int = 5, sample_every: int = 10,
                  saturation: float = 0.01, underflow: float = 0.05, near_overflow: float = 0.5,
-                 process_group: Any = None) -> None:
+                 process_group: Any = None, checkpoint: str | Path | None = None) -> None:
         if action not in ACTIONS:
             raise ValueError(f"Unknown action {action!r}. Choose one of {list(ACTIONS)}: 'skip' drops a bad step, "
                              "'restore' puts back the last good state the guard kept, then drops it, 'raise' raises the "
@@ -150,6 +153,9 @@ class Guard:
                              "all-gathers cast to the sharding's dtypes whatever a layer's region says. Use "
                              "action='skip' or 'restore' (every rank acts alike), or raise the layer by hand with "
                              "fully_shard's keep_float32.")
+        if checkpoint is not None and action != "restore":
+            raise ValueError(f"checkpoint={str(checkpoint)!r} is where action='restore' reads the state it puts back; "
+                             f"the action is {action!r}: pass action='restore', or drop checkpoint.")
         if process_group is not None and not dist.is_initialized():
             raise ValueError("process_group is given but torch.distributed is not initialized: call "
                              "torch.distributed.init_process_group first, or pass process_group=None.")
@@ -166,6 +172,7 @@ class Guard:
                              "or 'restore'.")
         self.model, self.optimizer, self.scaler, self.action = model, optimizer, scaler, action
         self.loss_fn, self.spike_sigmas, self.keep_every, self.max_skips = loss_fn, spike_sigmas, keep_every, max_skips
+        self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.sample_every, self.limits = sample_every, {"saturation": saturation, "underflow": underflow,
                                                         "amax": near_overflow}
         self.losses: list[float | None] = []  # every step's loss, None where not finite
@@ -262,7 +269,8 @@ class Guard:
             return
         self._recent.append(value)
         self._good_steps += 1
-        if self.action == "restore" and (self._kept is None or self._good_steps % self.keep_every == 0):
+        if self.action == "restore" and self.checkpoint is None and (self._kept is None
+                                                                     or self._good_steps % self.keep_every == 0):
             self._kept = (step, {"model": snapshot(self.model.state_dict()),
                                  "optimizer": snapshot(self.optimizer.state_dict())})
 
@@ -324,7 +332,15 @@ class Guard:
             param.grad = None  # nothing of this step reaches a later one
         self.model.zero_grad(set_to_none=True)
         action = "skipped"
-        if self.action == "restore" and self._kept is not None:
+        if self.action == "restore" and self.checkpoint is not None:
+            if self.checkpoint.exists():
+                from ampkit.checkpoint import load_checkpoint
+
+                load_checkpoint(self.checkpoint, model=self.model, optimizer=self.optimizer)
+                action = f"restored {self.checkpoint}"
+            else:
+                action = f"skipped (no checkpoint at {self.checkpoint} yet)"
+        elif self.action == "restore" and self._kept is not None:
             kept_step, state = self._kept
             self.model.load_state_dict(snapshot(state["model"]))
             self.optimizer.load_state_dict(snapshot(state["optimizer"]))
