@@ -332,3 +332,32 @@ def test_a_block_scaled_linear_is_watched_and_raised_to_16_bits_on_its_own_param
     assert model[0] is raised and not isinstance(raised, BlockScaledLinear) and raised.weight is weight
     assert torch.equal(model(x), F.relu(F.linear(x, weight, model[0].bias)))
     assert layers.raised_to(raised) == "float32"  # the next raise
+
+
+def test_a_recompute_plan_changes_none_of_the_guard_figures_or_losses() -> None:
+    """With the recompute planner's plan applied, the recomputed forwards of backward run the hooks again on the same
+    values: every sampled figure and every loss is the unplanned run's."""
+    from ampkit.experiment.models import GPT
+
+    def run(planned: bool) -> tuple[list, list]:
+        torch.manual_seed(0)
+        model = GPT(d_model=32, n_layers=2, n_heads=2, context=16)
+        model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O1",
+                                             torch.bfloat16, compute="native")
+        tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(1))
+        x, y = tokens[:, :-1], tokens[:, 1:]
+
+        def loss_of(logits: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+        if planned:
+            ampkit.plan_recompute(model, x, 0.5, loss_of, strategy="blocks").apply(model)
+        guard = ampkit.Guard(model, optimizer, sample_every=1)
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_of(model(x))
+            loss.backward()
+            guard.step(loss, batch=(x, y))
+        return guard.losses, guard.samples
+
+    assert run(planned=True) == run(planned=False)
