@@ -146,6 +146,10 @@ def test_the_steps_between_samples_measure_nothing() -> None:
     _train(model, optimizer, guard, None)
     assert [step for step, _ in guard.samples] == [0, 7, 14, 21, 28, 35]
     assert set(guard.samples[0][1]) == {"0", "3", "5"}  # the bf16 linears and the FP8 one; not the float32 norms
+    guard.close()
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    _train(model, optimizer, guard, None)
+    assert len(guard.samples) == 6 and guard.step_count == 2 * STEPS
 
 
 def test_a_layer_signal_without_raise_is_recorded_and_the_step_taken(tmp_path: Path) -> None:

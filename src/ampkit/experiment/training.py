@@ -35,7 +35,7 @@ from ampkit.planning.precision_plan import PrecisionPlan
 from ampkit.planning.recompute import plan_recompute
 from ampkit.formats.fp8 import convert_to_fp8
 from ampkit.guard import Guard
-from ampkit.guard.layers import can_raise_16
+from ampkit.guard.layers import sixteen_bit_weights
 from ampkit.optim.levels import initialize
 from ampkit.scaling.adaptive import AdaptiveLossScaler
 from ampkit.scaling.scaler import DynamicLossScaler, StaticLossScaler
@@ -165,7 +165,7 @@ def make_guard(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Dynam
     """The run's guard: it raises a failing layer's precision where the run's weights are float32 under autocast
     (O1) or the layer is FP8 or block-scaled; else (float32, O2, O3) it skips the bad step."""
     mixed = getattr(model, "_ampkit_opt_level", "O0") != "O0"
-    action = "raise" if mixed and not can_raise_16(model) else "skip"
+    action = "raise" if mixed and not sixteen_bit_weights(model) else "skip"
     return Guard(model, optimizer, scaler, action=action, loss_fn=lambda logits, y: F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)))
 

@@ -164,7 +164,7 @@ class Guard:
         if any(id(p) not in own for p in stepped):
             raise ValueError("The optimizer steps tensors that are not this model's parameters (or their masters): "
                              "pass the model and the optimizer initialize returned.")
-        sixteen = layers.can_raise_16(model) if action == "raise" else []
+        sixteen = layers.sixteen_bit_weights(model) if action == "raise" else []
         if sixteen:
             raise ValueError(f"action='raise' cannot raise a 16-bit layer of this model to float32: its weights are "
                              f"16-bit ({sixteen[0]}: {dict(model.named_parameters())[sixteen[0]].dtype}; O2 and O3 "
@@ -238,7 +238,6 @@ class Guard:
         self.watch.sampling = self.sample_every > 0 and (step + 1) % self.sample_every == 0
         if sampled:
             self.samples.append((step, sampled))
-        problem = None
         if not (finite and math.isfinite(gradient)):
             where, layer = self._attribute(batch, bad_batches)
             problem = ("nonfinite-loss" if not finite else "nonfinite-gradient", where, layer)
@@ -307,8 +306,8 @@ class Guard:
         if self.agreement.group is not None:  # every rank says the same: no replay of one rank's batch
             if bad_batches:
                 return f"the batch of rank {', '.join(map(str, bad_batches))}: a tensor holding an inf or a NaN", None
-            return ("not replayed: the model is sharded (ampkit.find_nonfinite on the unsharded model with this "
-                    "batch names the op)"), None
+            return ("not replayed: the run spans ranks (ampkit.find_nonfinite on the model in one process, with "
+                    "this batch, names the op)"), None
         index = ranks.nonfinite_batch(_split(batch))
         if index is not None:
             return f"the batch: its tensor {index} holds an inf or a NaN", None
@@ -361,6 +360,12 @@ class Guard:
     def _record(self, step: int, signal: str, where: str, layer: str | None, action: str,
                 loss: float | None) -> None:
         self.events.append(GuardEvent(step, signal, where, action, loss, layer))
+
+    def close(self) -> None:
+        """Take the guard's hooks off the model's layers (the guard's ``step`` samples no layer after it)."""
+        self.watch.remove()
+        self.watch.sampling = False
+        self.sample_every = 0
 
     def timeline(self) -> dict[str, Any]:
         """What the guard saw, as plain data (strict JSON: a non-finite loss is None): every step's loss, the

@@ -62,9 +62,9 @@ def fp8_figures(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> tor
     a = x.detach().abs().float()
     scaled = a * scale
     nonzero = _nonzero(a)
+    largest = torch.nan_to_num(scaled.amax() / fp8_max(dtype), nan=1e30, posinf=1e30)  # finite, for strict JSON
     return torch.stack([(scaled > fp8_max(dtype)).sum() / nonzero,
-                        ((a > 0) & (scaled <= SMALLEST_SUBNORMAL[dtype] / 2)).sum() / nonzero,
-                        scaled.amax() / fp8_max(dtype)]).float()
+                        ((a > 0) & (scaled <= SMALLEST_SUBNORMAL[dtype] / 2)).sum() / nonzero, largest]).float()
 
 
 def block_figures(x: torch.Tensor, module: BlockScaledLinear) -> torch.Tensor:
@@ -112,10 +112,6 @@ class LayerWatch:
             if name and kind(module):
                 self.watch(name, module)
 
-    @property
-    def names(self) -> list[str]:
-        return list(self._handles)
-
     def watch(self, name: str, module: nn.Module) -> None:
         """Hook ``module`` (again, after a raise replaced or rewrapped it) as ``name``."""
         for handle in self._handles.pop(name, []):
@@ -127,6 +123,7 @@ class LayerWatch:
         self.kinds[name] = kind(module)
 
     def remove(self) -> None:
+        """Take every hook off (``Guard.close``)."""
         for handles in self._handles.values():
             for handle in handles:
                 handle.remove()
@@ -179,12 +176,13 @@ def _float32(value: Any) -> Any:
 
 
 def raised_to(module: nn.Module) -> str:
-    """What ``raise_layer`` makes of ``module``: ``"bf16"``/``"fp16"`` words for FP8 and block-scaled, else float32."""
+    """What ``raise_layer`` makes of ``module``: ``"16 bits"`` for FP8 and block-scaled linears, else ``"float32"``."""
     return "16 bits" if isinstance(module, (Fp8Linear, BlockScaledLinear)) else "float32"
 
 
-def can_raise_16(model: nn.Module) -> list[str]:
-    """The parameters of ``model`` outside FP8 and block-scaled linears kept in 16 bits (O2, O3), by name."""
+def sixteen_bit_weights(model: nn.Module) -> list[str]:
+    """The names of ``model``'s 16-bit parameters outside FP8 and block-scaled linears (O2, O3 cast them): the layers
+    ``raise_layer`` cannot raise to float32."""
     narrow = {id(p) for m in model.modules() if isinstance(m, (Fp8Linear, BlockScaledLinear))
               for p in m.parameters()}
     return [n for n, p in model.named_parameters() if p.dtype in SIXTEEN and id(p) not in narrow]
