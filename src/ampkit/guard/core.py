@@ -238,6 +238,7 @@ class Guard:
         self.watch.sampling = self.sample_every > 0 and (step + 1) % self.sample_every == 0
         if sampled:
             self.samples.append((step, sampled))
+        problem: tuple[str, str, str | None] | None
         if not (finite and math.isfinite(gradient)):
             where, layer = self._attribute(batch, bad_batches)
             problem = ("nonfinite-loss" if not finite else "nonfinite-gradient", where, layer)
