@@ -53,3 +53,23 @@ def test_the_summary_names_memory_as_the_table_does(figures: list, tmp_path: Pat
     report.write_summary(_comparison(), tmp_path / "summary.png")
     titles = [ax.get_title() for ax in figures[0].axes]
     assert "memory added (MiB)" in titles and not any("peak" in t for t in titles)
+
+
+def test_a_comparison_with_loss_scaling_and_a_guard_fits_80_columns() -> None:
+    """Was: the skipped-steps and loss-scale columns of an fp16 run made the table 88 columns wide; rich cut its
+    right-hand columns ("skipp…") and the caption at 80."""
+    from rich.console import Console
+
+    comparison = _comparison()
+    comparison.config.update(batch_size=32, steps=400)
+    comparison.machine.update(device_name="AMD EPYC", torch="2.13.0+cpu")
+    fp16 = _run("fp16 O1 fp32-compute", [4.0, 3.0])
+    fp16.float32_compute, fp16.final_loss_scale, fp16.skipped_steps = ["matmul"], 65536.0, 3
+    fp16.guard = {"events": [{"step": 1}], "raised": {}}
+    comparison.runs.append(fp16)
+    console = Console(width=80, record=True)
+    console.print(report.table(comparison))
+    text = console.export_text()
+    assert "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert "(65536)" in text and "guard: 1" in text and "skipped (scale): the steps the loss scaler skipped" in " ".join(
+        text.split())

@@ -50,6 +50,8 @@ def table(comparison: Comparison) -> Table:
         caption += "; fp32-grads: the 16-bit weights' gradients accumulate in float32"
     if any("-states" in run.label for run in comparison.runs):
         caption += "; 8bit-states (bf16, 4bit, fp8): AdamW's moments kept in that format"
+    if any(run.final_loss_scale is not None for run in comparison.runs):
+        caption += "; skipped (scale): the steps the loss scaler skipped, its final scale below"
     if any(run.probe for run in comparison.runs):
         caption += "; probe: a few steps, timed only"
     if any(not run.probe and run.steps <= WARMUP_STEPS for run in comparison.runs):
@@ -67,7 +69,7 @@ def table(comparison: Comparison) -> Table:
     # Headers on two lines and figures above their ratios, so the table fits an 80-column terminal.
     # samples/s (in results.json) makes way for the bytes per parameter: ms/step says the speed already
     headers = ["run", "ms/step", "memory\nadded", "saved for\nbackward", "B/param", "train\nloss", "test\nacc"]
-    headers += ["skipped\nsteps", "loss\nscale"] if scaled else []
+    headers += ["skipped\n(scale)"] if scaled else []  # one column for both: the table fits 80 columns
     for header in headers:
         if header == "run":
             out.add_column(header, min_width=len("fp32-compute"))
@@ -91,7 +93,7 @@ def table(comparison: Comparison) -> Table:
             "-" if run.test_accuracy is None else f"{100 * run.test_accuracy:.1f}%",
         ]
         if scaled:
-            row += [str(run.skipped_steps), "-" if run.final_loss_scale is None else f"{run.final_loss_scale:g}"]
+            row.append(f"{run.skipped_steps}" + ("" if run.final_loss_scale is None else f"\n({run.final_loss_scale:g})"))
         if run.guard is not None:
             row[0] += f"\nguard: {len(run.guard['events'])}"
         out.add_row(*row)
