@@ -121,18 +121,20 @@ def write_curves(comparison: Comparison, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     shown = [run for run in comparison.runs if not run.probe]  # a probe's few steps say nothing of convergence
+    marked = False  # the guard's events: one legend entry for all
     for index, run in enumerate(shown):
         # a style of its own per run, drawn thinner on top: two runs with equal losses both stay visible
         ax.plot(range(1, len(run.losses) + 1), run.losses, label=run.label, linewidth=2.2 - 1.4 * index / len(shown),
                 linestyle=("-", "--", "-.", ":")[index % 4], alpha=0.9)
-        for event in (run.guard or {"events": []})["events"]:  # at the last finite loss before it
-            step = event["step"]
-            finite = [v for v in run.losses[: step + 1] if math.isfinite(v)]
-            ax.plot(step + 1, finite[-1] if finite else 1.0, marker="x", color="tab:red", markersize=9,
-                    markeredgewidth=2, label="guard event" if not ax.get_legend_handles_labels()[1].count(
-                        "guard event") else None)
-            ax.annotate(f"{event['signal']}\n{event['layer'] or ''}", (step + 1, finite[-1] if finite else 1.0),
-                        fontsize=6, color="tab:red", xytext=(4, 4), textcoords="offset points")
+        for event in run.guard["events"] if run.guard is not None else []:  # at the last finite loss before it
+            step = event["step"] + 1  # the timeline counts from 0, the curves from 1
+            finite = [v for v in run.losses[:step] if math.isfinite(v)]
+            at = (step, finite[-1] if finite else 1.0)
+            ax.plot(*at, marker="x", color="tab:red", markersize=9, markeredgewidth=2,
+                    label=None if marked else "guard event")
+            ax.annotate(f"{event['signal']}\n{event['layer'] or ''}", at, fontsize=6, color="tab:red",
+                        xytext=(4, 4), textcoords="offset points")
+            marked = True
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")
