@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -129,5 +130,21 @@ def test_a_plan_file_with_any_value_changed_loads_and_applies_or_is_refused_unch
         PrecisionPlan.load(folder / "plan.json").apply(model)
     except ValueError:
         assert [(name, type(m).__name__) for name, m in model.named_modules()] == before
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_plan_whose_layer_name_became_a_list_is_refused_as_damaged() -> None:
+    """Hypothesis found it on torch 2.11's CI run (path [35, 1, 0], value []): ``apply`` raised TypeError
+    ("unhashable type: 'list'") where the file's damage should be named."""
+    from ampkit.planning.precision_plan import PrecisionPlan
+
+    data = _plan().to_dict()
+    data["layers"][1]["name"] = []
+    folder = Path(tempfile.mkdtemp(prefix="ampkit-test-plan-"))
+    try:
+        (folder / "plan.json").write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=r"is damaged: layer 1 has name \[\], format 'fp8', shape \[32, 32\]"):
+            PrecisionPlan.load(folder / "plan.json")
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -211,6 +211,13 @@ class PrecisionPlan:
                              "with this ampkit's `ampkit tune --out`.")
         try:
             layers = tuple(LayerChoice(**{**layer, "shape": tuple(layer["shape"])}) for layer in data["layers"])
-            return cls(**{**data, "layers": layers, "backed_off": tuple(data["backed_off"])})
+            plan = cls(**{**data, "layers": layers, "backed_off": tuple(data["backed_off"])})
         except (KeyError, TypeError) as error:
             raise ValueError(f"{path} is damaged: {error}. Make it again with `ampkit tune --out`.") from None
+        for index, layer in enumerate(layers):  # what apply reads: a list where a name was raised TypeError there
+            if not (isinstance(layer.name, str) and isinstance(layer.format, str) and len(layer.shape) == 2
+                    and all(isinstance(n, int) and not isinstance(n, bool) for n in layer.shape)):
+                raise ValueError(f"{path} is damaged: layer {index} has name {layer.name!r}, format {layer.format!r}, "
+                                 f"shape {list(layer.shape)!r} (a name, a format and two integers). Make it again "
+                                 "with `ampkit tune --out`.")
+        return plan
