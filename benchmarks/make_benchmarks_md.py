@@ -238,6 +238,23 @@ def guard_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def function_mode_table(results: dict[str, Any]) -> str:
+    rows = [
+        f"`python benchmarks/bench_function_mode.py`, {results['created']}, on {machine_line(results['machine'])}. "
+        "Issue 38's first direction measured before it is built: a stand-in policy as a `TorchFunctionMode` that "
+        "casts in `__torch_function__`, eagerly and through torch.compile (a counting backend), every case twice.",
+        "",
+        "| case | eager | compiled | graphs so far |",
+        "|---|---|---|---|",
+    ]
+    rows += [f"| {r['case']} | {r['eager']} | {r['compiled']} | {r['graphs so far']} |"
+             for r in results["rows"] if r["pass"] == 1]
+    rows += ["", f"Compiled dtypes equal eager's in every case: {'yes' if results['same_dtypes'] else 'no'}; graphs "
+             f"compiled on the second pass: {results['second_pass_compiles']}. Eager step of an 8-layer MLP with the "
+             f"mode entered and none of its ops hit, over torch.autocast's: {results['eager_ratio']:.3f}x."]
+    return "\n".join(rows)
+
+
 def distributed_table(results: dict[str, Any]) -> str:
     ms, sent, steps = results["allreduce_ms"], results["allreduce_bytes"], results["ddp_step_ms"]
     rows = [
@@ -807,6 +824,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     tuned = load(directory, "tune.json")
     if tuned:
         sections += [f"{level} Formats per layer: `ampkit tune` on a planted outlier", "", tune_table(tuned), ""]
+    function_mode = load(directory, "function-mode.json")
+    if function_mode:
+        sections += [f"{level} The precision layer as a torch function mode (issue 38, measured before building)", "",
+                     function_mode_table(function_mode), ""]
     compiled = load(directory, "compile.json")
     if compiled:
         sections += [f"{level} torch.compile under every kind of policy", "", compile_table(compiled), ""]
