@@ -15,31 +15,12 @@ from torch.nn import functional as F
 
 import ampkit
 import test_guard
-from ampkit.experiment.models import ChannelScale
+from ampkit.experiment.models import ChannelScale, GrowingLinear
 from ampkit.formats.fp8 import Fp8Linear, Fp8Recipe
 from ampkit.guard import layers
 from ampkit.scaling.scaler import NonFiniteError
 
 STEPS = 40
-
-
-class GrowingLinear(nn.Linear):
-    """A linear whose weight is multiplied by ``gain`` and its output divided by it: the same function in exact
-    arithmetic. ``gain`` grows by ``rate`` at each training forward from the ``start``-th on (up to 2**24), so in
-    float16 its output overflows at a known step; in float32 nothing does."""
-
-    gain: torch.Tensor
-
-    def __init__(self, *args: object, rate: float = 2.0, start: int = 5, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.rate, self.start, self.calls = rate, start, 0
-        self.register_buffer("gain", torch.ones(()))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training and torch.is_grad_enabled():
-            self.calls += 1
-            self.gain.fill_(min(2.0**24, self.rate ** max(0, self.calls - self.start)))
-        return F.linear(x, self.weight * self.gain) / self.gain + self.bias
 
 
 def _growing(rate: float) -> tuple[nn.Module, torch.optim.Optimizer]:
