@@ -257,3 +257,12 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_skipped_and_said_not_reprod
     assert [(e.signal, e.where) for e in guard.events] == [("nonfinite-gradient",
                                                            "not reproduced by a replay of the batch")]
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and model[0].weight.grad is None
+
+
+@pytest.mark.parametrize("loss, match", [(0.5, r"got 0.5"), (torch.ones(3), r"got a tensor of shape \(3,\)")])
+def test_a_loss_that_is_not_one_value_is_refused_before_anything_changes(loss: object, match: str) -> None:
+    model, optimizer = _setup()
+    guard = ampkit.Guard(model, optimizer)
+    with pytest.raises(ValueError, match=r"Guard.step takes the step's loss as a one-element tensor .*" + match):
+        guard.step(loss)  # type: ignore[arg-type]
+    assert guard.step_count == 0 and guard.events == []

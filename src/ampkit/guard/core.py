@@ -227,6 +227,10 @@ class Guard:
         Returns:
             True where the step may be taken; then call ``taken`` after it.
         """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            given = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
+            raise ValueError(f"Guard.step takes the step's loss as a one-element tensor (before .item()), got "
+                             f"{given}: pass the reduced loss the backward ran from, unscaled.")
         step = self.step_count
         if gradients is None:
             gradients = self.scaler is None or not getattr(self.scaler, "enabled", True)
