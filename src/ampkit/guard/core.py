@@ -249,7 +249,7 @@ class Guard:
         else:
             problem = self._spike(value)
         if problem is None and sampled:
-            layer_problem = self._layer_problem(sampled)
+            layer_problem = layers.worst(sampled, self.watch.kinds, self.limits)
             if layer_problem is not None:  # finite gradients: the step is taken (skipping cannot cure a layer)
                 signal, where, name = layer_problem
                 self._record(step, signal, where, name, self._raise(name) if self.action == "raise" else "recorded",
@@ -286,23 +286,6 @@ class Guard:
                 return "loss-spike", (f"loss {value:.4g} against {mean:.4g} +- {spread:.2g} over the last "
                                       f"{len(self._recent)} steps"), None
         return None
-
-    def _layer_problem(self, sampled: dict[str, tuple[float, float, float]]) -> tuple[str, str, str] | None:
-        """The sampled layer furthest past a limit (as a multiple of it), with its signal, or None."""
-        worst: tuple[float, str, str, str] | None = None
-        for name, figures in sampled.items():
-            for figure, number in zip(layers.FIGURES, figures):
-                if figure == "amax" and self.watch.kinds.get(name) != "16-bit":
-                    continue  # FP8's scale puts its largest value at the format's largest by design
-                limit = self.limits[figure]
-                if number > limit and (worst is None or number / limit > worst[0]):
-                    signal = {"saturation": "layer-saturation", "underflow": "layer-underflow",
-                              "amax": "layer-near-overflow"}[figure]
-                    what = {"saturation": "values clamped or not finite", "underflow": "values flushed or below "
-                            "the smallest normal", "amax": "largest value over the format's largest"}[figure]
-                    worst = (number / limit, signal, f"{name} ({self.watch.kinds.get(name)}): {what} {number:.3g}, "
-                             f"past {limit:g}", name)
-        return None if worst is None else worst[1:]  # type: ignore[return-value]
 
     def _attribute(self, batch: Any, bad_batches: list[int]) -> tuple[str, str | None]:
         """Where a non-finite value came from, in words, and the module to raise (None: the batch, or unknown)."""

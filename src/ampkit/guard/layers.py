@@ -99,6 +99,26 @@ def sixteen_figures(output: Any) -> torch.Tensor | None:
     return torch.stack(worst).amax(0)
 
 
+SIGNALS = {"saturation": ("layer-saturation", "values clamped or not finite"),
+           "underflow": ("layer-underflow", "values flushed or below the smallest normal"),
+           "amax": ("layer-near-overflow", "largest value over the format's largest")}
+
+
+def worst(sampled: dict[str, tuple[float, float, float]], kinds: dict[str, str],
+          limits: dict[str, float]) -> tuple[str, str, str] | None:
+    """The sampled layer furthest past a limit (as a multiple of it): its signal, the figure in words, its name; or
+    None. A largest value is a signal of 16-bit layers only (FP8's scale puts it at the format's largest)."""
+    found: tuple[float, str, str, str] | None = None
+    for name, figures in sampled.items():
+        for figure, number in zip(FIGURES, figures):
+            if (figure != "amax" or kinds.get(name) == "16-bit") and number > limits[figure]:
+                if found is None or number / limits[figure] > found[0]:
+                    signal, what = SIGNALS[figure]
+                    found = (number / limits[figure], signal,
+                             f"{name} ({kinds.get(name)}): {what} {number:.3g}, past {limits[figure]:g}", name)
+    return None if found is None else found[1:]
+
+
 class LayerWatch:
     """Forward hooks on a model's narrow layers; ``figures`` collects each sampled step's, by layer name."""
 
