@@ -7,7 +7,7 @@ dtype (or off) gets torch's own behaviour (what dynamo guards). On one small mod
 backend: graphs run as dynamo traced them), under: deny ``linear``; allow ``gelu``; plain torch.autocast; a
 torch.autocast of float16 and one of bfloat16 opened inside the deny region; no region; all twice (the second pass
 must compile nothing). Then the eager cost of the mode with no op of its lists hit, against torch.autocast alone,
-on an 8-layer MLP step (steps alternated, medians).
+on an 8-layer MLP step (400 steps each, alternated, medians).
 
 Writes results/function-mode.json.
 
@@ -106,7 +106,7 @@ def dtypes() -> list[dict[str, Any]]:
     return rows
 
 
-def eager_cost(repeats: int = 60) -> float:
+def eager_cost(repeats: int = 400) -> float:
     torch.manual_seed(0)
     model, x = nn.Sequential(*[nn.Sequential(nn.Linear(256, 256), nn.GELU()) for _ in range(8)]), torch.randn(64, 256)
     regions = {"plain": lambda: torch.autocast("cpu", torch.bfloat16),
