@@ -96,18 +96,24 @@ class CastNumerics:
     underflow: float
 
 
+def cast_fractions(a: torch.Tensor, scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(clamped, flushed): the fractions of the nonzero magnitudes ``a`` that ``scaled`` (``a`` times the scale) puts
+    past ``dtype``'s largest value and at or below half its smallest subnormal (a tie rounds to the even 0); float64,
+    on the device, no host read (the guard reads it with the step's other figures)."""
+    nonzero = (a > 0).sum().clamp(min=1)
+    tiny = SMALLEST_SUBNORMAL[dtype] / 2
+    return torch.stack([(scaled > fp8_max(dtype)).sum().double() / nonzero,
+                        ((a > 0) & (scaled <= tiny)).sum().double() / nonzero])
+
+
 def cast_numerics(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> CastNumerics:
     """How casting ``x`` to ``dtype`` with ``scale`` (None: from ``x``'s own amax) fares. One sync."""
     a = x.detach().abs().float().flatten()
     amax = a.amax() if a.numel() else torch.zeros((), device=a.device)
     if scale is None:
         scale = scale_from_amax(amax, dtype, 0, torch.ones((), device=a.device))
-    scaled = a * scale
-    nonzero = (a > 0).sum().clamp(min=1)
-    tiny = SMALLEST_SUBNORMAL[dtype] / 2  # at or below it, a value rounds to zero (a tie goes to the even 0)
-    figures = torch.stack([amax.double(), torch.as_tensor(scale, device=a.device).double().reshape(()),
-                           (scaled > fp8_max(dtype)).sum().double() / nonzero,
-                           ((a > 0) & (scaled <= tiny)).sum().double() / nonzero]).tolist()
+    figures = torch.cat([torch.stack([amax.double(), torch.as_tensor(scale, device=a.device).double().reshape(())]),
+                         cast_fractions(a, a * scale, dtype)]).tolist()
     return CastNumerics({E4M3: "E4M3", E5M2: "E5M2"}[dtype], *figures)
 
 

@@ -35,8 +35,8 @@ from torch.nn import functional as F
 
 from ampkit._torch import pytree
 from ampkit.formats.block_linear import BlockScaledLinear, quantize_operand
-from ampkit.formats.fp8 import Fp8Linear, fp8_max
-from ampkit.formats.recipes import INPUT, SMALLEST_SUBNORMAL
+from ampkit.formats.fp8 import Fp8Linear, cast_fractions, fp8_max
+from ampkit.formats.recipes import INPUT
 
 SIXTEEN = (torch.float16, torch.bfloat16)
 FIGURES = ("saturation", "underflow", "amax")
@@ -58,13 +58,12 @@ def _nonzero(a: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_figures(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(saturation, underflow, amax) of ``x`` cast to FP8 ``dtype`` with ``scale``, as one float32 tensor."""
+    """(saturation, underflow, amax) of ``x`` cast to FP8 ``dtype`` with ``scale``, as one float32 tensor (the
+    fractions are ``fp8.cast_fractions``, the diagnostics' own)."""
     a = x.detach().abs().float()
     scaled = a * scale
-    nonzero = _nonzero(a)
     largest = torch.nan_to_num(scaled.amax() / fp8_max(dtype), nan=1e30, posinf=1e30)  # finite, for strict JSON
-    return torch.stack([(scaled > fp8_max(dtype)).sum() / nonzero,
-                        ((a > 0) & (scaled <= SMALLEST_SUBNORMAL[dtype] / 2)).sum() / nonzero, largest]).float()
+    return torch.cat([cast_fractions(a, scaled, dtype).float(), largest.float().reshape(1)])
 
 
 def block_figures(x: torch.Tensor, module: BlockScaledLinear) -> torch.Tensor:
