@@ -345,4 +345,6 @@ def test_a_recompute_plan_changes_none_of_the_guard_figures_or_losses() -> None:
             guard.step(loss, batch=(x, y))
         return guard.losses, guard.samples
 
-    assert run(planned=True) == run(planned=False)
+    planned = run(planned=True)
+    assert len(planned[1]) == 3 and all(len(found) >= 8 for _, found in planned[1])  # every step, every linear
+    assert planned == run(planned=False)
