@@ -6,8 +6,8 @@ data or be silently wrong.
 
 Faults: a real SIGKILL of a process saving a checkpoint at each step of the save (sharded: before DCP writes, after
 its first file, before the checksums, at each of the two renames, before the old folder is removed; single-file:
-during the write, before and after the rename), a full disk and a read-only folder (simulated: the machine runs as
-root, which ignores permissions)."""
+during the write, before and after the rename), a full disk (simulated), and a read-only folder: simulated, and real
+(the writer runs without the capability by which root ignores permissions)."""
 
 from __future__ import annotations
 
@@ -232,6 +232,74 @@ def test_a_plan_saved_on_a_full_disk_writes_nothing(tmp_path: Path, monkeypatch:
         loaded.save(plan, overwrite=True)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"] and plan.read_text() == before
+
+
+# A real read-only folder: the writer runs without the right to write there. As root (this machine), permissions
+# bind only once the capability that overrides them is dropped (setpriv); as another user a mode of 0o555 does.
+_READ_ONLY_WRITER = textwrap.dedent('''
+    import json, sys, warnings
+    import torch
+    import ampkit
+    from ampkit.distributed.sharded_checkpoint import save_sharded_checkpoint
+    warnings.simplefilter("ignore", UserWarning)  # DCP's note that it runs in one process
+    folder, plan = sys.argv[1], ampkit.PrecisionPlan.load(sys.argv[2])
+    model = torch.nn.Linear(8, 8)
+    writes = {"save_checkpoint over a file": lambda: ampkit.save_checkpoint(f"{folder}/last.pt", model=model),
+              "save_checkpoint into a new folder": lambda: ampkit.save_checkpoint(f"{folder}/new/last.pt", model=model),
+              "save_sharded_checkpoint over a checkpoint": lambda: save_sharded_checkpoint(f"{folder}/run", model),
+              "save_sharded_checkpoint beside it": lambda: save_sharded_checkpoint(f"{folder}/run2", model),
+              "PrecisionPlan.save over a plan": lambda: plan.save(f"{folder}/plan.json", overwrite=True)}
+    outcomes = {}
+    for name, write in writes.items():
+        try:
+            write()
+            outcomes[name] = "written"
+        except BaseException as error:  # DCP raises BaseExceptions: the case fails unless it is a plain error
+            outcomes[name] = f"{type(error).__name__}: {error}"
+    print(json.dumps(outcomes))
+''')
+
+
+def _without_write_permission() -> list[str]:
+    if os.geteuid() != 0:
+        return []
+    if not Path("/usr/bin/setpriv").exists():
+        pytest.skip("running as root without setpriv: no way to make a folder read-only to this process")
+    dropped = "-dac_override,-dac_read_search"
+    return ["/usr/bin/setpriv", f"--bounding-set={dropped}", f"--inh-caps={dropped}"]
+
+
+def test_saves_into_a_real_read_only_folder_are_refused_and_leave_every_file_as_it_was(tmp_path: Path) -> None:
+    folder = tmp_path / "run-dir"
+    folder.mkdir()
+    torch.manual_seed(1)
+    old = nn.Linear(8, 8)
+    ampkit.save_checkpoint(folder / "last.pt", model=old, extra={"step": 1})
+    save_sharded_checkpoint(folder / "run", old, extra={"step": 1})
+    plan_source = _plan(tmp_path)
+    (folder / "plan.json").write_text(plan_source.read_text())
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    for path in [folder, folder / "run"]:
+        path.chmod(0o555)
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+        done = subprocess.run([*_without_write_permission(), sys.executable, "-c", _READ_ONLY_WRITER, str(folder),
+                               str(plan_source)], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        for path in [folder, folder / "run"]:
+            path.chmod(0o755)
+    assert done.returncode == 0, done.stderr[-2000:]
+    outcomes = json.loads(done.stdout.splitlines()[-1])
+    for name, outcome in outcomes.items():  # a plain error naming the folder, nothing written
+        assert outcome.split(":")[0] in ("PermissionError", "RuntimeError"), (name, outcome)
+        assert "Permission denied" in outcome and "run-dir" in outcome, (name, outcome)
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+    loaded = nn.Linear(8, 8)
+    assert ampkit.load_checkpoint(folder / "last.pt", model=loaded) == {"step": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's note that it runs in one process
+        assert load_sharded_checkpoint(folder / "run", loaded) == {"step": 1}
+    assert _same(_weights(loaded), _weights(old))
 
 
 # -- Sharded checkpoints misused ------------------------------------------------------------------------------
