@@ -8,7 +8,7 @@ import torch
 import torch._utils as torch_utils
 import torch.nn.functional as F
 
-from ampkit import _torch
+from ampkit import _torch, _torch_tensors
 from ampkit.float32_compute import gelu_recompute
 
 
@@ -44,6 +44,21 @@ def test_the_wrappers_call_what_they_name() -> None:
     grads = [torch.tensor([4.0, float("inf")])]
     _torch.amp_unscale_(grads, found, inv)
     assert found.item() == 1.0 and grads[0][0].item() == 2.0
+
+
+
+def test_the_tensor_attribute_wrappers_read_what_they_name() -> None:
+    whole = torch.arange(6.0)
+    part = whole[2:]
+    assert _torch_tensors.view_base(part) is whole and _torch_tensors.view_base(whole) is None
+    before = _torch_tensors.version(part)
+    part.add_(1)
+    assert _torch_tensors.version(part) == before + 1  # a memo keyed by it sees the write
+    sparse = torch.sparse_coo_tensor([[0, 0]], [1.0, 2.0], (3,))  # one index twice: not coalesced
+    values = _torch_tensors.sparse_values(sparse)
+    assert values.tolist() == [1.0, 2.0]  # stored as given, not summed by coalesce()
+    values.mul_(2)
+    assert _torch_tensors.sparse_values(sparse).tolist() == [2.0, 4.0]  # the values themselves, not a copy
 
 
 @pytest.fixture

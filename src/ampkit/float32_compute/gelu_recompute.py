@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ampkit import _torch
+from ampkit import _torch, _torch_tensors
 
 
 def passthrough(pack_hook: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
@@ -45,7 +45,7 @@ def gelu_input(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
         fn = fn.next_functions[0][0]
     if fn is None or fn.name() != "GeluBackward0":
         return None
-    base = x._base  # x must be the whole output (a view through identity Functions is), not a part of it
+    base = _torch_tensors.view_base(x)  # x must be the whole output (a view through identity Functions is), not a part of it
     if base is not None and (x.shape, x.stride(), x.storage_offset()) != (base.shape, base.stride(),
                                                                          base.storage_offset()):
         return None

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import _torch
+from ampkit import _torch, _torch_tensors
 from ampkit._torch import TorchDispatchMode, disable_current_modes, pytree
 from ampkit.float32_compute.weights import is_weight, remember_weight_alias
 from ampkit.modes import LOW_DTYPES, without_autocast
@@ -118,7 +118,7 @@ class Upcasts:
         storage = t.untyped_storage()
         if storage.nbytes() > 4 * max(t.numel() * t.element_size(), 1) or storage.nbytes() % t.element_size():
             return t.float()  # a small view of a big storage: convert just the view
-        key = (storage.data_ptr(), t._version, t.dtype)
+        key = (storage.data_ptr(), _torch_tensors.version(t), t.dtype)
         whole = self._memo.get(key)
         if whole is None:
             whole = self._memo[key] = torch.empty(0, dtype=t.dtype, device=t.device).set_(storage).float()

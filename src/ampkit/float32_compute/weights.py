@@ -11,6 +11,8 @@ import weakref
 
 import torch
 
+from ampkit import _torch_tensors
+
 _weight_aliases: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()
 
 
@@ -22,7 +24,8 @@ def is_weight(t: torch.Tensor) -> bool:
 def is_weight_copy(t: torch.Tensor) -> bool:
     """A copy of a parameter cast by autocast, or a view of one (a linear saves the
     transposed weight): its only autograd input is a leaf's gradient accumulator."""
-    fn = (t._base if t._base is not None else t).grad_fn
+    base = _torch_tensors.view_base(t)
+    fn = (base if base is not None else t).grad_fn
     if fn is None or fn.name() != "ToCopyBackward0":
         return False
     inputs = [next_fn for next_fn, _ in fn.next_functions if next_fn is not None]

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from ampkit import _torch
+from ampkit import _torch, _torch_tensors
 from ampkit.shards import local_shard
 
 
@@ -41,7 +41,7 @@ def unscale_and_check_(grads: Iterable[torch.Tensor], inv_scale: float) -> dict[
     for grad in grads:
         grad = local_shard(grad)  # an FSDP2 gradient: this rank's shard, checked here, agreed on by the scaler
         if grad.is_sparse:
-            grad = grad._values()  # the values themselves, not a copy (coalesce() copies)
+            grad = _torch_tensors.sparse_values(grad)
         groups[(grad.device, grad.dtype)].append(grad)
     found: dict[torch.device, torch.Tensor] = {}
     inv: dict[torch.device, torch.Tensor] = {}
