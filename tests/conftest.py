@@ -161,3 +161,21 @@ def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture()
+def one_rank():  # type: ignore[no-untyped-def]
+    """A gloo process group of this process alone, for fully_shard on a 1-rank mesh; destroyed after."""
+    import socket
+    import warnings
+
+    import torch.distributed as dist
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FSDP2's and DCP's notes on a 1-rank group
+        yield
+    dist.destroy_process_group()

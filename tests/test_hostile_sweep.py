@@ -721,23 +721,6 @@ def test_a_non_finite_input_stays_visible_through_block_scaled_formats(format: s
 
 # -- FSDP2 on one rank, tune, and compositions ----------------------------------------------------------------
 
-@pytest.fixture()
-def one_rank():  # type: ignore[no-untyped-def]
-    """A gloo process group of this process alone, for fully_shard on a 1-rank mesh; destroyed after."""
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("options, match", [
     (dict(opt_level="O5"), r"Unknown opt_level: 'O5'"),
     (dict(opt_level="O2", dtype="fp8"), r"fp8"),

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ampkit.distributed.units import check_units, kept_units, shard_blocks
+from ampkit.modes import OPT_LEVELS
 from ampkit.experiment.models import GPT, MLP, ResNet18
 
 
@@ -23,17 +24,17 @@ def test_the_default_blocks_are_the_children_of_containers_outermost_first() -> 
 
 def test_o2_keeps_every_norm_and_the_kept_types_as_units_of_their_own() -> None:
     model = GPT(n_layers=2)
-    assert [n for n, _ in kept_units(model, "O2", ())] == ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1",
+    assert [n for n, _ in kept_units(model, OPT_LEVELS["O2"], ())] == ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1",
                                                            "blocks.1.ln2", "ln_f"]
-    assert kept_units(model, "O1", ()) == []
-    assert [n for n, _ in kept_units(model, "O2", (nn.Embedding,))][:2] == ["tok", "pos"]
+    assert kept_units(model, OPT_LEVELS["O1"], ()) == []
+    assert [n for n, _ in kept_units(model, OPT_LEVELS["O2"], (nn.Embedding,))][:2] == ["tok", "pos"]
 
 
 def test_a_weight_shared_across_units_is_refused_by_name() -> None:
     model = GPT(n_layers=2)  # its head is tied to the token embedding: both at the root, fine
-    check_units(model, shard_blocks(model, None), kept_units(model, "O2", ()))
+    check_units(model, shard_blocks(model, None), kept_units(model, OPT_LEVELS["O2"], ()))
     with pytest.raises(ValueError, match="'lm_head.weight' is shared between 'tok' and 'the root'"):
-        check_units(model, shard_blocks(model, None), kept_units(model, "O2", (nn.Embedding,)))
+        check_units(model, shard_blocks(model, None), kept_units(model, OPT_LEVELS["O2"], (nn.Embedding,)))
     model.blocks[1].mlp[0].weight = model.blocks[0].mlp[0].weight  # tied across two blocks
     with pytest.raises(ValueError, match="'blocks.1.mlp.0.weight' is shared between 'blocks.0' and 'blocks.1'"):
         check_units(model, shard_blocks(model, None), [])
@@ -74,21 +75,6 @@ def test_what_torchs_fully_shard_refuses_part_way_is_refused_first_and_nothing_c
     assert {n: p.dtype for n, p in model.named_parameters()} == {n: d for n, (d, _) in before.items()}
     assert all(torch.equal(p, before[n][1]) for n, p in model.named_parameters())
     assert getattr(model, "_ampkit_opt_level", None) is None
-
-
-@pytest.fixture()
-def one_rank() -> object:
-    """A process group of this process alone (gloo), for fully_shard on a 1-rank mesh; destroyed after."""
-    import socket
-
-    import torch.distributed as dist
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
-    yield
-    dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("then, message", [

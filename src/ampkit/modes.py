@@ -1,4 +1,4 @@
-"""The vocabulary of mixed precision: the 16-bit dtypes and the compute modes.
+"""The vocabulary of mixed precision: the 16-bit dtypes, the compute modes and the opt levels.
 
 This module imports nothing of ampkit (a leaf: every other module may use it).
 """
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
@@ -24,6 +25,56 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
 
 # How GEMMs and convolutions on 16-bit values compute (see ampkit.float32_compute).
 COMPUTE_MODES = ("auto", "native", "float32")
+
+
+@dataclass(frozen=True)
+class OptLevel:
+    """What an opt level (Apex's O0-O3) does to a model and its optimizer: the one description that
+    ``initialize``, ``distributed.fully_shard``, the Lightning and Fabric plugins and the memory estimate read,
+    instead of each testing the level's name.
+    """
+
+    name: str
+    policy_region: bool  # the forward runs in an ampkit.autocast region under a policy, on float32 weights (O1)
+    weights_16bit: bool  # the parameters are stored in the 16-bit dtype (O2, O3)
+    masters: bool  # float32 master weights step for the 16-bit ones (O2)
+    keeps_float32: bool  # normalization layers, keep_float32 types and buffers stay float32 (O2)
+    losses_in_float32: bool  # a loss the model computes itself takes float32 inputs (O2)
+    summary: str
+
+    @property
+    def mixed(self) -> bool:
+        """Anything in 16 bits (O1-O3)."""
+        return self.policy_region or self.weights_16bit
+
+    @property
+    def pure16(self) -> bool:
+        """Every weight 16-bit with no float32 copy (O3): where ``update="kahan"`` / ``"stochastic"`` apply and the
+        optimizer's states are the weights' dtype."""
+        return self.weights_16bit and not self.masters
+
+    def __str__(self) -> str:
+        return self.name
+
+
+OPT_LEVELS: dict[str, OptLevel] = {level.name: level for level in (
+    OptLevel("O0", False, False, False, False, False, "float32"),
+    OptLevel("O1", True, False, False, False, False, "float32 weights, the forward under an autocast policy"),
+    OptLevel("O2", False, True, True, True, True,
+             "a 16-bit model but its normalization layers and buffers, float32 master weights"),
+    OptLevel("O3", False, True, False, False, False, "everything 16-bit, no master weights"),
+)}
+MIXED_LEVELS = tuple(name for name, level in OPT_LEVELS.items() if level.mixed)  # what a 16-bit run may choose
+
+
+def opt_level(name: str | OptLevel) -> OptLevel:
+    """The ``OptLevel`` named ``name``; ValueError naming the choices for any other value."""
+    if isinstance(name, OptLevel):
+        return name
+    if isinstance(name, str) and name in OPT_LEVELS:
+        return OPT_LEVELS[name]
+    raise ValueError(f"Unknown opt_level: {name!r}. Choose one of {list(OPT_LEVELS)}: "
+                     + "; ".join(f"{level.name} {level.summary}" for level in OPT_LEVELS.values()) + ".")
 
 
 class ComputeModeWarning(UserWarning):

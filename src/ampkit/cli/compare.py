@@ -26,7 +26,7 @@ from ampkit.experiment.settings import IMAGE_DEFAULTS, MODEL_DEFAULTS, plan
 from ampkit.files import atomic_write
 from ampkit.hardware import throughput
 from ampkit.modes import COMPUTE_MODES
-from ampkit.optim.levels import OPT_LEVELS
+from ampkit.modes import MIXED_LEVELS
 from ampkit.optim.pure16 import UPDATES
 from ampkit.optim.states import STATES
 from ampkit.precision.decide import GEMM_OPS
@@ -53,7 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
                         "pkg.module:factory")
     parser.add_argument("--data", default=None, help=f"{' | '.join(DATASETS)} (default: digits; text for gpt)")
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, help="mixed precisions to run")
-    parser.add_argument("--opt-level", nargs="+", choices=OPT_LEVELS[1:], help="opt levels of the mixed runs")
+    parser.add_argument("--opt-level", nargs="+", choices=MIXED_LEVELS, help="opt levels of the mixed runs")
     parser.add_argument("--compute", nargs="+", choices=COMPUTE_MODES,
                         help="how the mixed runs' GEMMs compute (default: auto, native where measured faster here)")
     parser.add_argument("--loss-scale", nargs="+", choices=LOSS_SCALES,

@@ -19,7 +19,7 @@ from torch import nn
 
 from ampkit.float32_compute.gelu_recompute import passthrough
 from ampkit.float32_compute.weights import is_weight_copy, weight_storages
-from ampkit.modes import resolve_dtype
+from ampkit.modes import MIXED_LEVELS, OPT_LEVELS, OptLevel, resolve_dtype
 from ampkit.shards import local_shard
 
 # Optimizer states per parameter, in the dtype of the parameters the optimizer updates.
@@ -168,17 +168,17 @@ def estimate_memory(
     """
     from ampkit.optim.grads import resolve_grad_dtype
     from ampkit.optim.kept import kept_modules
-    from ampkit.optim.levels import OPT_LEVELS, check_keep_float32, check_settings, initialize
+    from ampkit.optim.levels import check_keep_float32, check_settings, initialize
     from ampkit.optim.states import check_format, state_bytes
 
     if optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"Unknown optimizer {optimizer!r}. Choose one of {sorted(OPTIMIZER_STATES)}.")
-    if opt_level not in OPT_LEVELS[1:]:
-        raise ValueError(f"Unknown opt_level {opt_level!r} for a mixed estimate. Choose one of {list(OPT_LEVELS[1:])}.")
-    check_settings(opt_level, "auto", None, update)
-    check_keep_float32(opt_level, keep_float32)
-    accumulate = resolve_grad_dtype(grad_dtype, opt_level, resolve_dtype(dtype))
-    check_format(states, opt_level, resolve_dtype(dtype), update)
+    if opt_level not in MIXED_LEVELS:
+        raise ValueError(f"Unknown opt_level {opt_level!r} for a mixed estimate. Choose one of {list(MIXED_LEVELS)}.")
+    level = check_settings(opt_level, "auto", None, update)
+    check_keep_float32(level, keep_float32)
+    accumulate = resolve_grad_dtype(grad_dtype, level, resolve_dtype(dtype))
+    check_format(states, level, resolve_dtype(dtype), update)
     if states is not None and optimizer not in ("adamw", "adam"):
         raise ValueError(f"states={states!r} keeps AdamW's moments in fewer bits; optimizer={optimizer!r}: use "
                          "optimizer='adamw', or drop states.")
@@ -199,10 +199,10 @@ def estimate_memory(
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     loss_fn = loss_fn or (lambda out: out.float().pow(2).mean())
 
-    def activations(level: str) -> int:
+    def activations(name: str) -> int:
         traced = copy.deepcopy(model)
-        if level != "O0":
-            traced, _ = initialize(traced, None, level, dtype, keep_float32=keep_float32)  # empty below O2
+        if OPT_LEVELS[name].mixed:
+            traced, _ = initialize(traced, None, name, dtype, keep_float32=keep_float32)  # empty below O2
         _, saved = saved_bytes_of_step(traced, lambda: loss_fn(traced(*args)))
         return saved
 
@@ -210,7 +210,7 @@ def estimate_memory(
     params: dict[int, tuple[torch.Tensor, bool]] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
-            kept = opt_level == "O2" and id(module) in kept_ids
+            kept = level.keeps_float32 and id(module) in kept_ids
             params[id(p)] = (p, kept or params.get(id(p), (p, False))[1])
     n = sum(p.numel() for p, _ in params.values())
     trained = [(p, kept) for p, kept in params.values() if p.requires_grad]  # frozen: no gradients or states
@@ -222,33 +222,33 @@ def estimate_memory(
         return sum(p.numel() * (4 if kept else low) for p, kept in pairs)
 
     fp32 = MemoryBreakdown("float32", 4 * n, 4 * t, 0, 4 * moments * t, activations("O0"))
-    if opt_level == "O1":
-        mixed = MemoryBreakdown(f"{opt_level} {dtype}", 4 * n, 4 * t, 0, 4 * moments * t, activations("O1"))
-    elif opt_level == "O2":
+    if not level.weights_16bit:
+        mixed = MemoryBreakdown(f"{level} {dtype}", 4 * n, 4 * t, 0, 4 * moments * t, activations(level.name))
+    elif level.masters:
         # A float32 gradient is its master's own (no copy); the others get a float32 copy.
         copies = 4 * sum(p.numel() for p, kept in trained if not kept)
         gradients = 4 * t if accumulate == torch.float32 else model_bytes(trained) + copies
-        mixed = MemoryBreakdown(f"O2 {dtype}" + (" fp32-grads" if accumulate else ""),
-                                model_bytes(list(params.values())), gradients, 4 * t, 4 * moments * t, activations("O2"))
+        mixed = MemoryBreakdown(f"{level} {dtype}" + (" fp32-grads" if accumulate else ""), model_bytes(
+            list(params.values())), gradients, 4 * t, 4 * moments * t, activations(level.name))
     else:
         compensation = model_bytes(trained) if update == "kahan" else 0
-        label = f"O3 {dtype}" + (f" {update}" if update != "plain" else "") + (" fp32-grads" if accumulate else "")
+        label = f"{level} {dtype}" + (f" {update}" if update != "plain" else "") + (" fp32-grads" if accumulate else "")
         mixed = MemoryBreakdown(label, model_bytes(list(params.values())), 4 * t if accumulate else model_bytes(trained),
-                                0, moments * model_bytes(trained) + compensation, activations("O3"))
+                                0, moments * model_bytes(trained) + compensation, activations(level.name))
     if states is not None:  # the optimizer steps float32 weights (masters at O2), or O3's 16-bit ones
         compensation = model_bytes(trained) if update == "kahan" else 0
-        moment_bytes = state_bytes((p.numel() for p, _ in trained), states, low if opt_level == "O3" else 4)
+        moment_bytes = state_bytes((p.numel() for p, _ in trained), states, low if level.pure16 else 4)
         mixed = dataclasses.replace(mixed, label=f"{mixed.label} {states}-states",
                                     optimizer_states=moment_bytes + compensation)
     if plan is not None:
         mixed = dataclasses.replace(mixed, label=f"{mixed.label} recompute", activations=plan.planned_bytes)
     if sharding == "fsdp":
-        return sharded_estimate(model, MemoryEstimate(n, fp32, mixed), opt_level, dtype, moments, update,
+        return sharded_estimate(model, MemoryEstimate(n, fp32, mixed), level, dtype, moments, update,
                                 tuple(keep_float32), world_size, blocks, states)
     return MemoryEstimate(n, fp32, mixed)
 
 
-def sharded_estimate(model: nn.Module, whole: MemoryEstimate, opt_level: str, dtype: torch.dtype, moments: int,
+def sharded_estimate(model: nn.Module, whole: MemoryEstimate, level: OptLevel, dtype: torch.dtype, moments: int,
                      update: str, keep_float32: tuple[type[nn.Module], ...], world_size: int,
                      blocks: Sequence[type[nn.Module]] | None, formats: str | None = None) -> MemoryEstimate:
     """``whole``'s per-rank counterpart under ``fully_shard``: parameters, gradients and optimizer states
@@ -266,7 +266,7 @@ def sharded_estimate(model: nn.Module, whole: MemoryEstimate, opt_level: str, dt
     trained = [p for p in params if p.requires_grad]
     n, t = sum(shard(p) for p in params), sum(shard(p) for p in trained)
     low = torch.finfo(dtype).bits // 8
-    stored = low if opt_level == "O3" else 4  # O0-O2 keep float32 shards, O3 16-bit ones
+    stored = low if level.pure16 else 4  # O0-O2 keep float32 shards, O3 16-bit ones
     extra = t * low if update == "kahan" else 0
     fp32 = dataclasses.replace(whole.float32, weights=4 * n, gradients=4 * t, optimizer_states=4 * moments * t)
     optimizer_states = extra + (stored * moments * t if formats is None else state_bytes(
@@ -274,7 +274,7 @@ def sharded_estimate(model: nn.Module, whole: MemoryEstimate, opt_level: str, dt
     mixed = dataclasses.replace(whole.mixed, label=whole.mixed.label + " fsdp", weights=stored * n,
                                 gradients=stored * t, master_weights=0, optimizer_states=optimizer_states)
     # The largest unit's gathered weights: each unit's own parameters (not an inner unit's), in the dtype gathered.
-    kept_named, chosen = plan_units(model, opt_level, keep_float32, blocks)
+    kept_named, chosen = plan_units(model, level, keep_float32, blocks)
     kept = [m for _, m in kept_named]
     units = kept + [m for _, m in chosen] + [model]
     owner: dict[int, int] = {}
@@ -284,7 +284,7 @@ def sharded_estimate(model: nn.Module, whole: MemoryEstimate, opt_level: str, dt
     sizes = [0] * len(units)
     for p in params:
         i = owner[id(p)]
-        sizes[i] += p.numel() * (4 if opt_level in ("O0", "O1") or i < len(kept) else low)
+        sizes[i] += p.numel() * (4 if not level.weights_16bit or i < len(kept) else low)
     return MemoryEstimate(whole.parameters, fp32, mixed, world_size, max(sizes))
 
 

@@ -35,13 +35,12 @@ from torch import nn
 from ampkit.distributed.compression import PredividedReduceScatter, predivide, require_process_group
 from ampkit.distributed.units import plan_units
 from ampkit.hardware.advice import recommend_dtype
-from ampkit.modes import resolve_dtype
+from ampkit.modes import OptLevel, opt_level as level_named, resolve_dtype
 from ampkit.optim import pure16
 from ampkit.optim.kept import add_input_casts, needs_input_casts
 from ampkit.optim.levels import cast_model_, check_keep_float32, check_settings, forward_wrappers, wrap_forward
 from ampkit.optim.states import check_states, for_level
 from ampkit.precision.policy import Policy
-from ampkit.precision.regions import autocast
 
 REDUCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -71,6 +70,11 @@ class Sharding:
     float32: tuple[str, ...]
     bytes_sent: int = 0
     overflows: int = 0
+
+    @property
+    def level(self) -> OptLevel:
+        """What ``opt_level`` does (``ampkit.modes.OptLevel``)."""
+        return level_named(self.opt_level)
 
 
 def fully_shard(
@@ -131,27 +135,28 @@ def fully_shard(
         raise RuntimeError("fully_shard(optimizer=...): build the optimizer after sharding, on model.parameters(): "
                            "FSDP2 replaces every parameter with a DTensor shard, and an optimizer built before "
                            "would step the old tensors and train nothing.")
-    check_settings(opt_level, compute, policy)
-    check_keep_float32(opt_level, keep_float32)
+    level = check_settings(opt_level, compute, policy)
+    check_keep_float32(level, keep_float32)
     device = _check_model(model)
     _check_sharding_arguments(blocks, reshard_after_forward)
     world_size = require_process_group(None)
     mesh = _mesh(mesh, device.type, world_size)
-    dtype = torch.float32 if opt_level == "O0" else resolve_dtype(dtype) if dtype is not None else recommend_dtype(device)
+    dtype = (torch.float32 if not level.mixed else resolve_dtype(dtype) if dtype is not None
+             else recommend_dtype(device))
     reduce_dtype = _reduce_dtype(reduce_dtype)
     factor = predivide(mesh.size(), predivide_factor)
-    kept, chosen = plan_units(model, opt_level, tuple(keep_float32), blocks)
+    kept, chosen = plan_units(model, level, tuple(keep_float32), blocks)
     before = list(model.parameters())
 
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    layout = Sharding(opt_level, dtype, reduce_dtype, factor, mesh.size(), tuple(n for n, _ in chosen),
+    layout = Sharding(level.name, dtype, reduce_dtype, factor, mesh.size(), tuple(n for n, _ in chosen),
                       tuple(n for n, _ in kept))
-    if opt_level == "O3":
-        cast_model_(model, "O3", dtype)  # uniform 16-bit shards; inputs cast in, outputs float32 out
-    gathered = dtype if opt_level == "O2" else None
-    if opt_level == "O2" and needs_input_casts(model, [m for _, m in kept], keep_float32):
+    if level.pure16:
+        cast_model_(model, level, dtype)  # uniform 16-bit shards; inputs cast in, outputs float32 out
+    gathered = dtype if level.masters else None  # O2: float32 shards (the masters), gathered in 16 bits
+    if level.keeps_float32 and needs_input_casts(model, [m for _, m in kept], keep_float32):
         # float32 activations (a float32 embedding's, a custom norm's) can reach 16-bit modules: each casts its inputs.
         add_input_casts(model, dtype, {id(p) for _, m in kept for p in m.parameters()})
     for _, module in kept:
@@ -161,18 +166,15 @@ def fully_shard(
         torch_fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
                           mp_policy=MixedPrecisionPolicy(gathered, reduce_dtype))
     torch_fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy(
-        gathered, reduce_dtype, output_dtype=torch.float32 if opt_level == "O2" else None))
+        gathered, reduce_dtype, output_dtype=torch.float32 if level.masters else None))
     comm = PredividedReduceScatter(factor, layout)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
             module.set_custom_reduce_scatter(comm)  # type: ignore[arg-type]
-    if opt_level == "O1":
-        wrap_forward(model, autocast(policy or Policy.default(device.type, dtype, compute=compute)))
-    elif opt_level in ("O2", "O3"):
-        wrap_forward(model, *forward_wrappers(opt_level, Policy.for_16bit_model(device.type, dtype, compute)))
-    model._ampkit_opt_level = opt_level  # type: ignore[assignment]
+    wrap_forward(model, *forward_wrappers(level, device.type, dtype, compute, policy))
+    model._ampkit_opt_level = level.name  # type: ignore[assignment]
     model._ampkit_sharding = layout  # type: ignore[assignment]
     _remember_replaced(model, before)
     return model
@@ -220,7 +222,7 @@ def prepare_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, update
     """
     layout = sharding(model)
     pure16.check_update(update)
-    if update != "plain" and layout.opt_level != "O3":
+    if update != "plain" and not layout.level.pure16:
         raise ValueError(f"update={update!r} applies at O3 only (this model is sharded at {layout.opt_level}, whose "
                          "float32 shards take small updates as they are): drop update=, or shard at opt_level='O3'.")
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -234,7 +236,7 @@ def prepare_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, update
     if update != "plain":
         pure16.pure16_groups(optimizer, update)  # refuses before anything is replaced
     check_states(states, optimizer, layout.opt_level, layout.dtype, update)
-    return for_level(optimizer, states, update, float32_weights=layout.opt_level != "O3")
+    return for_level(optimizer, states, update, float32_weights=not layout.level.pure16)
 
 
 def precompute_fp8_scales(model: nn.Module) -> None:

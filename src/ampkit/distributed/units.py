@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from ampkit.modes import OptLevel
 from ampkit.optim.kept import kept_modules
 
 CONTAINERS = (nn.Sequential, nn.ModuleList)
@@ -46,8 +47,8 @@ def shard_blocks(model: nn.Module, types: Sequence[type[nn.Module]] | None) -> l
     return chosen
 
 
-def kept_units(model: nn.Module, opt_level: str, keep_float32: tuple[type[nn.Module], ...]) -> list[tuple[str, nn.Module]]:
-    if opt_level != "O2":
+def kept_units(model: nn.Module, level: OptLevel, keep_float32: tuple[type[nn.Module], ...]) -> list[tuple[str, nn.Module]]:
+    if not level.keeps_float32:
         return []
     kept = {id(m) for m in kept_modules(model, keep_float32)}
     return [(n, m) for n, m in model.named_modules()
@@ -78,11 +79,11 @@ def _within(inner: nn.Module, outer: nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
 
 
-def plan_units(model: nn.Module, opt_level: str, keep_float32: tuple[type[nn.Module], ...],
+def plan_units(model: nn.Module, level: OptLevel, keep_float32: tuple[type[nn.Module], ...],
                blocks: Sequence[type[nn.Module]] | None) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, nn.Module]]]:
     """(the float32 units O2 keeps, the blocks), in the order they are sharded; a kept module is not a
     block as well (a LayerNorm in an nn.Sequential). Raises ValueError as ``shard_blocks`` and ``check_units``."""
-    kept = kept_units(model, opt_level, keep_float32)
+    kept = kept_units(model, level, keep_float32)
     kept_ids = {id(m) for _, m in kept}
     chosen = [(name, m) for name, m in shard_blocks(model, blocks) if id(m) not in kept_ids]
     check_units(model, chosen, kept)

@@ -30,8 +30,7 @@ from ampkit.formats.block_linear import eligible_block_scaled
 from ampkit.formats.fp8 import eligible
 from ampkit.hardware.advice import recommend_dtype, slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
-from ampkit.modes import COMPUTE_MODES
-from ampkit.optim.levels import OPT_LEVELS
+from ampkit.modes import COMPUTE_MODES, MIXED_LEVELS, OPT_LEVELS
 from ampkit.optim.pure16 import UPDATES
 from ampkit.optim.states import LOW_BIT, STATES, check_format
 from ampkit.planning.precision_plan import PrecisionPlan, fingerprint
@@ -172,7 +171,7 @@ def plan(
     for precision in precisions or ():
         _check_choice(precision, PRECISIONS, "precision")
     for level in opt_levels or ():
-        _check_choice(level, OPT_LEVELS[1:], "opt level for a mixed run:")
+        _check_choice(level, MIXED_LEVELS, "opt level for a mixed run:")
     for compute in computes or ():
         _check_choice(compute, COMPUTE_MODES, "compute mode")
     for scaling in loss_scales or ():
@@ -198,7 +197,7 @@ def plan(
                          "of steps: use steps=N instead.")
     if epochs is not None and steps is not None:
         raise ValueError(f"epochs={epochs} and steps={steps} both set the run's length: give one of them.")
-    if updates and "O3" not in (opt_levels or ()):
+    if updates and not any(OPT_LEVELS[level].pure16 for level in opt_levels or ()):
         raise ValueError(f"updates={list(updates)!r} applies to O3 runs only: add opt_levels=['O3'] (pure 16-bit "
                          "weights; O1 and O2 keep float32 weights or masters, which take small updates as they are).")
     for name, values in (("precisions", precisions), ("opt_levels", opt_levels), ("computes", computes),
@@ -241,7 +240,7 @@ def plan(
     else:
         mixed = [p for p in (precisions or ("bf16" if parsed_device.type == "cpu" else "fp16",)) if p != "fp32"]
         settings = [(p, level) for p in mixed for level in (opt_levels or ("O1", "O2"))]
-    if grad_accums and not any(level in ("O2", "O3") for _, level in settings):
+    if grad_accums and not any(OPT_LEVELS[level].weights_16bit for _, level in settings):
         raise ValueError(f"grad_accums={list(grad_accums)!r} applies to O2 and O3 runs only: add opt_levels=['O2'] "
                          "(16-bit weights; O1's weights and gradients are float32 already).")
     if loss_scales and not any(p == "fp16" for p, _ in settings):
@@ -285,8 +284,8 @@ def plan(
         for p, level in settings
         for c in (computes or ("auto",))
         for scaling in ((loss_scales or ("auto",)) if p == "fp16" else ("auto",))
-        for update in ((updates or ("plain",)) if level == "O3" else ("plain",))
-        for accumulate in ((grad_accums or (None,)) if level in ("O2", "O3") else (None,))
+        for update in ((updates or ("plain",)) if OPT_LEVELS[level].pure16 else ("plain",))
+        for accumulate in ((grad_accums or (None,)) if OPT_LEVELS[level].weights_16bit else (None,))
         for state in (states or (None,))
     ]
     if precision_plan is not None:
@@ -326,7 +325,7 @@ def _grad_accum(accumulate: str | None, precision: str, device: torch.device) ->
 def _states(state: str | None, precision: str, level: str, update: str, device: torch.device) -> str | None:
     """A run's ``states``: None for the optimizer as given (float32 moments below O3), else the format, checked
     against the run's level and update (``ampkit.optim.states.check_format``)."""
-    if state is None or state == "fp32" and level != "O3":
+    if state is None or state == "fp32" and not OPT_LEVELS[level].pure16:
         return None
     try:
         check_format(state, level, low_dtype(precision, device), update)

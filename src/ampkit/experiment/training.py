@@ -36,6 +36,7 @@ from ampkit.planning.recompute import plan_recompute
 from ampkit.formats.fp8 import convert_to_fp8
 from ampkit.guard import Guard
 from ampkit.guard.layers import sixteen_bit_weights
+from ampkit.modes import OPT_LEVELS
 from ampkit.optim.levels import initialize
 from ampkit.scaling.adaptive import AdaptiveLossScaler
 from ampkit.scaling.scaler import DynamicLossScaler, StaticLossScaler
@@ -164,7 +165,7 @@ def execute(
 def make_guard(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: DynamicLossScaler) -> Guard:
     """The run's guard: it raises a failing layer's precision where the run's weights are float32 under autocast
     (O1) or the layer is FP8 or block-scaled; else (float32, O2, O3) it skips the bad step."""
-    mixed = getattr(model, "_ampkit_opt_level", "O0") != "O0"
+    mixed = OPT_LEVELS[getattr(model, "_ampkit_opt_level", "O0")].mixed
     action = "raise" if mixed and not sixteen_bit_weights(model) else "skip"
     return Guard(model, optimizer, scaler, action=action, loss_fn=lambda logits, y: F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)))

@@ -87,7 +87,7 @@ def prepare(
     if len(models) != 1 or len(optimizers) > 1:
         raise ValueError(f"prepare takes one model and at most one optimizer; got {len(models)} models and "
                          f"{len(optimizers)} optimizers. Prepare other models with accelerator.prepare.")
-    check_settings(opt_level, compute, policy)  # before anything changes the model
+    level = check_settings(opt_level, compute, policy)  # before anything changes the model
     check_scaler(scaler)
     check_compression(compression)
 
@@ -102,13 +102,13 @@ def prepare(
         group = torch.distributed.group.WORLD if accelerator.num_processes > 1 else None
         convert_to_fp8(model, fp8, process_group=group)
     model, optimizer = initialize(model, optimizer, opt_level, dtype, compute=compute, policy=policy)
-    if opt_level == "O1":  # as Accelerate's own mixed precision does: the loss is computed in float32
+    if level.policy_region:  # as Accelerate's own mixed precision does: the loss is computed in float32
         model.register_forward_hook(cast_output_to_float32)
     items[models[0]] = model
     if optimizers:
         items[optimizers[0]] = optimizer
     if scaler is None:
-        scaler = DynamicLossScaler(enabled=opt_level != "O0" and dtype == torch.float16)
+        scaler = DynamicLossScaler(enabled=level.mixed and dtype == torch.float16)
     install_scaler(accelerator, scaler)
 
     prepared = accelerator.prepare(*items)

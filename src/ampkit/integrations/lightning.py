@@ -31,11 +31,8 @@ from ampkit.distributed import HookState, check_compression, compression_hook
 from ampkit.formats.fp8 import Fp8Recipe, convert_to_fp8
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import LOW_DTYPES, resolve_dtype
-from ampkit.optim.kept import Float32Losses
-from ampkit.optim.levels import MasterWeightOptimizer, cast_model_, check_settings
-from ampkit.precision.decide import float32_ops
+from ampkit.optim.levels import MasterWeightOptimizer, cast_model_, check_settings, forward_context
 from ampkit.precision.policy import Policy
-from ampkit.precision.regions import autocast
 from ampkit.scaling.scaler import DynamicLossScaler, StaticLossScaler, check_scaler
 
 
@@ -56,37 +53,28 @@ class _AmpkitCore:
         predivide_factor: float | None = None,
         device: str | None = None,
     ) -> None:
-        check_settings(opt_level, compute, policy)
+        self.level = check_settings(opt_level, compute, policy)
         check_scaler(scaler)
         check_compression(compression)
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.opt_level = opt_level
         self.dtype = resolve_dtype(dtype) if dtype is not None else recommend_dtype(self.device)
-        self.policy = policy or Policy.default(self.device, self.dtype, compute=compute)
+        self.policy = policy or Policy.default(self.device, self.dtype, compute=compute)  # O1's (others run none)
         self.compute = compute
         self.scaler = scaler if scaler is not None else DynamicLossScaler(
-            enabled=opt_level != "O0" and self.dtype == torch.float16)
+            enabled=self.level.mixed and self.dtype == torch.float16)
         self.compression, self.predivide_factor = compression, predivide_factor
         self.hook_state: Any = None  # ampkit.distributed.HookState once the DDP hook is registered
         # the string Lightning shows and checks (a Literal in Lightning's annotations)
-        self.precision: Any = {
-            "O0": "32-true", "O3": "bf16-true" if self.dtype == torch.bfloat16 else "16-true",
-        }.get(opt_level, "bf16-mixed" if self.dtype == torch.bfloat16 else "16-mixed")
+        half = "bf16" if self.dtype == torch.bfloat16 else "16"
+        self.precision: Any = ("32-true" if not self.level.mixed else f"{half}-true" if self.level.pure16
+                               else f"{half}-mixed")
         self._exact: dict[int, torch.Tensor] = {}  # O2: float32 weights before the cast, for exact masters
         self._stepped: dict[int, bool] = {}  # id(inner optimizer) -> whether its last step was taken
         self._logged: tuple[float, float] | None = None  # (skipped steps, scale) as last logged
 
     def _region(self) -> contextlib.AbstractContextManager[Any]:
-        if self.opt_level == "O1":
-            return autocast(self.policy)
-        region = contextlib.ExitStack()
-        if self.opt_level == "O2":
-            region.enter_context(Float32Losses())  # a loss computed inside the model, as initialize's O2
-        if self.opt_level in ("O2", "O3"):
-            model16 = Policy.for_16bit_model(self.device, self.dtype, self.compute)
-            if float32_ops(model16):
-                region.enter_context(autocast(model16))
-        return region
+        return forward_context(self.level, self.device, self.dtype, self.compute, self.policy)  # initialize's
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
@@ -171,15 +159,15 @@ class AmpkitPrecision(_AmpkitCore, Precision):
             dist = torch.distributed
             group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
             self.fp8_layers = convert_to_fp8(module, self.fp8, process_group=group)
-        if self.opt_level in ("O2", "O3"):
-            if self.opt_level == "O2":
+        if self.level.weights_16bit:
+            if self.level.masters:
                 self._exact = {id(p): p.detach().clone() for p in module.parameters()}
-            cast_model_(module, self.opt_level, self.dtype)
+            cast_model_(module, self.level, self.dtype)
         return module
 
     def connect(self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[nn.Module, list[Any], list[Any]]:
         """Wrap optimizers in master weights (O2), make step schedulers skip-aware, register the DDP hook."""
-        if self.opt_level == "O2":
+        if self.level.masters:
             optimizers = [self._with_masters(opt) for opt in optimizers]
         for config in lr_schedulers:
             if config.interval == "step" and not isinstance(config.scheduler, _SkipAwareScheduler):
@@ -269,18 +257,18 @@ class AmpkitFabricPrecision(_AmpkitCore, FabricPrecision):
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         initialized = getattr(module, "_ampkit_opt_level", None)
-        if self.opt_level == "O2":
-            if initialized != "O2":
+        if self.level.masters:
+            if initialized != self.opt_level:
                 raise RuntimeError("AmpkitFabricPrecision('O2') needs float32 master weights, which Fabric gives a "
                                    "plugin no hook to create: call model, optimizer = ampkit.initialize(model, "
                                    "optimizer, 'O2', dtype) before fabric.setup(model, optimizer).")
             return module
-        if self.opt_level == "O3":
-            cast_model_(module, "O3", self.dtype)
+        if self.level.pure16:
+            cast_model_(module, self.level, self.dtype)
         return module
 
     def _region(self) -> contextlib.AbstractContextManager[Any]:
-        if self.opt_level == "O2":
+        if self.level.masters:
             return contextlib.nullcontext()  # ampkit.initialize wrapped the model's forward already
         return super()._region()
 

@@ -17,29 +17,31 @@ from collections.abc import Iterable
 
 import torch
 
-from ampkit.modes import _DTYPE_NAMES
+from ampkit.modes import _DTYPE_NAMES, OptLevel, opt_level as level_named
 
 # the 16-bit names initialize's dtype takes, and float32's
 GRAD_DTYPE_NAMES = {**_DTYPE_NAMES, "float32": torch.float32, "fp32": torch.float32}
 
 
-def resolve_grad_dtype(grad_dtype: torch.dtype | str | None, opt_level: str, dtype: torch.dtype) -> torch.dtype | None:
+def resolve_grad_dtype(grad_dtype: torch.dtype | str | None, opt_level: str | OptLevel,
+                       dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a model's gradients accumulate in: ``torch.float32``, or None for the weights' own dtype.
 
     Raises:
         ValueError: a name or dtype other than float32 and ``dtype``; float32 accumulation at O0 and O1, whose
             weights and gradients are float32 already, is accepted (it changes nothing).
     """
+    level = level_named(opt_level)
     if grad_dtype is None:
         return None
     resolved = GRAD_DTYPE_NAMES.get(grad_dtype.lower()) if isinstance(grad_dtype, str) else grad_dtype
-    if resolved == dtype and opt_level in ("O2", "O3"):
+    if resolved == dtype and level.weights_16bit:
         return None  # the weights' own dtype: what torch does by default
     if resolved == torch.float32:
-        return torch.float32 if opt_level in ("O2", "O3") else None
-    raise ValueError(f"grad_dtype={grad_dtype!r} is not a gradient dtype at {opt_level} with dtype={dtype}: choose "
+        return torch.float32 if level.weights_16bit else None
+    raise ValueError(f"grad_dtype={grad_dtype!r} is not a gradient dtype at {level} with dtype={dtype}: choose "
                      f"torch.float32 ('fp32': accumulate in float32) or None (the weights' dtype, "
-                     f"{'float32' if opt_level in ('O0', 'O1') else dtype}).")
+                     f"{dtype if level.weights_16bit else 'float32'}).")
 
 
 def accumulate_in(params: Iterable[torch.Tensor], grad_dtype: torch.dtype) -> None:

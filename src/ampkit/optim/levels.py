@@ -7,17 +7,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from ampkit.hardware.advice import recommend_dtype
-from ampkit.modes import check_compute, resolve_dtype
+from ampkit.modes import OptLevel, check_compute, opt_level as level_named, resolve_dtype
 from ampkit.optim import grads, pure16
 from ampkit.optim.kept import (
+    Float32Losses,
     add_input_casts,
     cast_inputs,
     cast_output_to_float32,
@@ -31,9 +33,6 @@ from ampkit.precision.decide import float32_ops
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 from ampkit.shards import is_sharded
-
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
-
 
 def initialize(
     model: nn.Module,
@@ -104,12 +103,12 @@ def initialize(
         >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
     """
     # Every check before any change: a refused call leaves the model and the optimizer as they were.
-    check_settings(opt_level, compute, policy, update)
-    check_keep_float32(opt_level, keep_float32)
+    level = check_settings(opt_level, compute, policy, update)
+    check_keep_float32(level, keep_float32)
     if getattr(model, "_ampkit_sharding", None) is not None:  # fully_shard applied its opt level itself
         raise ValueError(f"The model is sharded by ampkit.distributed.fully_shard at {model._ampkit_opt_level}, which "
                          "applied that opt level: initialize is not called on it. For another level, shard the float32 "
-                         f"model with fully_shard(model, opt_level={opt_level!r}); for the optimizer, "
+                         f"model with fully_shard(model, opt_level={level.name!r}); for the optimizer, "
                          "ampkit.distributed.prepare_optimizer.")
     if getattr(model, "_ampkit_opt_level", None) is not None:
         raise ValueError(
@@ -117,34 +116,30 @@ def initialize(
             "float32 model and its plain optimizer (a second call adds masters of masters and a second set of hooks)."
         )
     check_model_and_optimizer(model, optimizer)
-    if opt_level in ("O2", "O3") and any(is_sharded(p) for p in model.parameters()):
-        raise ValueError(f"The model is sharded with FSDP2 already: {opt_level} casts weights, which FSDP2 does "
+    if level.weights_16bit and any(is_sharded(p) for p in model.parameters()):
+        raise ValueError(f"The model is sharded with FSDP2 already: {level} casts weights, which FSDP2 does "
                          "at its all-gathers. Call ampkit.distributed.fully_shard(model, opt_level="
-                         f"{opt_level!r}) on the float32 model instead of torch's fully_shard and initialize.")
+                         f"{level.name!r}) on the float32 model instead of torch's fully_shard and initialize.")
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     dtype = resolve_dtype(dtype) if dtype is not None else recommend_dtype(device)
-    accumulate = grads.resolve_grad_dtype(grad_dtype, opt_level, dtype)
+    accumulate = grads.resolve_grad_dtype(grad_dtype, level, dtype)
     if optimizer is not None and update != "plain":
         pure16.pure16_groups(optimizer, update)  # refuses before the weights are cast
-    check_states(states, optimizer, opt_level, dtype, update)
-    model._ampkit_opt_level = opt_level  # type: ignore[assignment]
-    if optimizer is not None and opt_level != "O3":
+    check_states(states, optimizer, level, dtype, update)
+    model._ampkit_opt_level = level.name  # type: ignore[assignment]
+    if optimizer is not None and not level.pure16:
         optimizer = for_level(optimizer, states)
-    if opt_level == "O0":
-        return model, optimizer
-    if opt_level == "O1":
-        wrap_forward(model, autocast(policy or Policy.default(device.type, dtype, compute=compute)))
-        return model, optimizer
-    if opt_level == "O2" and optimizer is not None:
+    if level.masters and optimizer is not None:
         optimizer = MasterWeightOptimizer(optimizer)  # before the cast: masters are exact
-    cast_model_(model, opt_level, dtype, tuple(keep_float32))
-    if optimizer is not None and opt_level == "O3":
+    if level.weights_16bit:
+        cast_model_(model, level, dtype, tuple(keep_float32))
+    if optimizer is not None and level.pure16:
         optimizer = for_level(optimizer, states, update, float32_weights=False)
     if accumulate is not None:
         grads.accumulate_in(model.parameters(), accumulate)
-        if opt_level == "O3" and optimizer is not None:
+        if level.pure16 and optimizer is not None:
             grads.step_in_own_dtype(optimizer)
-    wrap_forward(model, *forward_wrappers(opt_level, Policy.for_16bit_model(device.type, dtype, compute)))
+    wrap_forward(model, *forward_wrappers(level, device.type, dtype, compute, policy))
     return model, optimizer
 
 
@@ -167,35 +162,35 @@ def check_model_and_optimizer(model: object, optimizer: object) -> None:
                          "model.parameters(), after any change to the model.")
 
 
-def check_settings(opt_level: str, compute: str, policy: Policy | None, update: str = "plain") -> None:
-    """Refuse an unknown opt level, compute mode or update, a policy at levels other than O1 and
-    a pure 16-bit update below O3 (ValueError)."""
-    if opt_level not in OPT_LEVELS:
-        raise ValueError(f"Unknown opt_level: {opt_level!r}. Choose one of {list(OPT_LEVELS)}.")
+def check_settings(opt_level: str | OptLevel, compute: str, policy: Policy | None, update: str = "plain") -> OptLevel:
+    """The ``OptLevel`` named ``opt_level``; ValueError for an unknown level, compute mode or update, a policy at
+    levels that run none and a pure 16-bit update at levels with float32 weights."""
+    level = level_named(opt_level)
     check_compute(compute)
     pure16.check_update(update)
-    if update != "plain" and opt_level != "O3":
-        raise ValueError(f"update={update!r} applies at O3 only (opt_level={opt_level!r} keeps float32 weights or "
+    if update != "plain" and not level.pure16:
+        raise ValueError(f"update={update!r} applies at O3 only (opt_level={level.name!r} keeps float32 weights or "
                          "master weights, which take small updates as they are): drop update=, or use opt_level='O3'.")
-    if policy is not None and opt_level != "O1":
-        raise ValueError(f"policy= applies at O1 only (opt_level={opt_level!r} casts nothing by policy): drop "
+    if policy is not None and not level.policy_region:
+        raise ValueError(f"policy= applies at O1 only (opt_level={level.name!r} casts nothing by policy): drop "
                          "policy=, or use opt_level='O1'.")
+    return level
 
 
-def check_keep_float32(opt_level: str, keep_float32: Sequence[type[nn.Module]]) -> None:
+def check_keep_float32(level: OptLevel, keep_float32: Sequence[type[nn.Module]]) -> None:
     """Raise ValueError unless ``keep_float32`` lists nn.Module subclasses, at O2 (or is empty)."""
     if isinstance(keep_float32, type):
         raise ValueError(f"keep_float32={keep_float32.__name__} is one type: pass a list, keep_float32="
                          f"[{keep_float32.__name__}].")
-    if keep_float32 and opt_level != "O2":
-        raise ValueError(f"keep_float32= applies at O2 only (opt_level={opt_level!r}): drop it, or use opt_level='O2'.")
+    if keep_float32 and not level.keeps_float32:
+        raise ValueError(f"keep_float32= applies at O2 only (opt_level={level.name!r}): drop it, or use opt_level='O2'.")
     bad = [t for t in keep_float32 if not (isinstance(t, type) and issubclass(t, nn.Module))]
     if bad:
         raise ValueError(f"keep_float32={list(keep_float32)!r} must list nn.Module subclasses, e.g. [nn.Embedding]; "
                          f"not {bad}.")
 
 
-def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype,
+def cast_model_(model: nn.Module, level: OptLevel, dtype: torch.dtype,
                 keep_float32: tuple[type[nn.Module], ...] = ()) -> None:
     """The model half of O2 and O3: cast the weights to ``dtype``, and cast floating inputs to ``dtype`` and
     16-bit outputs to float32 at ``model``'s forward. Parameter objects are kept, so optimizers built on them
@@ -206,23 +201,52 @@ def cast_model_(model: nn.Module, opt_level: str, dtype: torch.dtype,
     layers (anything but torch's norms kept), each module whose own weights are 16-bit casts its floating
     inputs to ``dtype``. O3 casts every floating parameter and buffer.
     """
-    kept = kept_modules(model, keep_float32) if opt_level == "O2" else []
+    kept = kept_modules(model, keep_float32) if level.keeps_float32 else []
     kept_ids = {id(m) for m in kept}
     kept_params = {id(p) for m in kept for p in m.parameters(recurse=False)}
     for module in model.modules():
         if id(module) not in kept_ids:
-            _cast_own(module, dtype, kept_params, buffers=opt_level != "O2")
-    if opt_level == "O2" and needs_input_casts(model, kept, keep_float32):
+            _cast_own(module, dtype, kept_params, buffers=not level.keeps_float32)
+    if level.keeps_float32 and needs_input_casts(model, kept, keep_float32):
         add_input_casts(model, dtype, kept_params)
     model.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
     model.register_forward_hook(cast_output_to_float32)
 
 
-def forward_wrappers(opt_level: str, model16: Policy) -> list[Callable[..., Any]]:
-    """What an O2 or O3 model's forward runs in: O2's losses in float32 (``kept.losses_in_float32``), and
-    ``model16``'s region where it computes some ops in float32."""
-    wrappers: list[Callable[..., Any]] = [losses_in_float32] if opt_level == "O2" else []
-    return wrappers + ([autocast(model16)] if float32_ops(model16) else [])
+def forward_region(level: OptLevel, device_type: str, dtype: torch.dtype, compute: str,
+                   policy: Policy | None = None) -> autocast | None:
+    """The ampkit region a model's forward runs in at ``level``: O1's policy (``policy``, or the default one); at
+    O2 and O3 the 16-bit model's policy where it computes some ops in float32; else None. With
+    ``level.losses_in_float32`` the forward also runs under ``kept.Float32Losses``: ``initialize`` and
+    ``fully_shard`` wrap the forward in both (``forward_wrappers``), the Lightning plugins enter both around each
+    step (``forward_context``)."""
+    if level.policy_region:
+        return autocast(policy or Policy.default(device_type, dtype, compute=compute))
+    if not level.weights_16bit:
+        return None
+    model16 = Policy.for_16bit_model(device_type, dtype, compute)
+    return autocast(model16) if float32_ops(model16) else None
+
+
+def forward_wrappers(level: OptLevel, device_type: str, dtype: torch.dtype, compute: str,
+                     policy: Policy | None = None) -> list[Callable[..., Any]]:
+    """The decorators of a model's forward at ``level`` (innermost first, for ``wrap_forward``)."""
+    region = forward_region(level, device_type, dtype, compute, policy)
+    wrappers: list[Callable[..., Any]] = [losses_in_float32] if level.losses_in_float32 else []
+    return wrappers + ([region] if region is not None else [])
+
+
+@contextlib.contextmanager
+def forward_context(level: OptLevel, device_type: str, dtype: torch.dtype, compute: str,
+                    policy: Policy | None = None) -> Iterator[None]:
+    """What ``forward_wrappers`` wraps a forward in, as one context for code that runs the forward itself."""
+    with contextlib.ExitStack() as stack:
+        if level.losses_in_float32:
+            stack.enter_context(Float32Losses())
+        region = forward_region(level, device_type, dtype, compute, policy)
+        if region is not None:
+            stack.enter_context(region)
+        yield
 
 
 def wrap_forward(model: nn.Module, *wrappers: Callable[..., Any]) -> None:

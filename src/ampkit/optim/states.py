@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ampkit.modes import OptLevel, opt_level as level_named
 from ampkit.optim.pure16 import StochasticRoundingOptimizer, pure16_optimizer, refuse_options
 from ampkit.shards import local_shard
 
@@ -46,7 +47,7 @@ QMAP_ENTRIES = {"8bit": 256, "4bit": 16, "fp8": 0}
 _UNSUPPORTED = {"amsgrad": False, "maximize": False, "differentiable": False, "capturable": False}
 
 
-def check_states(states: str | None, optimizer: torch.optim.Optimizer | None, opt_level: str,
+def check_states(states: str | None, optimizer: torch.optim.Optimizer | None, opt_level: str | OptLevel,
                  dtype: torch.dtype, update: str = "plain") -> None:
     """Refuse a ``states`` choice that cannot apply, changing nothing (``initialize`` calls it first).
 
@@ -56,7 +57,7 @@ def check_states(states: str | None, optimizer: torch.optim.Optimizer | None, op
         ImportError: a low-bit format without torchao.
     """
     check_format(states, opt_level, dtype, update)
-    if states is None or states == "fp32" and opt_level != "O3":
+    if states is None or states == "fp32" and not level_named(opt_level).pure16:
         return
     if optimizer is None:
         raise ValueError(f"states={states!r} needs the optimizer: pass initialize the model's optimizer.")
@@ -69,14 +70,14 @@ def check_states(states: str | None, optimizer: torch.optim.Optimizer | None, op
                               "pip install 'ampkit[fp8]' (or torchao), or use states='bf16'.") from error
 
 
-def check_format(states: str | None, opt_level: str, dtype: torch.dtype, update: str = "plain") -> None:
+def check_format(states: str | None, opt_level: str | OptLevel, dtype: torch.dtype, update: str = "plain") -> None:
     """Refuse an unknown format, and at O3 the formats its updates cannot keep (ValueError): float32 moments
     without ``update="stochastic"``, bfloat16 moments of float16 weights, low-bit moments with
     ``update="kahan"``, and stochastic rounding of float16 weights with low-bit moments."""
     if states is not None and states not in STATES:
         raise ValueError(f"Unknown states {states!r}. Choose one of {list(STATES)}: the format AdamW's moments are "
                          "kept in (fp32: the optimizer as given), or None.")
-    if states is not None and opt_level == "O3":
+    if states is not None and level_named(opt_level).pure16:
         _check_o3(states, dtype, update)
 
 
