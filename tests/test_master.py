@@ -293,3 +293,37 @@ def test_the_compute_mode_warning_points_at_the_users_line(monkeypatch: pytest.M
         ampkit.initialize(_net(), None, "O2", dtype=torch.float16, compute="float32")
     found = [w for w in caught if w.category is ampkit.ComputeModeWarning]
     assert found and all(w.filename == __file__ for w in found)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_float32_weight_is_its_own_master_and_training_is_unchanged(resume: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """O2 keeps the LayerNorm float32: from the first step its weights are their own masters (no float32 copy of a
+    float32 weight); the run is bit-identical to one with copies, and a resumed run moves the moments over too."""
+    x, y = _task(64)
+
+    def train(steps: int, share: bool, start: dict | None = None):  # type: ignore[no-untyped-def]
+        if not share:  # the copies kept, as before
+            monkeypatch.setattr(MasterWeightOptimizer, "_share_float32_masters", lambda self: None)
+        model, optimizer = _setup("O2", torch.optim.AdamW, "bf16", lr=1e-2)
+        if start is not None:
+            optimizer.load_state_dict(start)
+        for _ in range(steps):
+            nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        monkeypatch.undo()
+        return model, optimizer
+
+    halfway = train(3, share=True)[1].state_dict() if resume else None
+    shared_model, shared = train(3 if resume else 6, share=True, start=halfway)
+    copied_model, copied = train(6, share=False)
+    norm = shared_model[1]
+    masters = {id(m) for m in shared.master_params}
+    assert id(norm.weight) in masters and id(norm.bias) in masters  # the parameters themselves
+    assert id(shared_model[0].weight) not in masters  # a 16-bit weight keeps its float32 master
+    assert id(copied_model[1].weight) not in {id(m) for m in copied.master_params}
+    assert all(torch.equal(a, b) for a, b in zip(shared_model.parameters(), copied_model.parameters()))
+    assert ampkit.measured_state_bytes(copied_model, copied) - ampkit.measured_state_bytes(shared_model, shared) \
+        == 4 * sum(p.numel() for p in norm.parameters())
+    assert set(map(id, shared.state)) == masters  # the moments are keyed by the masters, the norm's included

@@ -225,11 +225,12 @@ def estimate_memory(
     if not level.weights_16bit:
         mixed = MemoryBreakdown(f"{level} {dtype}", 4 * n, 4 * t, 0, 4 * moments * t, activations(level.name))
     elif level.masters:
-        # A float32 gradient is its master's own (no copy); the others get a float32 copy.
+        # A float32 gradient is its master's own (no copy); the others get a float32 copy. A float32 weight (a kept
+        # norm) is its own master: the 16-bit ones alone have a float32 copy.
         copies = 4 * sum(p.numel() for p, kept in trained if not kept)
         gradients = 4 * t if accumulate == torch.float32 else model_bytes(trained) + copies
         mixed = MemoryBreakdown(f"{level} {dtype}" + (" fp32-grads" if accumulate else ""), model_bytes(
-            list(params.values())), gradients, 4 * t, 4 * moments * t, activations(level.name))
+            list(params.values())), gradients, copies, 4 * moments * t, activations(level.name))
     else:
         compensation = model_bytes(trained) if update == "kahan" else 0
         label = f"{level} {dtype}" + (f" {update}" if update != "plain" else "") + (" fp32-grads" if accumulate else "")

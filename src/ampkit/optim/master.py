@@ -69,6 +69,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             group["params"] = masters
         self.master_params: list[torch.Tensor] = [m for g in optimizer.param_groups for m in g["params"]]
         self._grads_synced = False
+        self._shared = False  # whether the float32 parameters are their own masters yet (_share_float32_masters)
+        self._copied = list(zip(self.model_params, self.master_params))  # (weight, its master) written back at a step
         # A new backward makes the masters' copies stale, whoever clears the model's gradients: a skipped step
         # followed by model.zero_grad() (transformers' Trainer) kept the overflowed copies for good otherwise.
         owner = weakref.ref(self)  # the model's parameters must not keep the optimizer alive
@@ -107,6 +109,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         """
         if self._grads_synced:
             return
+        if not self._shared:
+            self._share_float32_masters()
         targets, sources = [], []
         for param, master in zip(self.model_params, self.master_params):
             if param.grad is None:
@@ -123,11 +127,33 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self._grads_synced = True
 
     @torch.no_grad()
+    def _share_float32_masters(self) -> None:
+        """Make each model parameter that is float32 at the first step (O2 keeps norms in float32) its own master:
+        a copy of it would hold the same values, 4 bytes per parameter more. Done at the first step, not when the
+        wrapper is built: ``initialize`` builds it before the cast, while every weight is still float32. The inner
+        optimizer's groups and any state it holds (a resumed run's moments) move to the parameter."""
+        self._shared = True
+        index = 0
+        for group in self.optimizer.param_groups:
+            for position, master in enumerate(group["params"]):
+                param = self.model_params[index]
+                if (param is not master and param.dtype == master.dtype == torch.float32
+                        and param.device == master.device and param.shape == master.shape):
+                    group["params"][position] = self.master_params[index] = param
+                    if master in self.optimizer.state:
+                        self.optimizer.state[param] = self.optimizer.state.pop(master)
+                    if param.grad is None and master.grad is not None:
+                        param.grad = master.grad
+                index += 1
+        self._copied = [(p, m) for p, m in zip(self.model_params, self.master_params) if p is not m]
+
+    @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Step the inner optimizer on the masters and write them back to the model."""
         self.prepare_grads_()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        _torch.foreach_copy_(self.model_params, self.master_params)
+        if self._copied:
+            _torch.foreach_copy_([p for p, _ in self._copied], [m for _, m in self._copied])
         self._grads_synced = False
         return loss
 
