@@ -482,3 +482,50 @@ def test_a_cuda_policy_without_cuda_warns_and_disables_as_torch_autocast_does(mo
         return torch.mm(x, x)
 
     assert not region.policy.enabled and f(torch.ones(2, 2)).dtype == torch.float32
+
+
+# Plain torch.autocast over a model with every op class ampkit edits or computes in float32 here, forward and
+# backward; prints a digest of the outputs and gradients (and their dtypes). With "after", ampkit's edited, override
+# and float32-compute regions run first, so their kernels are registered for the rest of the process.
+_PLAIN_AFTER_REGIONS = '''
+import hashlib, sys, warnings
+import torch, torch.nn.functional as F
+from torch import nn
+import ampkit
+warnings.simplefilter("ignore")
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv1d(4, 8, 3), nn.Flatten(), nn.Linear(48, 32), nn.LayerNorm(32), nn.GELU(),
+                      nn.Linear(32, 8))
+x, y = torch.randn(6, 4, 8), torch.randn(6, 8)
+if sys.argv[1] == "after":
+    default = ampkit.Policy.default("cpu", torch.bfloat16, compute="native")
+    for policy in (default.with_ops(deny=["linear", "gelu"], allow=["softmax", "mse_loss"]),
+                   default.with_modules("2", dtype=torch.float32), default.with_modules(nn.LayerNorm, dtype="bf16"),
+                   ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")):
+        with ampkit.autocast(policy):
+            F.mse_loss(model(x), y).backward()
+    model.zero_grad()
+with torch.autocast("cpu", torch.bfloat16):
+    out = model(x)
+    attn = torch.softmax(out @ out.t(), -1)
+    loss = F.mse_loss(attn @ out, y)
+loss.backward()
+found = [out, attn, loss] + [p.grad for p in model.parameters()]
+values = b"".join(t.detach().float().numpy().tobytes() for t in found)  # exact: every 16-bit value is a float32
+print([str(t.dtype) for t in found], hashlib.sha256(values).hexdigest())
+'''
+
+
+@pytest.mark.slow
+def test_plain_torch_autocast_after_ampkit_regions_computes_as_in_a_fresh_process() -> None:
+    import subprocess
+    import sys
+
+    def run(when: str) -> str:
+        done = subprocess.run([sys.executable, "-c", _PLAIN_AFTER_REGIONS, when], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stdout.strip()
+
+    fresh, after = run("fresh"), run("after")
+    assert "bfloat16" in fresh and after == fresh  # the same dtypes and the same bits, forward and backward
