@@ -255,6 +255,20 @@ def function_mode_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def after_regions_section(results: dict[str, Any]) -> str:
+    gpt, mm = results["medians"]["gpt_step"], results["medians"]["mm"]
+    return (f"`python benchmarks/bench_after_regions.py`, {results['created']}, on {machine_line(results['machine'])}. "
+            "Once an edited, a module-override and a float32-compute ampkit region have run, "
+            f"{results['registered']} ATen ops hold ampkit's Python kernels at the Autocast key for the rest of the "
+            "process (today's design), and plain `torch.autocast` reaches them for those ops; the same bits as torch's "
+            "own kernels (tests/test_autocast.py), in Python. In one process, blocks alternated between the kernels "
+            f"registered and dropped ({results['rounds']} rounds; medians): the GPT of `ampkit compare` (batch 32, "
+            f"forward and backward under plain torch.autocast) {gpt['with'] * 1e3:.1f} ms a step against "
+            f"{gpt['without'] * 1e3:.1f} ms, **{results['gpt_ratio']:.3f}x**; a 64x64 `torch.mm` "
+            f"{mm['with'] * 1e6:.1f} us against {mm['without'] * 1e6:.1f} us, {results['mm_ratio']:.2f}x. "
+            "Issue 38 asks <= 1.01x: no kernel of ampkit's outside its regions.")
+
+
 def distributed_table(results: dict[str, Any]) -> str:
     ms, sent, steps = results["allreduce_ms"], results["allreduce_bytes"], results["ddp_step_ms"]
     rows = [
@@ -828,6 +842,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     if function_mode:
         sections += [f"{level} The precision layer as a torch function mode (issue 38, measured before building)", "",
                      function_mode_table(function_mode), ""]
+    after_regions = load(directory, "after-regions.json")
+    if after_regions:
+        sections += [f"{level} Plain torch.autocast after ampkit's regions ran (issue 38's side effects)", "",
+                     after_regions_section(after_regions), ""]
     compiled = load(directory, "compile.json")
     if compiled:
         sections += [f"{level} torch.compile under every kind of policy", "", compile_table(compiled), ""]
