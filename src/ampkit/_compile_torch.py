@@ -191,12 +191,6 @@ def _tracer() -> Any:
     return getattr(_translator(), "output", None)
 
 
-# Named in ampkit's error messages: the setting under which a graph can end inside a module, and the tool that
-# shows graph breaks.
-NESTED_GRAPH_BREAKS = "torch._dynamo.config.nested_graph_breaks"
-EXPLAIN = "torch._dynamo.explain"
-
-
 def trace_ends_in_a_graph() -> bool:
     """Whether dynamo's cleanup hooks run because its graph is complete (``OutputGraph.compile_and_call_fx_graph``
     calls them, 2.1-2.14.1), not because the trace stopped part-way."""

@@ -180,8 +180,8 @@ def _close_from(region: Region) -> None:
         raise RuntimeError(
             "ampkit: torch.compile ended a graph inside a module that a per-module override of the policy "
             "matches, so the rest of the module would run outside its override. A graph break inside a module "
-            f"that dynamo inlines ends the graph before the module's call unless {_compile_torch.NESTED_GRAPH_BREAKS} "
-            f"is set: unset it, or remove the graph break from the module ({_compile_torch.EXPLAIN} names it).")
+            "that dynamo inlines ends the graph before the module's call unless dynamo's nested_graph_breaks setting "
+            "is on: turn it off, or remove the graph break from the module (TORCH_LOGS=graph_breaks names it).")
 
 
 @_compile_torch.graph_op_with_side_effects
