@@ -26,6 +26,7 @@ from ampkit.experiment.models import MODELS, build, check_output
 from ampkit.experiment.settings import model_defaults
 from ampkit.files import strict_json, writable_directory
 from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe
+from ampkit.modes import MIXED_LEVELS
 from ampkit.precision.decide import compute_label
 from ampkit.precision.policy import Policy
 
@@ -43,7 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
                         "pkg.module:factory")
     parser.add_argument("--data", default=None, help="digits | mnist:DIR | text | synthetic (default: digits; text for gpt)")
     parser.add_argument("--batch-size", type=int, default=None, help="default: 32 (8 for text models)")
-    parser.add_argument("--opt-level", default="O2", choices=["O1", "O2", "O3"], help="for the memory estimate")
+    parser.add_argument("--opt-level", default="O2", choices=MIXED_LEVELS, help="for the memory estimate")
     parser.add_argument("--find-nonfinite", choices=["fp16", "bf16"], help="also run under this policy and name the "
                         "first op that makes inf/NaN (slow: checks every op)")
     parser.add_argument("--fp8", action="store_true", help="also name the linears FP8 (E4M3/E5M2, per-tensor scales) "
