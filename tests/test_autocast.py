@@ -518,12 +518,16 @@ print([str(t.dtype) for t in found], hashlib.sha256(values).hexdigest())
 
 @pytest.mark.slow
 def test_plain_torch_autocast_after_ampkit_regions_computes_as_in_a_fresh_process() -> None:
+    import os
     import subprocess
     import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}  # this checkout's ampkit
 
     def run(when: str) -> str:
         done = subprocess.run([sys.executable, "-c", _PLAIN_AFTER_REGIONS, when], capture_output=True, text=True,
-                              timeout=120)
+                              timeout=120, env=env)
         assert done.returncode == 0, done.stderr[-2000:]
         return done.stdout.strip()
 
