@@ -50,24 +50,34 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> None:
         assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
-@pytest.mark.parametrize("compute", ["native", "float32"])
-@pytest.mark.parametrize("level", list(OPT_LEVELS))
-def test_initialize_fully_shard_and_the_lightning_plugin_apply_a_level_alike(level: str, compute: str,
-                                                                             one_rank: None) -> None:
-    lightning = pytest.importorskip("ampkit.integrations.lightning")
-    settings: dict[str, Any] = dict(dtype=torch.bfloat16, compute=compute)
-    initialized, _ = ampkit.initialize(Net(), None, level, **settings)
-    reference = _run(initialized)
-    sharded = ampkit.distributed.fully_shard(Net(), opt_level=level, **settings)
-    _same(_run(sharded), reference)
-    plugin = lightning.AmpkitPrecision(level, **settings)
-    _same(_run(plugin.convert_module(Net()), plugin.forward_context), reference)
+SETTINGS: dict[str, Any] = dict(dtype=torch.bfloat16)
+LEVELS_AND_COMPUTES = pytest.mark.parametrize("level, compute", [(level, compute) for level in OPT_LEVELS
+                                                                 for compute in ("native", "float32")])
+
+
+def _initialized(level: str, compute: str) -> dict[str, Any]:
+    """What ``initialize`` makes of the level: the reference the others are held to."""
+    run = _run(ampkit.initialize(Net(), None, level, compute=compute, **SETTINGS)[0])
     described = OPT_LEVELS[level]
-    assert reference["seen"]["norm"][0] == (torch.float32 if not described.weights_16bit or described.keeps_float32
-                                            else torch.bfloat16)
-    policy = reference["seen"]["fc1"][2]
+    assert run["seen"]["norm"][0] == (torch.float32 if not described.weights_16bit or described.keeps_float32
+                                      else torch.bfloat16)
+    policy = run["seen"]["fc1"][2]
     assert (policy is not None) == (described.policy_region or described.weights_16bit and compute == "float32")
-    assert reference["loss"].dtype == torch.float32  # every level's boundary (O1: the loss outside any 16-bit list)
+    assert run["loss"].dtype == torch.float32  # every level's boundary (O1: the loss outside any 16-bit list)
+    return run
+
+
+@LEVELS_AND_COMPUTES
+def test_fully_shard_applies_a_level_as_initialize_does(level: str, compute: str, one_rank: None) -> None:
+    sharded = ampkit.distributed.fully_shard(Net(), opt_level=level, compute=compute, **SETTINGS)
+    _same(_run(sharded), _initialized(level, compute))
+
+
+@LEVELS_AND_COMPUTES
+def test_the_lightning_plugin_applies_a_level_as_initialize_does(level: str, compute: str) -> None:
+    lightning = pytest.importorskip("ampkit.integrations.lightning")
+    plugin = lightning.AmpkitPrecision(level, compute=compute, **SETTINGS)
+    _same(_run(plugin.convert_module(Net()), plugin.forward_context), _initialized(level, compute))
 
 
 def test_the_levels_are_one_frozen_table() -> None:
