@@ -8,8 +8,10 @@ import torch
 from torch import nn
 
 from ampkit.distributed.units import check_units, kept_units, shard_blocks
-from ampkit.modes import OPT_LEVELS
 from ampkit.experiment.models import GPT, MLP, ResNet18
+from ampkit.modes import OPT_LEVELS
+
+O1, O2 = OPT_LEVELS["O1"], OPT_LEVELS["O2"]
 
 
 def test_the_default_blocks_are_the_children_of_containers_outermost_first() -> None:
@@ -24,17 +26,17 @@ def test_the_default_blocks_are_the_children_of_containers_outermost_first() -> 
 
 def test_o2_keeps_every_norm_and_the_kept_types_as_units_of_their_own() -> None:
     model = GPT(n_layers=2)
-    assert [n for n, _ in kept_units(model, OPT_LEVELS["O2"], ())] == ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1",
-                                                           "blocks.1.ln2", "ln_f"]
-    assert kept_units(model, OPT_LEVELS["O1"], ()) == []
-    assert [n for n, _ in kept_units(model, OPT_LEVELS["O2"], (nn.Embedding,))][:2] == ["tok", "pos"]
+    assert [n for n, _ in kept_units(model, O2, ())] == ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1",
+                                                         "blocks.1.ln2", "ln_f"]
+    assert kept_units(model, O1, ()) == []
+    assert [n for n, _ in kept_units(model, O2, (nn.Embedding,))][:2] == ["tok", "pos"]
 
 
 def test_a_weight_shared_across_units_is_refused_by_name() -> None:
     model = GPT(n_layers=2)  # its head is tied to the token embedding: both at the root, fine
-    check_units(model, shard_blocks(model, None), kept_units(model, OPT_LEVELS["O2"], ()))
+    check_units(model, shard_blocks(model, None), kept_units(model, O2, ()))
     with pytest.raises(ValueError, match="'lm_head.weight' is shared between 'tok' and 'the root'"):
-        check_units(model, shard_blocks(model, None), kept_units(model, OPT_LEVELS["O2"], (nn.Embedding,)))
+        check_units(model, shard_blocks(model, None), kept_units(model, O2, (nn.Embedding,)))
     model.blocks[1].mlp[0].weight = model.blocks[0].mlp[0].weight  # tied across two blocks
     with pytest.raises(ValueError, match="'blocks.1.mlp.0.weight' is shared between 'blocks.0' and 'blocks.1'"):
         check_units(model, shard_blocks(model, None), [])
