@@ -70,7 +70,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.master_params: list[torch.Tensor] = [m for g in optimizer.param_groups for m in g["params"]]
         self._grads_synced = False
         self._shared = False  # whether the float32 parameters are their own masters yet (_share_float32_masters)
-        self._copied = list(zip(self.model_params, self.master_params))  # (weight, its master) written back at a step
+        # what a step writes back: each weight and its master (a float32 weight that is its own master needs none)
+        self._written, self._written_from = list(self.model_params), list(self.master_params)
         # A new backward makes the masters' copies stale, whoever clears the model's gradients: a skipped step
         # followed by model.zero_grad() (transformers' Trainer) kept the overflowed copies for good otherwise.
         owner = weakref.ref(self)  # the model's parameters must not keep the optimizer alive
@@ -145,15 +146,16 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     if param.grad is None and master.grad is not None:
                         param.grad = master.grad
                 index += 1
-        self._copied = [(p, m) for p, m in zip(self.model_params, self.master_params) if p is not m]
+        pairs = [(p, m) for p, m in zip(self.model_params, self.master_params) if p is not m]
+        self._written, self._written_from = [p for p, _ in pairs], [m for _, m in pairs]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         """Step the inner optimizer on the masters and write them back to the model."""
         self.prepare_grads_()
         loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        if self._copied:
-            _torch.foreach_copy_([p for p, _ in self._copied], [m for _, m in self._copied])
+        if self._written:
+            _torch.foreach_copy_(self._written, self._written_from)
         self._grads_synced = False
         return loss
 
