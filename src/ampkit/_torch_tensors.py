@@ -1,16 +1,13 @@
 """The tensor attributes torch keeps private that ampkit reads, one wrapper each, as in ``_torch.py``.
 
-They are part of every tensor since torch 1.x (checked on the releases of ``_torch.CHECKED``; ``_torch.missing()``
-checks them too): the view a tensor was made from, its count of in-place writes, a sparse tensor's own values.
-No public API gives the same without a copy. This module imports nothing of ampkit.
+They are part of every tensor since torch 1.x (``tests/test_torch_shim.py`` checks each wrapper on every release
+CI tests, ``_torch.CHECKED``): the view a tensor was made from, its count of in-place writes, a sparse tensor's own
+values. No public API gives the same without a copy. This module imports nothing of ampkit.
 """
 
 from __future__ import annotations
 
 import torch
-
-NAMES = ("Tensor._base", "Tensor._version", "Tensor._values")
-
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
     """The tensor ``t`` is a view of, else None (``Tensor._base``, 2.4-2.14.1)."""
