@@ -1,15 +1,19 @@
-"""What ampkit's regions leave behind in a process (issue 38): plain torch.autocast's step with the kernels that
-edited, override and float32-compute regions registered, against its step without them, in the same process.
+"""What ampkit's regions leave behind in a process (issue 38): plain torch.autocast's step after edited, override and
+float32-compute regions ran, against its step where none ran since, in the same process; and while the kernels stay
+because a second thread lives.
 
-ampkit's edited policies, module overrides and float32 compute register Python kernels at the Autocast dispatch
-key on first need and keep them for the process (precision/kernels.py): afterwards plain torch.autocast reaches
-those kernels for their ops, which do what torch's would (tests/test_autocast.py checks the bits), in Python.
-What that costs: the GPT of `ampkit compare` (batch 32, forward and backward under plain
-``torch.autocast("cpu", torch.bfloat16)``), blocks of 20 steps alternated between the two states of one process:
-with the kernels (one step each under an edited, a module-override and a float32-compute ampkit policy registers
-them, untimed) and without (the benchmark drops the registry's ``torch.library.Library`` objects, whose finalizers
-give the ops back to torch's kernels: what a fresh process has), 15 rounds, the order reversed every other round;
-medians. Also one op alone: a 64x64 ``torch.mm`` under plain torch.autocast, the same alternation.
+ampkit's edited policies, module overrides and float32 compute register Python kernels at the Autocast dispatch key
+while a region needs them (precision/kernels.py); when the last region closes in a process with one thread they are
+released, and torch's own kernels run again, as in a process that never ran a region. With a second Python thread
+alive they stay (releasing a kernel that thread is about to run crashes it), and plain torch.autocast reaches them
+for their ops: the same bits as torch's own kernels (tests/test_autocast.py), in Python.
+What each state costs: the GPT of `ampkit compare` (batch 32, forward and backward under plain
+``torch.autocast("cpu", torch.bfloat16)``), blocks of 20 steps alternated between three states of one process:
+"after" (one step each under an edited, a module-override and a float32-compute ampkit policy, untimed, then the
+block: ampkit holds no kernel, checked), "without" (no region since the last block, none held, checked: what a fresh
+process has), "kept" (the same regions while a helper thread waits, and the block while it still lives: the kernels
+held, checked), 15 rounds, the order rotated every round; medians. Also one op alone: a 64x64 ``torch.mm`` under
+plain torch.autocast, the same alternation.
 
 Writes results/after-regions.json.
 
@@ -18,8 +22,8 @@ Writes results/after-regions.json.
 
 from __future__ import annotations
 
-import gc
 import statistics
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -46,22 +50,40 @@ def _regions(model: torch.nn.Module, x: torch.Tensor) -> None:
         model.zero_grad(set_to_none=True)
 
 
-def _drop_kernels() -> None:
-    """Give every op back to torch's own kernels: the registry's Library objects go, and their finalizers with them
-    (ampkit's own registry, reached into by this benchmark alone)."""
-    kernels.registry._libs.clear()
-    gc.collect()
+STATES = ("after", "without", "kept")
+
+
+def _enter(state: str, model: torch.nn.Module, x: torch.Tensor) -> threading.Event | None:
+    """Put the process in ``state`` (untimed); returns the event that ends the helper thread of "kept"."""
+    if state == "without":
+        assert not kernels.registry.registered()
+        return None
+    release = threading.Event() if state == "kept" else None
+    if release is not None:
+        threading.Thread(target=release.wait).start()
+    _regions(model, x)
+    assert bool(kernels.registry.registered()) == (state == "kept"), state
+    return release
+
+
+def _leave(release: threading.Event | None, model: torch.nn.Module, x: torch.Tensor) -> None:
+    """End the helper thread, if any, and let one region close alone: ampkit releases the kernels kept meanwhile."""
+    if release is not None:
+        release.set()
+        while threading.active_count() > 1:
+            time.sleep(0.001)
+        with ampkit.autocast(ampkit.Policy.default("cpu", torch.bfloat16, compute="native").with_ops(deny=["gelu"])):
+            pass
+    assert not kernels.registry.registered()
 
 
 def _alternate(block: Callable[[], list[float]], model: torch.nn.Module, x: torch.Tensor) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {"with": [], "without": []}
+    times: dict[str, list[float]] = {state: [] for state in STATES}
     for round_ in range(ROUNDS):
-        for state in (("with", "without") if round_ % 2 == 0 else ("without", "with")):
-            if state == "with":
-                _regions(model, x)
-            else:
-                _drop_kernels()
+        for state in STATES[round_ % 3:] + STATES[:round_ % 3]:
+            release = _enter(state, model, x)
             times[state] += block()
+            _leave(release, model, x)
     return times
 
 
@@ -91,21 +113,25 @@ def main() -> None:
                 torch.mm(a, a)
             return [(time.perf_counter() - start) / 500]
 
-    _regions(model, x)
+    release = _enter("kept", model, x)
     registered = len(kernels.registry.registered())
-    gpt_block(), _drop_kernels(), gpt_block()  # warm-up, in both states
+    gpt_block()  # warm-up, in each state
+    _leave(release, model, x)
+    gpt_block()
     gpt = _alternate(gpt_block, model, x)
     mm = _alternate(mm_block, model, x)
     medians = {name: {state: statistics.median(t) for state, t in found.items()}
                for name, found in (("gpt_step", gpt), ("mm", mm))}
-    payload = {"rounds": ROUNDS, "steps": STEPS, "registered": registered, "medians": medians,
-               "gpt_ratio": medians["gpt_step"]["with"] / medians["gpt_step"]["without"],
-               "mm_ratio": medians["mm"]["with"] / medians["mm"]["without"]}
+    ratios = {name: {state: medians[name][state] / medians[name]["without"] for state in ("after", "kept")}
+              for name in medians}
+    payload = {"rounds": ROUNDS, "steps": STEPS, "registered": registered, "medians": medians, "ratios": ratios}
     path = save("after-regions", payload)
-    print(f"plain torch.autocast with ampkit's {registered} kernels registered: GPT step "
-          f"{medians['gpt_step']['with'] * 1e3:.1f} ms against {medians['gpt_step']['without'] * 1e3:.1f} ms without, "
-          f"{payload['gpt_ratio']:.3f}x; a 64x64 mm {medians['mm']['with'] * 1e6:.1f} us against "
-          f"{medians['mm']['without'] * 1e6:.1f} us, {payload['mm_ratio']:.2f}x; {path}")
+    gpt_ms = {state: medians["gpt_step"][state] * 1e3 for state in STATES}
+    mm_us = {state: medians["mm"][state] * 1e6 for state in STATES}
+    print(f"plain torch.autocast, GPT step: after regions {gpt_ms['after']:.1f} ms, without {gpt_ms['without']:.1f} ms "
+          f"({ratios['gpt_step']['after']:.3f}x), with ampkit's {registered} kernels kept {gpt_ms['kept']:.1f} ms "
+          f"({ratios['gpt_step']['kept']:.3f}x); a 64x64 mm: {mm_us['after']:.1f}, {mm_us['without']:.1f}, "
+          f"{mm_us['kept']:.1f} us ({ratios['mm']['after']:.2f}x, {ratios['mm']['kept']:.2f}x); {path}")
 
 
 if __name__ == "__main__":

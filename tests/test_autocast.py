@@ -484,6 +484,64 @@ def test_a_cuda_policy_without_cuda_warns_and_disables_as_torch_autocast_does(mo
     assert not region.policy.enabled and f(torch.ones(2, 2)).dtype == torch.float32
 
 
+# The kernels an edited and a float32-compute region registered, after the regions closed: alone in the process, with
+# a second thread alive, and once that thread has ended. Prints what is registered, how many calls of a plain
+# torch.autocast reached ampkit's kernels, and their dtypes. (In a subprocess: the suite's heartbeat is a thread.)
+_KERNELS_AFTER_REGIONS = """
+import threading, warnings
+import torch, torch.nn.functional as F
+import ampkit
+from ampkit.precision import kernels
+warnings.simplefilter("ignore")
+reached, region_of = [], kernels.current_region
+kernels.current_region = lambda device_type: (reached.append(device_type), region_of(device_type))[1]
+edited = ampkit.Policy.default("cpu", torch.bfloat16, compute="native").with_ops(deny=["gelu", "mm"])
+x = torch.randn(4, 4)
+
+def plain():
+    reached.clear()
+    with torch.autocast("cpu", torch.bfloat16):
+        dtypes = [str(F.gelu(x.bfloat16()).dtype), str(torch.mm(x, x).dtype)]
+    return sorted(op for _, op in kernels.registry.registered()), len(reached), dtypes
+
+for policy in (edited, ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")):
+    with ampkit.autocast(policy):
+        reached.clear()
+        torch.mm(x, x)
+        assert reached and kernels.registry.registered()  # inside, the kernels run
+print("alone", plain())
+release = threading.Event()
+helper = threading.Thread(target=release.wait)
+helper.start()
+with ampkit.autocast(edited):
+    pass
+print("thread", plain())
+release.set()
+helper.join()
+with ampkit.autocast(edited):
+    pass
+print("ended", plain())
+"""
+
+
+def test_kernels_go_with_the_last_region_unless_another_thread_lives() -> None:
+    """Outside regions torch's own kernels run (none of ampkit's is reached); with a second thread alive they stay,
+    doing what torch's do, since releasing one that thread is about to run crashes it (the race test above)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}  # this checkout's ampkit
+    done = subprocess.run([sys.executable, "-c", _KERNELS_AFTER_REGIONS], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    torch_dtypes = ["torch.bfloat16", "torch.bfloat16"]  # torch.autocast leaves gelu alone and runs mm in bf16
+    assert done.stdout.splitlines() == [f"alone {([], 0, torch_dtypes)}",
+                                        f"thread {(['gelu', 'mm'], 2, torch_dtypes)}",
+                                        f"ended {([], 0, torch_dtypes)}"]
+
+
 # Plain torch.autocast over a model with every op class ampkit edits or computes in float32 here, forward and
 # backward; prints a digest of the outputs and gradients (and their dtypes). With "after", ampkit's edited, override
 # and float32-compute regions run first, so their kernels are registered for the rest of the process.

@@ -7,15 +7,34 @@ kernels at that key with ``torch.library``. So the default policy with native co
 costs exactly what torch.autocast costs (no Python per op), and an edited policy pays a
 few microseconds only on the ops it moved.
 
-The registrations are process-wide (the dispatcher has no per-thread table) and stay for
-the life of the process once a region first needed them: registering costs about
-a fraction of a millisecond per op, too much to pay on every step, and removing a kernel while another
-thread dispatches to it is not safe. Each kernel reads the calling thread's innermost
-ampkit region (``state.py``) and, in a thread without one, does what torch.autocast would.
+The dispatcher has no per-thread table, so the registrations are process-wide; they live
+only while a region needs them. The first region that needs an op registers it (one
+``torch.library.Library`` per region entry), and when the last open region closes every
+registration goes (the Library objects are released; their finalizers give the ops back to
+torch): outside ampkit's regions, torch runs its own kernels, as in a process that never ran
+one (issue 38; ``tests/test_autocast.py`` checks the dispatch, ``benchmarks/bench_after_regions.py``
+the time). Measured on a 2-core CPU with torch 2.13: registering and releasing the 2 ops of
+a two-op edit costs about 0.05 ms a region, the 36 ops (46 overloads) of float32 compute
+about 0.8 ms (under 1% of the float32-compute steps `benchmarks/bench_compile.py` times).
+While registered, each kernel reads the calling thread's innermost ampkit region
+(``state.py``) and, in a thread without one, does what torch.autocast would.
+
+Except while another Python thread lives: a thread that has looked a kernel up and waits for
+the GIL to run it crashes if the kernel is released meanwhile (torch's ``SafePyObject``
+assertion; the three-thread race in ``tests/test_autocast.py`` failed in 4 of 4 runs), and
+a plain torch.autocast in any thread may be that one. There the kernels stay until a region
+closes in a process with a single thread again, doing there what torch's would.
+
+Why not a torch function mode (thread-local, which would need no registration): a mode sees
+Python-level calls, and ``nn.functional``'s Python composites (``multi_head_attention_forward``,
+``mse_loss``) run their inner calls with the mode popped, so an edited ``linear`` would miss the
+attention's projections; the Autocast key sees every ATen op, as torch.autocast does, and lies
+above autograd, so the casts are differentiated.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import warnings
 from collections.abc import Callable
@@ -134,52 +153,71 @@ def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Call
 
 
 class _Registry:
-    """torch.library registrations, one Library per (device, op), registered on first
-    need and kept; counts say which are needed by an open region now."""
+    """The torch.library registrations open regions need: counts per (device, op); what a region needs and is not
+    registered yet is registered on its entry (one Library), and everything goes when no region needs any."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._counts: dict[tuple[str, str], int] = {}
-        self._libs: dict[tuple[str, str], torch.library.Library] = {}
+        self._libs: list[torch.library.Library] = []
+        self._registered: set[tuple[str, str]] = set()
 
     def acquire(self, device_type: str, ops: frozenset[str]) -> None:
         with self._lock:
+            missing = sorted(op for op in ops if (device_type, op) not in self._registered)
+            if missing:
+                self._libs.append(self._register(device_type, missing))
+                self._registered.update((device_type, op) for op in missing)
             for op in ops:
-                key = (device_type, op)
-                if key not in self._libs:
-                    self._libs[key] = self._register(device_type, op)
-                self._counts[key] = self._counts.get(key, 0) + 1
+                self._counts[(device_type, op)] = self._counts.get((device_type, op), 0) + 1
 
     def release(self, device_type: str, ops: frozenset[str]) -> None:
         with self._lock:
             for op in ops:
-                self._counts[(device_type, op)] -= 1
+                key = (device_type, op)
+                self._counts[key] -= 1
+                if not self._counts[key]:
+                    del self._counts[key]
+            # No open region needs a kernel: torch's own come back, unless another thread lives (below).
+            if not self._counts and threading.active_count() == 1:
+                self._libs.clear()
+                self._registered.clear()
 
     def active(self) -> set[tuple[str, str]]:
         """(device_type, op) pairs whose ampkit kernels an open region needs now."""
         with self._lock:
-            return {key for key, count in self._counts.items() if count}
+            return set(self._counts)
 
     def registered(self) -> set[tuple[str, str]]:
-        """(device_type, op) pairs that hold ampkit kernels (for the rest of the process)."""
+        """(device_type, op) pairs that hold ampkit kernels now (those of every open region, and possibly of regions
+        that closed while others stayed open)."""
         with self._lock:
-            return set(self._libs)
+            return set(self._registered)
 
     @staticmethod
-    def _register(device_type: str, op: str) -> torch.library.Library:
+    def _register(device_type: str, ops: list[str]) -> torch.library.Library:
         autocast_ops(device_type)  # read torch's own autocast kernels before ampkit adds one
         lib = torch.library.Library("aten", "IMPL")
-        packet = getattr(torch.ops.aten, op)
         with warnings.catch_warnings():
             # torch warns (once per process) that a kernel is overridden: that is the point.
             warnings.simplefilter("ignore")
-            for name in packet.overloads():
-                overload = getattr(packet, name)
-                if _torch.is_mutable(overload):  # out= and in-place variants keep their dtypes
-                    continue
-                qualified = op if name == "default" else f"{op}.{name}"
-                lib.impl(qualified, _make_kernel(device_type, op, overload), _torch.autocast_key(device_type).name)
+            for op in ops:
+                for qualified, kernel in _kernels(device_type, op):
+                    lib.impl(qualified, kernel, _torch.autocast_key(device_type).name)
         return lib
+
+
+@functools.cache
+def _kernels(device_type: str, op: str) -> tuple[tuple[str, Callable[..., Any]], ...]:
+    """``op``'s overloads to register, each with its kernel (made once: regions register them again and again)."""
+    packet = getattr(torch.ops.aten, op)
+    found = []
+    for name in packet.overloads():
+        overload = getattr(packet, name)
+        if _torch.is_mutable(overload):  # out= and in-place variants keep their dtypes
+            continue
+        found.append((op if name == "default" else f"{op}.{name}", _make_kernel(device_type, op, overload)))
+    return tuple(found)
 
 
 registry = _Registry()

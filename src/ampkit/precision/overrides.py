@@ -221,8 +221,7 @@ def install_hooks() -> None:
     Removed after each region and installed again at the next, they were new hooks to dynamo every time: a model
     compiled under an override policy failed dynamo's guard on the global hooks and compiled again at every step,
     to its recompile limit, then ran eagerly. Outside an override region they return at once: a Python call per
-    module call, in this process only after such a region ran, as the dispatcher kernels stay (issue 38 replaces
-    both with per-region mechanisms).
+    module call, in this process only after such a region ran (issue 38 asks for a per-region mechanism).
     Where dynamo cannot trace them (torch 2.11) they break every compiled graph at each module call, override
     region or not: there they go with the last region that needs them (``release_hooks``), as they do in a process
     that has not imported dynamo (nothing compiles there).

@@ -56,9 +56,9 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
 
     Note:
         An edited policy, or float32 compute, registers process-wide dispatcher
-        kernels on entry of the first region that needs them (a fraction of a millisecond per op,
-        once per process); they stay, and do what torch.autocast does in threads
-        without an ampkit region. ``"auto"`` compute reads ``ampkit.measure()``,
+        kernels on entry of the first region that needs them (under a millisecond),
+        released when the last open region closes (kept while another Python thread
+        lives, doing there what torch.autocast does: ``precision/kernels.py``). ``"auto"`` compute reads ``ampkit.measure()``,
         which times this machine's kernels for about a second the first time it
         ever runs here (then it is cached on disk). Compiled code called inside a
         region traces the policy into its graph and runs only under that policy
