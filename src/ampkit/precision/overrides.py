@@ -1,7 +1,7 @@
 """Per-module overrides: global module hooks that open a region per matching module.
 
-Installed by the first region with overrides and kept for the process where dynamo traces them
-(``install_hooks``); outside such a region they return at once.
+Installed by the first region with overrides, removed after the last, unless torch.compile has traced them
+(then kept for the process: ``install_hooks``); outside such a region they return at once.
 
 Under torch.compile the hooks are traced, not run: which modules match is a constant of the trace
 (the policy is guarded, ``compiling.py``), the float32 cast of a module's inputs is traced as any
@@ -37,6 +37,7 @@ _hooks_lock = threading.Lock()
 _hook_handles: list[Any] = []
 _hooks_count = 0  # the open regions that need the hooks
 _traceable = False  # whether torch.compile can trace the hooks (_compile_torch.can_trace_module_regions), once imported
+_traced = False  # whether a trace has gone through them (then dynamo's graphs guard on them: they stay)
 
 
 def _override_for(module: nn.Module, policy: Policy) -> torch.dtype | None:
@@ -119,6 +120,8 @@ _FLOAT32, _LOW = 1, 2  # what a module's override opens: a float32 region, or th
 
 def _enters_at_trace(module: nn.Module) -> tuple[str, int]:
     """(device type, _FLOAT32 or _LOW) where ``module`` opens an override region, else ("", 0)."""
+    global _traced
+    _traced = True  # run for real at each trace (a constant of it), in the thread that traces
     top = state.stack[-1] if state.stack else None
     if top is None or top.policy is None or not top.policy.overrides:
         return "", 0
@@ -216,12 +219,13 @@ _compile_torch.on_dynamo_import(_learn_traceable)
 
 
 def install_hooks() -> None:
-    """Install the two global hooks at the first region with overrides; where dynamo traces them, they stay.
+    """Install the two global hooks at the first region with overrides; once dynamo has traced them, they stay.
 
     Removed after each region and installed again at the next, they were new hooks to dynamo every time: a model
     compiled under an override policy failed dynamo's guard on the global hooks and compiled again at every step,
     to its recompile limit, then ran eagerly. Outside an override region they return at once: a Python call per
-    module call, in this process only after such a region ran (issue 38 asks for a per-region mechanism).
+    module call, in this process only after a compiled call traced them (issue 38 asks for a per-region
+    mechanism). Where no trace went through them (eager code), they go with the last region that needs them.
     Where dynamo cannot trace them (torch 2.11) they break every compiled graph at each module call, override
     region or not: there they go with the last region that needs them (``release_hooks``), as they do in a process
     that has not imported dynamo (nothing compiles there).
@@ -239,12 +243,12 @@ def install_hooks() -> None:
 
 
 def release_hooks() -> None:
-    """Where the hooks are not traced, remove them after the last region that needs them, unless a thread compiles
-    now (dynamo guards on the global hooks it traced: one removed between its trace and its guards fails that
+    """Where no trace went through the hooks, remove them after the last region that needs them, unless a thread
+    compiles now (dynamo guards on the global hooks it traced: one removed between its trace and its guards fails that
     thread's compile with a ``KeyError``; left, the next region's release removes them)."""
     global _hooks_count
     with _hooks_lock:
         _hooks_count -= 1
-        if _hooks_count == 0 and not _traceable and not torch.compiler.is_compiling():  # any thread's compile
+        if _hooks_count == 0 and not (_traceable and _traced) and not torch.compiler.is_compiling():  # any thread's
             while _hook_handles:
                 _hook_handles.pop().remove()
