@@ -16,6 +16,8 @@ one (issue 38; ``tests/test_autocast.py`` checks the dispatch, ``benchmarks/benc
 the time). Measured on a 2-core CPU with torch 2.13: registering and releasing the 2 ops of
 a two-op edit costs about 0.05 ms a region, the 36 ops (46 overloads) of float32 compute
 about 0.8 ms (under 1% of the float32-compute steps `benchmarks/bench_compile.py` times).
+A checkpointed segment inside a region counts as open until torch drops it: its recompute
+re-enters the region in the backward (``checkpointing.py``).
 While registered, each kernel reads the calling thread's innermost ampkit region
 (``state.py``) and, in a thread without one, does what torch.autocast would.
 
@@ -178,8 +180,10 @@ class _Registry:
                 self._counts[key] -= 1
                 if not self._counts[key]:
                     del self._counts[key]
-            # No open region needs a kernel: torch's own come back, unless another thread lives (below).
-            if not self._counts and threading.active_count() == 1:
+            # No open region needs a kernel: torch's own come back, unless another thread lives (below; a thread
+            # torch runs Python in, such as an autograd device thread's, is not counted: only the main one releases).
+            alone = threading.active_count() == 1 and threading.get_ident() == threading.main_thread().ident
+            if not self._counts and alone:
                 self._libs.clear()
                 self._registered.clear()
 
