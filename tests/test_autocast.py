@@ -560,6 +560,25 @@ def test_a_checkpointed_segment_keeps_the_kernels_until_torch_drops_it() -> None
         assert kernels.registry.active() == set(), reentrant  # released (then dropped where one thread lives)
 
 
+def test_a_release_the_garbage_collector_runs_inside_an_acquire_only_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segment's release runs when the collector frees it, possibly inside an acquire of the same thread: had it
+    dropped the kernels there, the acquire would go on without the ones it found registered (gelu)."""
+    monkeypatch.setattr(threading, "active_count", lambda: 1)  # this process alone, whatever else the suite started
+    registry = kernels._Registry()
+    registry.acquire("cpu", frozenset({"gelu"}))  # a checkpointed segment's hold
+    register = kernels._Registry._register
+
+    def register_while_collecting(device_type: str, ops: list[str]) -> torch.library.Library:
+        registry.release("cpu", frozenset({"gelu"}))  # the collector frees the segment meanwhile
+        return register(device_type, ops)
+
+    monkeypatch.setattr(kernels._Registry, "_register", staticmethod(register_while_collecting))
+    registry.acquire("cpu", frozenset({"gelu", "mm"}))
+    assert registry.registered() == registry.active() == {("cpu", "gelu"), ("cpu", "mm")}
+    registry.release("cpu", frozenset({"gelu", "mm"}))
+    assert registry.registered() == registry.active() == set()
+
+
 # Plain torch.autocast over a model with every op class ampkit edits or computes in float32 here, forward and
 # backward; prints a digest of the outputs and gradients (and their dtypes). With "after", ampkit's edited, override
 # and float32-compute regions run first, so their kernels are registered for the rest of the process.

@@ -21,7 +21,7 @@ re-enters the region in the backward (``checkpointing.py``).
 While registered, each kernel reads the calling thread's innermost ampkit region
 (``state.py``) and, in a thread without one, does what torch.autocast would.
 
-Except while another Python thread lives: a thread that has looked a kernel up and waits for
+The release waits while another Python thread lives: a thread that has looked a kernel up and waits for
 the GIL to run it crashes if the kernel is released meanwhile (torch's ``SafePyObject``
 assertion; the three-thread race in ``tests/test_autocast.py`` failed in 4 of 4 runs), and
 a plain torch.autocast in any thread may be that one. There the kernels stay until a region
@@ -159,19 +159,26 @@ class _Registry:
     registered yet is registered on its entry (one Library), and everything goes when no region needs any."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: a checkpointed segment's release runs when the garbage collector frees it, which may be while
+        # this thread is inside acquire or release; such a nested release only counts (_depth > 1).
+        self._lock = threading.RLock()
+        self._depth = 0
         self._counts: dict[tuple[str, str], int] = {}
         self._libs: list[torch.library.Library] = []
         self._registered: set[tuple[str, str]] = set()
 
     def acquire(self, device_type: str, ops: frozenset[str]) -> None:
         with self._lock:
-            missing = sorted(op for op in ops if (device_type, op) not in self._registered)
-            if missing:
-                self._libs.append(self._register(device_type, missing))
-                self._registered.update((device_type, op) for op in missing)
-            for op in ops:
-                self._counts[(device_type, op)] = self._counts.get((device_type, op), 0) + 1
+            self._depth += 1
+            try:
+                missing = sorted(op for op in ops if (device_type, op) not in self._registered)
+                if missing:
+                    self._libs.append(self._register(device_type, missing))
+                    self._registered.update((device_type, op) for op in missing)
+                for op in ops:
+                    self._counts[(device_type, op)] = self._counts.get((device_type, op), 0) + 1
+            finally:
+                self._depth -= 1
 
     def release(self, device_type: str, ops: frozenset[str]) -> None:
         with self._lock:
@@ -183,7 +190,7 @@ class _Registry:
             # No open region needs a kernel: torch's own come back, unless another thread lives (below; a thread
             # torch runs Python in, such as an autograd device thread's, is not counted: only the main one releases).
             alone = threading.active_count() == 1 and threading.get_ident() == threading.main_thread().ident
-            if not self._counts and alone:
+            if not self._counts and alone and not self._depth:
                 self._libs.clear()
                 self._registered.clear()
 
