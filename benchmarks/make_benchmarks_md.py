@@ -257,12 +257,6 @@ def function_mode_table(results: dict[str, Any]) -> str:
 
 def after_regions_section(results: dict[str, Any]) -> str:
     gpt, mm = results["medians"]["gpt_step"], results["medians"]["mm"]
-    if "ratios" not in results:  # the record of the design that kept the kernels for the process
-        return (f"`python benchmarks/bench_after_regions.py`, {results['created']}, on "
-                f"{machine_line(results['machine'])}. Kernels kept for the process (the design before issue 38's "
-                f"release): plain torch.autocast's GPT step {gpt['with'] * 1e3:.1f} ms with ampkit's "
-                f"{results['registered']} kernels registered against {gpt['without'] * 1e3:.1f} ms without, "
-                f"**{results['gpt_ratio']:.3f}x**; a 64x64 `torch.mm` {results['mm_ratio']:.2f}x.")
     ratios = results["ratios"]
     return (f"`python benchmarks/bench_after_regions.py`, {results['created']}, on {machine_line(results['machine'])}. "
             "ampkit's Python kernels at the Autocast key (edited, module-override and float32-compute regions) live "
