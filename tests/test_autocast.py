@@ -487,7 +487,7 @@ def test_a_cuda_policy_without_cuda_warns_and_disables_as_torch_autocast_does(mo
 
 
 # The kernels an edited and a float32-compute region registered, after the regions closed: alone in the process, with
-# a second thread alive, and once that thread has ended. Prints what is registered, how many calls of a plain
+# a second thread alive, once that thread has ended, and beside tqdm's monitor thread. Prints what is registered, how many calls of a plain
 # torch.autocast reached ampkit's kernels, and their dtypes. (In a subprocess: a thread that another test started,
 # such as tqdm's monitor, would keep the kernels in the suite's process.)
 _KERNELS_AFTER_REGIONS = """
@@ -524,6 +524,12 @@ helper.join()
 with ampkit.autocast(edited):
     pass
 print("ended", plain())
+import tqdm  # its monitor thread, which torch.compile starts for good, never dispatches a torch op
+tqdm.tqdm(total=1, mininterval=0).close()
+assert any(type(t).__name__ == "TMonitor" for t in threading.enumerate())
+with ampkit.autocast(edited):
+    pass
+print("tqdm", plain())
 """
 
 
@@ -542,7 +548,8 @@ def test_kernels_go_with_the_last_region_unless_another_thread_lives() -> None:
     torch_dtypes = ["torch.bfloat16", "torch.bfloat16"]  # torch.autocast leaves gelu alone and runs mm in bf16
     assert done.stdout.splitlines() == [f"alone {([], 0, torch_dtypes)}",
                                         f"thread {(['gelu', 'mm'], 2, torch_dtypes)}",
-                                        f"ended {([], 0, torch_dtypes)}"]
+                                        f"ended {([], 0, torch_dtypes)}",
+                                        f"tqdm {([], 0, torch_dtypes)}"]
 
 
 def test_a_checkpointed_segment_keeps_the_kernels_until_torch_drops_it() -> None:
@@ -564,7 +571,7 @@ def test_a_checkpointed_segment_keeps_the_kernels_until_torch_drops_it() -> None
 def test_a_release_the_garbage_collector_runs_inside_an_acquire_only_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     """A segment's release runs when the collector frees it, possibly inside an acquire of the same thread: had it
     dropped the kernels there, the acquire would go on without the ones it found registered (gelu)."""
-    monkeypatch.setattr(threading, "active_count", lambda: 1)  # this process alone, whatever else the suite started
+    monkeypatch.setattr(kernels, "_alone", lambda: True)  # this process alone, whatever else the suite started
     registry = kernels._Registry()
     registry.acquire("cpu", frozenset({"gelu"}))  # a checkpointed segment's hold
     register = kernels._Registry._register

@@ -25,7 +25,8 @@ The release waits while another Python thread lives: a thread that has looked a 
 the GIL to run it crashes if the kernel is released meanwhile (torch's ``SafePyObject``
 assertion; the three-thread race in ``tests/test_autocast.py`` failed in 4 of 4 runs), and
 a plain torch.autocast in any thread may be that one. There the kernels stay until a region
-closes in a process with a single thread again, doing there what torch's would.
+closes in a process with a single thread again, doing there what torch's would. Threads known
+never to dispatch a torch op do not count: tqdm's monitor, which torch.compile starts for good.
 
 Why not a torch function mode (thread-local, which would need no registration): a mode sees
 Python-level calls, and ``nn.functional``'s Python composites (``multi_head_attention_forward``,
@@ -187,10 +188,8 @@ class _Registry:
                 self._counts[key] -= 1
                 if not self._counts[key]:
                     del self._counts[key]
-            # No open region needs a kernel: torch's own come back, unless another thread lives (below; a thread
-            # torch runs Python in, such as an autograd device thread's, is not counted: only the main one releases).
-            alone = threading.active_count() == 1 and threading.get_ident() == threading.main_thread().ident
-            if not self._counts and alone and not self._depth:
+            # No open region needs a kernel: torch's own come back, unless another thread lives (below).
+            if not self._counts and not self._depth and _alone():
                 self._libs.clear()
                 self._registered.clear()
 
@@ -216,6 +215,19 @@ class _Registry:
                 for qualified, kernel in _kernels(device_type, op):
                     lib.impl(qualified, kernel, _torch.autocast_key(device_type).name)
         return lib
+
+
+# Threads known never to dispatch a torch op: tqdm's monitor (which torch.compile's progress bars start, for good).
+_QUIET_THREADS = frozenset({("tqdm._monitor", "TMonitor")})
+
+
+def _alone() -> bool:
+    """Whether the calling thread is the main one and no other Python thread lives that might dispatch a torch op
+    (a thread torch runs Python in, such as an autograd device thread's, is not listed: only the main one releases)."""
+    if threading.get_ident() != threading.main_thread().ident:
+        return False
+    return all(thread is threading.main_thread() or (type(thread).__module__, type(thread).__name__) in _QUIET_THREADS
+               for thread in threading.enumerate())
 
 
 @functools.cache
