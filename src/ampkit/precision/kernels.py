@@ -161,7 +161,7 @@ class _Registry:
 
     def __init__(self) -> None:
         # Re-entrant: a checkpointed segment's release runs when the garbage collector frees it, which may be while
-        # this thread is inside acquire or release; such a nested release only counts (_depth > 1).
+        # this thread is inside an acquire (_depth > 0): such a release only counts, and drops nothing.
         self._lock = threading.RLock()
         self._depth = 0
         self._counts: dict[tuple[str, str], int] = {}
