@@ -13,9 +13,8 @@ only while a region needs them. The first region that needs an op registers it (
 registration goes (the Library objects are released; their finalizers give the ops back to
 torch): outside ampkit's regions, torch runs its own kernels, as in a process that never ran
 one (issue 38; ``tests/test_autocast.py`` checks the dispatch, ``benchmarks/bench_after_regions.py``
-the time). Measured on a 2-core CPU with torch 2.13: registering and releasing the 2 ops of
-a two-op edit costs about 0.05 ms a region, the 36 ops (46 overloads) of float32 compute
-about 0.8 ms (under 1% of the float32-compute steps `benchmarks/bench_compile.py` times).
+the time). Registering and releasing costs well under a millisecond a region (a few ops for an
+edit; 46 overloads of 36 ops for float32 compute), paid at each outermost region's entry.
 A checkpointed segment inside a region counts as open until torch drops it: its recompute
 re-enters the region in the backward (``checkpointing.py``).
 While registered, each kernel reads the calling thread's innermost ampkit region
