@@ -13,8 +13,10 @@ import contextlib
 import copy
 import json
 import os
+import pickle
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -670,7 +672,8 @@ compiled = torch.compile(f, backend="inductor")
 torch.manual_seed(0)
 x, w = torch.randn(4, 8), torch.randn(8, 8)
 native = Policy.default("cpu", torch.bfloat16, compute="native")
-policy = native if sys.argv[1] == "default" else native.with_ops(allow=["layer_norm"], deny=["mm"])
+policy = {"default": native, "edited": native.with_ops(allow=["layer_norm"], deny=["mm"]),
+          "edited otherwise": native.with_ops(deny=["layer_norm"])}[sys.argv[1]]
 with autocast(policy):
     got, eager = compiled(x, w), f(x, w)
 print(json.dumps({"compiled": [str(t.dtype) for t in got], "eager": [str(t.dtype) for t in eager],
@@ -678,13 +681,40 @@ print(json.dumps({"compiled": [str(t.dtype) for t in got], "eager": [str(t.dtype
 """
 
 
+def test_the_cache_key_tag_adds_the_calling_threads_policy_to_the_users_tag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AOTAutograd's and inductor's caches pickle ``torch.compiler.config.cache_key_tag`` into each key, in the
+    thread that compiles: inside an edited region the pickled tag names the policy, outside (or under the default
+    policy, torch.autocast's graphs) it is the user's tag alone, and another thread's regions never leak into it."""
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "users")
+
+    def pickled() -> str:
+        return pickle.loads(pickle.dumps(torch.compiler.config.cache_key_tag))
+
+    native = Policy.default("cpu", torch.bfloat16, compute="native")
+    keys, elsewhere = {}, []
+    for name, policy in (("default", native), ("deny mm", native.with_ops(deny=["mm"])),
+                         ("deny layer_norm", native.with_ops(deny=["layer_norm"]))):
+        with autocast(policy):
+            keys[name] = pickled()
+            thread = threading.Thread(target=lambda: elsewhere.append(pickled()))
+            thread.start()
+            thread.join()
+    assert keys["default"] == "users" and pickled() == "users"
+    assert keys["deny mm"].startswith("users ampkit:") and keys["deny layer_norm"].startswith("users ampkit:")
+    assert keys["deny mm"] != keys["deny layer_norm"]
+    assert not any("ampkit" in key for key in elsewhere)  # torch 2.13 on: the thread's own setting; 2.11: shared
+    torch.compiler.config.cache_key_tag = "set later"  # the user's new tag is wrapped at the next region
+    with autocast(native.with_ops(deny=["mm"])):
+        assert pickled() == keys["deny mm"].replace("users", "set later")
+
+
 @pytest.mark.slow  # a first inductor compile: about 20 s here
 def test_a_graph_cached_on_disk_under_one_policy_never_runs_under_another(tmp_path: Path) -> None:
-    """AOTAutograd's cache keys a graph by dynamo's graph and torch.autocast's dtype, the same under both
-    policies: without ampkit's key pass, process 2 got process 1's graph from disk."""
+    """AOTAutograd's cache keys a graph by dynamo's graph and torch.autocast's dtype, the same under these
+    policies: without ampkit's cache-key tag, process 3 got process 2's graph from disk (float32 from its mm)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     outcomes = {}
-    for policy in ("default", "edited"):
+    for policy in ("default", "edited", "edited otherwise"):
         done = subprocess.run([sys.executable, "-c", _RUN, policy], env=env, capture_output=True, text=True,
                               timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
@@ -692,7 +722,9 @@ def test_a_graph_cached_on_disk_under_one_policy_never_runs_under_another(tmp_pa
     assert any((tmp_path / "inductor").iterdir())  # process 1 did leave its graph in the shared cache
     assert outcomes["default"]["compiled"] == outcomes["default"]["eager"] == ["torch.bfloat16", "torch.float32"]
     assert outcomes["edited"]["compiled"] == outcomes["edited"]["eager"] == ["torch.float32", "torch.bfloat16"]
-    assert outcomes["default"]["close"] and outcomes["edited"]["close"]
+    assert outcomes["edited otherwise"]["compiled"] == outcomes["edited otherwise"]["eager"] == ["torch.bfloat16",
+                                                                                                "torch.float32"]
+    assert all(outcome["close"] for outcome in outcomes.values())
 
 
 # ---------------------------------------------------------------------------

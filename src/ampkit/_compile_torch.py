@@ -101,60 +101,6 @@ def mark(namespace: Any, name: str, decorator: Callable[[Callable[..., Any]], Ca
         on_dynamo_import(lambda: setattr(namespace, name, decorator(namespace.__dict__[name])))
 
 
-def custom_graph_pass_base() -> Any:
-    """inductor's custom pass base (``torch._inductor.custom_graph_pass.CustomGraphPass``, 2.6-2.14.1), else
-    ``object``: its ``uuid()`` enters inductor's and AOTAutograd's cache keys, which is how compiled graphs are keyed
-    by policy."""
-    return getattr(_module("torch._inductor.custom_graph_pass"), "CustomGraphPass", object)
-
-
-@functools.cache
-def _passes_class() -> type:
-    class _Passes(custom_graph_pass_base()):  # type: ignore[misc]
-        """Several custom passes as one, for a torch whose inductor calls a single one (2.11: a list is not
-        callable)."""
-
-        def __init__(self, *passes: Any) -> None:
-            self.passes = passes
-
-        def __call__(self, graph: torch.fx.graph.Graph) -> None:
-            for graph_pass in self.passes:
-                graph_pass(graph)
-
-        def uuid(self) -> Any:
-            ids = [getattr(p, "uuid", lambda: None)() for p in self.passes]
-            return None if None in ids else repr(ids)  # None: inductor caches nothing (a pass without an id)
-
-    return _Passes
-
-
-def add_inductor_key_pass(key_pass: Any) -> None:
-    """Add ``key_pass`` to ``torch._inductor.config.post_grad_custom_pre_pass`` beside any pass the user set, once:
-    alone where none is set, in a list where inductor takes one (``custom_graph_pass.get_custom_graph_passes``,
-    2.13-2.14.1), else with the user's as one pass. Missing: AOTAutograd's and inductor's on-disk graph caches are
-    turned off instead (said once)."""
-    config: Any = _module("torch._inductor.config")
-    if custom_graph_pass_base() is object or not hasattr(config, "post_grad_custom_pre_pass"):
-        fallback_once("torch._inductor.custom_graph_pass.CustomGraphPass", "the on-disk caches of compiled graphs are "
-                      "turned off (they could not tell two ampkit policies apart)")
-        for name, flag in (("torch._functorch.config", "enable_autograd_cache"),
-                           ("torch._inductor.config", "fx_graph_cache")):
-            setattr(_module(name) or types.SimpleNamespace(), flag, False)
-        return
-    current = config.post_grad_custom_pre_pass
-    passes = list(current) if isinstance(current, (list, tuple)) else [] if current is None else [current]
-    combined: Any = _passes_class()
-    passes = [p for q in passes for p in (q.passes if isinstance(q, combined) else (q,))]
-    if key_pass in passes:
-        return
-    if not passes:
-        config.post_grad_custom_pre_pass = key_pass
-    elif hasattr(_module("torch._inductor.custom_graph_pass"), "get_custom_graph_passes"):
-        config.post_grad_custom_pre_pass = [*passes, key_pass]
-    else:
-        config.post_grad_custom_pre_pass = _passes_class()(*passes, key_pass)
-
-
 def compiled_original(module: nn.Module) -> nn.Module:
     """The module a ``torch.compile(module)`` wrapper holds (``OptimizedModule._orig_mod``, 2.0-2.14.1), else
     ``module`` itself: module names are the model's own."""

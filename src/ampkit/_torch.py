@@ -352,10 +352,6 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "torch._foreach_norm": lambda: torch._foreach_norm,
     "torch._utils._flatten_dense_tensors": lambda: __import__("torch._utils")._utils._flatten_dense_tensors,
     "nn.modules.batchnorm._NormBase": lambda: nn.modules.batchnorm._NormBase,
-    "torch._inductor.custom_graph_pass.CustomGraphPass":
-        lambda: getattr(_module("torch._inductor.custom_graph_pass"), "CustomGraphPass", None),
-    "torch._inductor.config.post_grad_custom_pre_pass": lambda: hasattr(_module("torch._inductor.config"),
-                                                                        "post_grad_custom_pre_pass") or None,
     "torch._dynamo.eval_frame.OptimizedModule":
         lambda: getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", None),
     "torch._dynamo.eval_frame.skip_code": lambda: getattr(_module("torch._dynamo.eval_frame"), "skip_code", None),

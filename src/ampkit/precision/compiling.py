@@ -19,9 +19,11 @@ eager code: a 2-layer GPT step, 0.99x); it is there to be guarded on.
   compiles them like any other op.
 - On disk: AOTAutograd's cache keys an entry by dynamo's graph (the same under every policy: the casts
   come later, from the kernels) and torch.autocast's dtype, so it handed the default policy's graph to an
-  edited one. The custom pass ``PolicyKey`` adds the open regions' policies, and a hash of the ampkit code
-  that runs at the dispatcher, to inductor's and AOTAutograd's keys (``torch._inductor.config
-  .post_grad_custom_pre_pass``, beside any pass of the user's).
+  edited one. ``PolicyTag`` adds the open regions' policies, and a hash of the ampkit code that runs at the
+  dispatcher, to both caches' keys through torch's public tag for them, ``torch.compiler.config.cache_key_tag``
+  (around the user's own tag). It replaced a no-op inductor graph pass that carried the same key through
+  inductor's private ``post_grad_custom_pre_pass``; that setting, like every torch.compile setting from
+  torch 2.13 on, is a context variable, so a pass installed by one thread was missing from the others' keys.
 
 The other mechanism considered, an ampkit backend that applies the policy as a pass over the FX graph
 before inductor, would cover only the backends ampkit wraps (not ``torch.compile(model)`` as users write
@@ -34,7 +36,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,6 @@ def guard_for(policy: Policy, float32_ops: frozenset[str]) -> type[PolicyGuard]:
             found = type(f"PolicyGuard{len(_guards)}", (PolicyGuard,),
                          {"key": fingerprint(policy, float32_ops), "__module__": __name__})
             _guards[(policy, float32_ops)] = found
-        _install_cache_key()
         return found
 
 
@@ -99,23 +99,37 @@ def open_guards() -> list[str]:
     return [region.guard.key for region in state.stack if region.guard is not None]
 
 
-class PolicyKey:
-    """Adds the calling thread's open policies to inductor's and AOTAutograd's cache keys; changes no graph.
+def enter(guard_type: type[PolicyGuard]) -> PolicyGuard:
+    """Open a mode of ``guard_type`` in the calling thread, with ampkit's tag among torch.compile's cache keys."""
+    _tag_cache_keys()
+    guard = guard_type()
+    guard.__enter__()
+    return guard
 
-    Both caches hash the inductor config's custom passes by their ``uuid()``, evaluated in the thread that
-    compiles, inside its regions. Without it, AOTAutograd's cache (keyed on dynamo's graph, which is the
-    same under every policy, and on torch.autocast's dtype) handed the default policy's compiled graph to
-    an edited one, on disk and in the same process.
+
+class PolicyTag(str):
+    """torch.compile's cache-key tag (``torch.compiler.config.cache_key_tag``, the user's value as its own) that
+    adds the calling thread's open policies where it is hashed: AOTAutograd's and inductor's caches pickle the
+    tag into each key, in the thread that compiles, inside its regions. Without it, AOTAutograd's cache (keyed
+    on dynamo's graph, the same under every policy, and on torch.autocast's dtype) handed the default policy's
+    compiled graph to an edited one, on disk and in the same process. Outside ampkit's guarded regions it
+    pickles as the user's tag alone: torch.autocast's graphs are keyed as in a process without ampkit.
     """
 
-    def __call__(self, graph: torch.fx.graph.Graph) -> None:
-        return None
+    def __reduce_ex__(self, protocol: Any) -> tuple[type, tuple[str]]:
+        return str, (self.key(),)
 
-    def uuid(self) -> str:
+    def key(self) -> str:
         guards = open_guards()
         if not guards:
-            return "no ampkit policy"  # torch.autocast's graphs: no ampkit code in them
-        return hashlib.sha256("\n".join([_kernel_source_hash(), *guards]).encode()).hexdigest()
+            return str(self)
+        return str(self) + " ampkit:" + hashlib.sha256("\n".join([_kernel_source_hash(), *guards]).encode()).hexdigest()
+
+    def __copy__(self) -> PolicyTag:  # config snapshots keep it live
+        return self
+
+    def __deepcopy__(self, memo: Any) -> PolicyTag:
+        return self
 
 
 @functools.cache
@@ -130,18 +144,10 @@ def _kernel_source_hash() -> str:
     return digest.hexdigest()
 
 
-@functools.cache
-def _key() -> Any:
-    """The one ``PolicyKey``, as a subclass of inductor's custom pass base (imported with inductor, on first need)."""
-    base = _compile_torch.custom_graph_pass_base()
-    return type("PolicyKey", (PolicyKey, base) if base is not object else (PolicyKey,), {"__module__": __name__})()
-
-
-def _install_cache_key() -> None:
-    """Put ``PolicyKey`` among inductor's post-grad passes, beside any the user set (checked per policy), where
-    torch.compile is in use (dynamo imported); else when it first is."""
-    if "torch._dynamo" in sys.modules:
-        _compile_torch.add_inductor_key_pass(_key())
-
-
-_compile_torch.on_dynamo_import(_install_cache_key)
+def _tag_cache_keys() -> None:
+    """Put a ``PolicyTag`` in the calling thread's torch.compile settings (per thread from torch 2.13 on: they are
+    context variables), around the user's tag; again where the user has set another since."""
+    config = torch.compiler.config
+    tag = config.cache_key_tag
+    if not isinstance(tag, PolicyTag):
+        config.cache_key_tag = PolicyTag(tag)

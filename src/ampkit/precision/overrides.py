@@ -96,8 +96,7 @@ def _eager_pre_hook(module: nn.Module, args: tuple) -> tuple | None:
     ctx.__enter__()
     guard = None
     if pushed is not None:  # torch.autocast's state does not change: the policy's guard does (compiling.py)
-        guard = compiling.guard_for(pushed, top.float32_ops)()
-        guard.__enter__()
+        guard = compiling.enter(compiling.guard_for(pushed, top.float32_ops))
     state.stack.append(Region(policy.device_type, pushed, ctx, top.float32_ops, torch_nesting(), guard))
     state.module_stack.append((module, ctx))
     return args

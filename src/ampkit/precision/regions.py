@@ -116,10 +116,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             # inside a guarded region, a region torch.autocast alone would serve is guarded too: else a graph
             # traced under both would pass the outer region's guard alone, and run there
             guard_type = compiling.guard_for(self.policy, self.float32_ops)
-        guard = None
-        if guard_type is not None:
-            guard = guard_type()
-            guard.__enter__()
+        guard = compiling.enter(guard_type) if guard_type is not None else None
         state.stack.append(Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops,
                                     torch_nesting(), guard))
         return self
