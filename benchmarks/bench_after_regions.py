@@ -13,7 +13,8 @@ What each state costs: the GPT of `ampkit compare` (batch 32, forward and backwa
 block: ampkit holds no kernel, checked), "without" (no region since the last block, none held, checked: what a fresh
 process has), "kept" (the same regions while a helper thread waits, and the block while it still lives: the kernels
 held, checked), 15 rounds, the order rotated every round; medians. Also one op alone: a 64x64 ``torch.mm`` under
-plain torch.autocast, the same alternation.
+plain torch.autocast, the same alternation. And what the registration costs a region that opens alone: the registry's
+acquire and release of an edited policy's ops and of float32 compute's, medians of 50.
 
 Writes results/after-regions.json.
 
@@ -87,6 +88,25 @@ def _alternate(block: Callable[[], list[float]], model: torch.nn.Module, x: torc
     return times
 
 
+def registration_ms() -> dict[str, dict[str, float]]:
+    """Medians of 50 acquire + release of each policy's kernel ops, where no region holds them (a region alone)."""
+    default = ampkit.Policy.default("cpu", torch.bfloat16, compute="native")
+    found = {}
+    for name, policy in (("an edit", default.with_ops(deny=["gelu"], allow=["softmax"])),
+                         ("float32 compute", ampkit.Policy.default("cpu", torch.bfloat16, compute="float32"))):
+        region = ampkit.autocast(policy)
+        ops = kernels.kernel_ops(region.policy, region.float32_ops)
+        times = []
+        for _ in range(50):
+            assert not kernels.registry.registered()
+            start = time.perf_counter()
+            kernels.registry.acquire("cpu", ops)
+            kernels.registry.release("cpu", ops)
+            times.append(time.perf_counter() - start)
+        found[name] = {"ops": len(ops), "ms": statistics.median(times) * 1e3}
+    return found
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
@@ -124,14 +144,18 @@ def main() -> None:
                for name, found in (("gpt_step", gpt), ("mm", mm))}
     ratios = {name: {state: medians[name][state] / medians[name]["without"] for state in ("after", "kept")}
               for name in medians}
-    payload = {"rounds": ROUNDS, "steps": STEPS, "registered": registered, "medians": medians, "ratios": ratios}
+    registration = registration_ms()
+    payload = {"rounds": ROUNDS, "steps": STEPS, "registered": registered, "medians": medians, "ratios": ratios,
+               "registration": registration}
     path = save("after-regions", payload)
     gpt_ms = {state: medians["gpt_step"][state] * 1e3 for state in STATES}
     mm_us = {state: medians["mm"][state] * 1e6 for state in STATES}
     print(f"plain torch.autocast, GPT step: after regions {gpt_ms['after']:.1f} ms, without {gpt_ms['without']:.1f} ms "
           f"({ratios['gpt_step']['after']:.3f}x), with ampkit's {registered} kernels kept {gpt_ms['kept']:.1f} ms "
           f"({ratios['gpt_step']['kept']:.3f}x); a 64x64 mm: {mm_us['after']:.1f}, {mm_us['without']:.1f}, "
-          f"{mm_us['kept']:.1f} us ({ratios['mm']['after']:.2f}x, {ratios['mm']['kept']:.2f}x); {path}")
+          f"{mm_us['kept']:.1f} us ({ratios['mm']['after']:.2f}x, {ratios['mm']['kept']:.2f}x); registering and "
+          "releasing a region's kernels: " + ", ".join(f"{name} ({found['ops']} ops) {found['ms']:.2f} ms"
+                                                       for name, found in registration.items()) + f"; {path}")
 
 
 if __name__ == "__main__":

@@ -269,7 +269,13 @@ def after_regions_section(results: dict[str, Any]) -> str:
             f"(issue 38 asks <= 1.01x); with the regions' {results['registered']} kernels kept by a live second "
             f"thread {gpt['kept'] * 1e3:.1f} ms, {ratios['gpt_step']['kept']:.3f}x. A 64x64 `torch.mm`: "
             f"{mm['after'] * 1e6:.1f}, {mm['without'] * 1e6:.1f} and {mm['kept'] * 1e6:.1f} us "
-            f"({ratios['mm']['after']:.2f}x, {ratios['mm']['kept']:.2f}x).")
+            f"({ratios['mm']['after']:.2f}x, {ratios['mm']['kept']:.2f}x)." + registration_sentence(results))
+
+
+def registration_sentence(results: dict[str, Any]) -> str:
+    parts = [f"{name} ({found['ops']} ops) {found['ms']:.2f} ms" for name, found in results["registration"].items()]
+    return (" What a region that opens alone pays to register its kernels and release them at its exit (medians of "
+            f"50): {', '.join(parts)}.")
 
 
 def distributed_table(results: dict[str, Any]) -> str:

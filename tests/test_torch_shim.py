@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._utils as torch_utils
 import torch.nn.functional as F
 
 from ampkit import _torch, _torch_tensors
@@ -84,17 +83,12 @@ def test_without_the_fused_unscale_gradients_are_unscaled_alike_and_it_is_said(m
     assert found.item() == 0.0 and clean[0].item() == 1.0
 
 
-def test_without_the_foreach_and_flatten_helpers_the_fallbacks_agree(monkeypatch: pytest.MonkeyPatch,
-                                                                     fresh_warnings: None) -> None:
+def test_without_the_foreach_helpers_the_fallbacks_agree(monkeypatch: pytest.MonkeyPatch,
+                                                          fresh_warnings: None) -> None:
     tensors = [torch.randn(3, 2), torch.randn(5)]
-    flat = _torch.flatten_dense_tensors(tensors)
     norms = _torch.foreach_norm(tensors, 2.0)
-    monkeypatch.delattr(torch_utils, "_flatten_dense_tensors")
-    monkeypatch.delattr(torch_utils, "_unflatten_dense_tensors")
     monkeypatch.delattr(torch, "_foreach_norm")
     monkeypatch.delattr(torch, "_foreach_copy_")
-    assert torch.equal(_torch.flatten_dense_tensors(tensors), flat)
-    assert all(torch.equal(a, b) for a, b in zip(_torch.unflatten_dense_tensors(flat, tensors), tensors))
     with pytest.warns(_torch.TorchVersionWarning):
         assert all(torch.allclose(a, b) for a, b in zip(_torch.foreach_norm(tensors, 2.0), norms))
     targets = [torch.zeros(3, 2), torch.zeros(5)]

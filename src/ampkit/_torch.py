@@ -22,7 +22,7 @@ import importlib
 import types
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 from torch import nn
@@ -92,8 +92,8 @@ elif isinstance(_dispatch, _Absent):
 else:
     TorchDispatchMode = _dispatch.TorchDispatchMode
 
-# An ATen op overload, as the dispatcher hands kernels (the type of ``torch.ops.aten.mm.default``).
-OpOverload: Any = getattr(getattr(torch, "_ops", None), "OpOverload", object)
+# An ATen op overload, as the dispatcher hands kernels (``torch.ops.aten.mm.default``); for annotations only.
+OpOverload: TypeAlias = Any
 
 
 def disable_current_modes() -> contextlib.AbstractContextManager[Any]:
@@ -307,21 +307,6 @@ def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
     return list(fused(tensors, ord))
 
 
-def flatten_dense_tensors(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch._utils._flatten_dense_tensors`` (DDP's own bucketing, 2.4-2.14.1)."""
-    flatten = getattr(_module("torch._utils"), "_flatten_dense_tensors", None)
-    return flatten(tensors) if flatten is not None else torch.cat([t.reshape(-1) for t in tensors])
-
-
-def unflatten_dense_tensors(flat: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``torch._utils._unflatten_dense_tensors`` (2.4-2.14.1)."""
-    unflatten = getattr(_module("torch._utils"), "_unflatten_dense_tensors", None)
-    if unflatten is not None:
-        return list(unflatten(flat, tensors))
-    sizes = [t.numel() for t in tensors]
-    return [part.view_as(t) for part, t in zip(flat.split(sizes), tensors)]
-
-
 # BatchNorm's base class (nn.modules.batchnorm._NormBase, 2.4-2.14.1): O2 keeps every
 # batch norm in float32, SyncBatchNorm and the lazy ones included.
 NORM_BASE: Any = getattr(nn.modules.batchnorm, "_NormBase", None) or (
@@ -347,10 +332,8 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "torch._scaled_mm": lambda: torch._scaled_mm,
     "torch._guards.TracingContext.try_get": lambda: getattr(_module("torch._guards"), "TracingContext").try_get,
     "torch._amp_foreach_non_finite_check_and_unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_,
-    "torch._ops.OpOverload": lambda: torch._ops.OpOverload,
     "torch._foreach_copy_": lambda: torch._foreach_copy_,
     "torch._foreach_norm": lambda: torch._foreach_norm,
-    "torch._utils._flatten_dense_tensors": lambda: __import__("torch._utils")._utils._flatten_dense_tensors,
     "nn.modules.batchnorm._NormBase": lambda: nn.modules.batchnorm._NormBase,
     "torch._dynamo.eval_frame.OptimizedModule":
         lambda: getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", None),
@@ -369,7 +352,7 @@ _NEEDED: dict[str, Callable[[], object]] = {
 
 
 # Looking these up imports torch.compile's modules (slow): the check at import leaves them to the features using them.
-_COMPILE_MODULES = ("torch._dynamo", "torch._inductor", "torch._functorch", "torch.distributed", "Instruc", "OutputG")
+_COMPILE_MODULES = ("torch._dynamo", "torch._functorch", "torch.distributed", "Instruc", "OutputG")
 
 
 def missing(*, compile_modules: bool = True) -> list[str]:

@@ -115,11 +115,12 @@ class DistributedOptimizer:
         if not self._reduced:
             finite: list[torch.Tensor] = []
             for bucket in self._buckets():
-                flat = _torch.flatten_dense_tensors(bucket)
+                flat = torch.cat([grad.reshape(-1) for grad in bucket])  # one message per bucket
                 flat, sent = reduce_(flat, self.compression, self.factor, self.process_group)
                 self.bytes_sent += sent
                 finite.append(torch.isfinite(flat).all())
-                _torch.foreach_copy_(bucket, _torch.unflatten_dense_tensors(flat, bucket))
+                parts = flat.split([grad.numel() for grad in bucket])
+                _torch.foreach_copy_(bucket, [part.view_as(grad) for part, grad in zip(parts, bucket)])
             self._reduced = True
             device = finite[0].device if finite else torch.device("cpu")
             # One read from the device per step, however many buckets.

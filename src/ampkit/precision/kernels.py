@@ -13,8 +13,8 @@ only while a region needs them. The first region that needs an op registers it (
 registration goes (the Library objects are released; their finalizers give the ops back to
 torch): outside ampkit's regions, torch runs its own kernels, as in a process that never ran
 one (issue 38; ``tests/test_autocast.py`` checks the dispatch, ``benchmarks/bench_after_regions.py``
-the time). Registering and releasing costs well under a millisecond a region (a few ops for an
-edit; 46 overloads of 36 ops for float32 compute), paid at each outermost region's entry.
+the time, and what registering and releasing costs: well under a millisecond for an edit of a few ops,
+about one for float32 compute's 36), paid at each outermost region's entry.
 A checkpointed segment inside a region counts as open until torch drops it: its recompute
 re-enters the region in the backward (``checkpointing.py``).
 While registered, each kernel reads the calling thread's innermost ampkit region
