@@ -681,12 +681,16 @@ print(json.dumps({"compiled": [str(t.dtype) for t in got], "eager": [str(t.dtype
 """
 
 
-def test_the_cache_key_tag_adds_the_calling_threads_policy_to_the_users_tag(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_cache_key_tag_adds_the_calling_threads_policy_to_the_users_tag() -> None:
     """AOTAutograd's and inductor's caches pickle ``torch.compiler.config.cache_key_tag`` into each key, in the
     thread that compiles: inside an edited region the pickled tag names the policy, outside (or under the default
-    policy, torch.autocast's graphs) it is the user's tag alone, and another thread's regions never leak into it."""
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", "users")
+    policy, torch.autocast's graphs) it is the user's tag alone, and another thread's regions never leak into it.
+    (torch's own ``patch`` puts the setting back: pytest's monkeypatch deletes it on torch 2.14, which hides it.)"""
+    with torch.compiler.config.patch(cache_key_tag="users"):
+        _check_the_cache_key_tag()
 
+
+def _check_the_cache_key_tag() -> None:
     def pickled() -> str:
         return pickle.loads(pickle.dumps(torch.compiler.config.cache_key_tag))
 
