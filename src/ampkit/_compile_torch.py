@@ -12,7 +12,6 @@ before dynamo can trace anything.
 
 from __future__ import annotations
 
-import functools
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -112,7 +111,7 @@ def compiled_original(module: nn.Module) -> nn.Module:
 
 def skip_as_frame(fn: Callable[..., Any]) -> None:
     """Never compile ``fn`` as a frame of its own, yet inline it where dynamo traces a caller (``torch._dynamo.
-    eval_frame.skip_code``, 2.4-2.14.1; ``torch._dynamo.skip`` would make callers break). Missing: dynamo may
+    eval_frame.skip_code``, 2.4-2.14.1; dynamo's own ``skip`` would make callers break). Missing: dynamo may
     compile it alone (recompiles to its limit, then eager: slower, never wrong). Done when dynamo is imported."""
 
     def apply() -> None:
