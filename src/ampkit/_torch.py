@@ -127,34 +127,15 @@ def autocast_ops(device_type: str) -> frozenset[str] | None:
         fallback_once("torch._C._dispatch_has_kernel_for_dispatch_key", "the default op lists are ampkit's "
                       "table of the tested releases' lists, less the ops this torch lacks, not read from this torch")
         return None
-    key = autocast_key(device_type).name
+    key = autocast_key(device_type)
     return frozenset(name[len("aten::"):].split(".")[0] for name in getter()
                      if name.startswith("aten::") and has_kernel(name, key))
 
 
-# What ampkit's dispatcher kernels (edited policies, float32 compute, module overrides) need.
-DISPATCHER_KERNELS = ("torch._C.DispatchKey.AutocastCPU", "torch._C.DispatchKey.AutocastCUDA",
-                      "torch._C._ExcludeDispatchKeyGuard", "torch._C.DispatchKeySet")
-
-
-def require(feature: str, names: tuple[str, ...], way_out: str) -> None:
-    """Refuse ``feature`` at its first call where this torch lacks any of ``names`` (RuntimeError)."""
-    absent = [name for name in names if _lookup(name) is None]
-    if absent:
-        raise RuntimeError(f"{feature} needs {', '.join(absent)}, which torch {torch.__version__} lacks (ampkit was "
-                           f"checked on {_CHECKED_ON}). {way_out}")
-
-
-def autocast_key(device_type: str) -> Any:
-    """The dispatcher's Autocast key for ``device_type`` (``torch._C.DispatchKey.AutocastCPU`` /
-    ``AutocastCUDA``, 2.4-2.14.1): where edited policies register their kernels."""
-    return {"cpu": torch._C.DispatchKey.AutocastCPU, "cuda": torch._C.DispatchKey.AutocastCUDA}[device_type]
-
-
-def excluding_key(device_type: str) -> contextlib.AbstractContextManager[Any]:
-    """Dispatch below the Autocast key of ``device_type`` (``torch._C._ExcludeDispatchKeyGuard``
-    with a ``DispatchKeySet``, 2.4-2.14.1), as torch's own autocast kernels do."""
-    return torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(autocast_key(device_type)))
+def autocast_key(device_type: str) -> str:
+    """The dispatcher's Autocast key for ``device_type``, by the name ``torch.library`` takes: where torch's autocast
+    kernels are, and where edited policies register theirs."""
+    return {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}[device_type]
 
 
 def is_mutable(overload: Any) -> bool:
@@ -298,30 +279,11 @@ def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> N
     fused(targets, sources)
 
 
-def foreach_norm(tensors: list[torch.Tensor], ord: float) -> list[torch.Tensor]:
-    """``torch._foreach_norm``: one fused norm per tensor (2.4-2.14.1)."""
-    fused = _lookup("torch._foreach_norm")
-    if fused is None:
-        fallback_once("torch._foreach_norm", "norms are taken one tensor at a time")
-        return [torch.linalg.vector_norm(t, ord) for t in tensors]
-    return list(fused(tensors, ord))
-
-
-# BatchNorm's base class (nn.modules.batchnorm._NormBase, 2.4-2.14.1): O2 keeps every
-# batch norm in float32, SyncBatchNorm and the lazy ones included.
-NORM_BASE: Any = getattr(nn.modules.batchnorm, "_NormBase", None) or (
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-
 _NEEDED: dict[str, Callable[[], object]] = {
     "torch.utils._pytree": lambda: None if isinstance(pytree, _Absent) else pytree,
     "torch.utils._python_dispatch": lambda: None if isinstance(_dispatch, _Absent) else _dispatch,
     "torch._C._dispatch_get_all_op_names": lambda: torch._C._dispatch_get_all_op_names,
     "torch._C._dispatch_has_kernel_for_dispatch_key": lambda: torch._C._dispatch_has_kernel_for_dispatch_key,
-    "torch._C.DispatchKey.AutocastCPU": lambda: torch._C.DispatchKey.AutocastCPU,
-    "torch._C.DispatchKey.AutocastCUDA": lambda: torch._C.DispatchKey.AutocastCUDA,
-    "torch._C._ExcludeDispatchKeyGuard": lambda: torch._C._ExcludeDispatchKeyGuard,
-    "torch._C.DispatchKeySet": lambda: torch._C.DispatchKeySet,
     "OpOverload._schema": lambda: torch.ops.aten.mm.default._schema.is_mutable,
     "torch.utils.checkpoint entry points": lambda: checkpoint_entry_points() or None,
     "torch._C._autograd._top_saved_tensors_default_hooks": lambda: torch._C._autograd._top_saved_tensors_default_hooks,
@@ -333,8 +295,6 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "torch._guards.TracingContext.try_get": lambda: getattr(_module("torch._guards"), "TracingContext").try_get,
     "torch._amp_foreach_non_finite_check_and_unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_,
     "torch._foreach_copy_": lambda: torch._foreach_copy_,
-    "torch._foreach_norm": lambda: torch._foreach_norm,
-    "nn.modules.batchnorm._NormBase": lambda: nn.modules.batchnorm._NormBase,
     "torch._dynamo.eval_frame.OptimizedModule":
         lambda: getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", None),
     "torch._dynamo.eval_frame.skip_code": lambda: getattr(_module("torch._dynamo.eval_frame"), "skip_code", None),

@@ -16,7 +16,8 @@ from torch import nn
 _DIMENSIONS = {
     nn.Linear: ("in_features", "out_features"),
     nn.Embedding: ("num_embeddings", "embedding_dim"),
-    nn.modules.conv._ConvNd: ("in_channels", "out_channels"),
+    **dict.fromkeys((nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d),
+                    ("in_channels", "out_channels")),
 }
 
 

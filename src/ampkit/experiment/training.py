@@ -37,6 +37,7 @@ from ampkit.formats.fp8 import convert_to_fp8
 from ampkit.guard import Guard
 from ampkit.guard.layers import sixteen_bit_weights
 from ampkit.modes import OPT_LEVELS
+from ampkit.optim.kept import BATCH_NORMS
 from ampkit.optim.levels import initialize
 from ampkit.scaling.adaptive import AdaptiveLossScaler
 from ampkit.scaling.scaler import DynamicLossScaler, StaticLossScaler
@@ -235,7 +236,7 @@ def recalibrate_batchnorm(model: nn.Module, inputs: list[torch.Tensor]) -> None:
     to catch up with weights that still move fast, and evaluation suffers; this is
     Detectron2's PreciseBN. Models without BatchNorm are left alone.
     """
-    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    norms = [m for m in model.modules() if isinstance(m, BATCH_NORMS)]
     if not norms:
         return
     momenta = [m.momentum for m in norms]

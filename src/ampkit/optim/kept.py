@@ -31,12 +31,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ampkit import _torch
 from ampkit.modes import LOW_DTYPES
 from ampkit.precision.op_lists import DEVICE_TYPES
 from ampkit.precision.policy import Policy
 
-NORM_TYPES = (_torch.NORM_BASE, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+# torch's normalization layers, by public name: batch and instance norms (running statistics; in eval mode no probe
+# below finds them), lazy and synchronized ones included, and the layer, group and RMS norms.
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.LazyBatchNorm1d, nn.LazyBatchNorm2d,
+               nn.LazyBatchNorm3d, nn.SyncBatchNorm)
+NORM_TYPES = (*BATCH_NORMS, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d, nn.LazyInstanceNorm1d,
+              nn.LazyInstanceNorm2d, nn.LazyInstanceNorm3d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
 def is_normalization(module: nn.Module) -> bool:

@@ -142,7 +142,11 @@ def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Call
             cast = casters[widest] if widest is not None else None
         else:
             cast = None
-        with _torch.excluding_key(device_type):
+        # Dispatch below the Autocast key, as torch's own autocast kernels do: disabling autocast is excluding that
+        # key from this thread's dispatch (the dispatcher's guard, by torch's public name, and cheaper). It was
+        # enabled on entry: the dispatcher reaches this kernel only then.
+        torch.set_autocast_enabled(device_type, False)
+        try:
             if cast is not None:
                 args = cast_tree(args, cast)
                 if kwargs:
@@ -150,6 +154,8 @@ def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Call
             if in_float32:
                 return run_in_float32(overload, *args, **kwargs)
             return overload(*args, **kwargs)
+        finally:
+            torch.set_autocast_enabled(device_type, True)
 
     return kernel
 
@@ -212,7 +218,7 @@ class _Registry:
             warnings.simplefilter("ignore")
             for op in ops:
                 for qualified, kernel in _kernels(device_type, op):
-                    lib.impl(qualified, kernel, _torch.autocast_key(device_type).name)
+                    lib.impl(qualified, kernel, _torch.autocast_key(device_type))
         return lib
 
 

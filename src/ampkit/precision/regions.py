@@ -87,10 +87,6 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         # torch.compile guards on torch.autocast's state: a policy that differs carries a guard of its own
         self._guard = (compiling.guard_for(self.policy, self.float32_ops) if self._kernel_ops or self._hooks
                        else None)
-        if self._kernel_ops:
-            _torch.require("This policy (edited op lists, float32 compute or 16-bit module overrides)",
-                           _torch.DISPATCHER_KERNELS, "Policy.default(device_type, dtype, compute='native') needs none: "
-                           "it runs on torch.autocast alone.")
         if self.float32_ops:
             key = f"compute:{self.policy.device_type}:{self.policy.dtype}:{self.policy.compute}"
             warn_once(key, describe(self.policy), ComputeModeWarning)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import _torch, _torch_tensors
+from ampkit import _torch_tensors
 from ampkit.float32_compute.gelu_recompute import identity_forward
 from ampkit.scaling import rules
 from ampkit.scaling.rules import total
@@ -272,8 +272,8 @@ class AdaptiveLossScaler(DynamicLossScaler):
             scale = self._state.scale if group == _GLOBAL else self._layer_scales[group]
             found += list(rules.unscale_and_check_(grads, 1.0 / scale).values())
             values = [_torch_tensors.sparse_values(g) if g.is_sparse else local_shard(g) for g in grads]
-            norms = _torch.foreach_norm(values, math.inf)
-            self._events[group]["weights"].append(torch.stack([n.float() for n in norms]).amax())
+            # the largest gradient magnitude in the group: the infinity norm over all its tensors
+            self._events[group]["weights"].append(torch.nn.utils.get_total_norm(values, math.inf).float())
         return total(found)
 
     def _agree(self, found: torch.Tensor) -> bool:
