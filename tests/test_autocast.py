@@ -295,15 +295,30 @@ def test_custom_function_backward_runs_under_its_forward_policy(policy: Policy, 
     assert _MatmulFn.dtypes == [expected, expected]
 
 
-def test_custom_fwd_cast_inputs_runs_forward_in_that_dtype() -> None:
+def test_custom_fwd_cast_inputs_runs_forward_and_backward_in_that_dtype() -> None:
+    grads: list[torch.dtype] = []
+
     class Square(torch.autograd.Function):
         @staticmethod
         @ampkit.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
         def forward(ctx, x):  # type: ignore[no-untyped-def]
+            ctx.save_for_backward(x)
             return torch.mm(x, x)
 
-    with autocast(CPU):
-        assert Square.apply(torch.randn(3, 3, dtype=torch.bfloat16)).dtype == torch.float32
+        @staticmethod
+        @ampkit.custom_bwd(device_type="cpu")
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            (x,) = ctx.saved_tensors
+            grads.append(torch.mm(grad, x.t()).dtype)
+            return torch.mm(grad, x.t()) + torch.mm(x.t(), grad)
+
+    x = torch.randn(3, 3, dtype=torch.bfloat16, requires_grad=True)
+    for policy in (CPU, CPU.with_ops(deny=["gelu"])):  # torch.autocast's lists, and an edited policy that casts mm
+        with autocast(policy):
+            out = Square.apply(x)
+        assert out.dtype == torch.float32
+        out.sum().backward()  # torch's rule: a forward with cast inputs ran with autocast off, and so does its backward
+    assert grads == [torch.float32, torch.float32]
 
 
 def test_bce_runs_in_float32_on_cpu() -> None:

@@ -169,12 +169,6 @@ def replace_checkpoint_entry_points(function: Any, generator: Any) -> None:
     setattr(cp, next(name for name in _GENERATORS if hasattr(cp, name)), generator)
 
 
-def forward_used_autocast(ctx: Any) -> bool:
-    """Whether a ``torch.amp.custom_fwd`` forward ran under autocast: ``ctx._fwd_used_autocast``,
-    set by torch (2.4-2.14.1). Missing: False, and ``custom_bwd`` runs as torch's alone."""
-    return bool(getattr(ctx, "_fwd_used_autocast", False))
-
-
 def saved_tensors_hooks_now() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """The innermost ``saved_tensors_hooks`` pair, or None (``torch._C._autograd._top_saved_tensors_default_hooks``,
     2.4-2.14.1). Missing: the GELU recompute is skipped, as it is under others' hooks."""

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from ampkit import _torch
 from ampkit.precision.regions import autocast
 from ampkit.precision.state import current_policy
 
@@ -41,7 +40,9 @@ def custom_fwd(
 
     @functools.wraps(fwd)
     def forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
-        ctx._ampkit_policy = current_policy(device_type)
+        # The policy, where the forward runs under autocast: with cast_inputs it runs with autocast off (torch's rule)
+        used = cast_inputs is None and torch.is_autocast_enabled(device_type)
+        ctx._ampkit_policy = current_policy(device_type) if used else None
         return torch_fwd(ctx, *args, **kwargs)
 
     return forward
@@ -67,7 +68,7 @@ def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> Ca
     @functools.wraps(bwd)
     def under_policy(ctx: Any, *grads: Any) -> Any:
         policy = getattr(ctx, "_ampkit_policy", None)
-        if policy is None or not _torch.forward_used_autocast(ctx):
+        if policy is None:
             return bwd(ctx, *grads)
         # Inside torch's restored autocast state, so that the region counts it as its own base
         # (a torch.autocast opened inside a region would otherwise take over, as a plain one does).
