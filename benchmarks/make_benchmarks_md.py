@@ -272,6 +272,24 @@ def after_regions_section(results: dict[str, Any]) -> str:
             f"({ratios['mm']['after']:.2f}x, {ratios['mm']['kept']:.2f}x)." + registration_sentence(results))
 
 
+def against_commit_table(results: dict[str, Any]) -> str:
+    rows = ["| model | before (ms/step) | this tree (ms/step) | this tree / before | middle half of the rounds' ratios "
+            "| first step's loss |", "|---|---|---|---|---|---|"]
+    for model, found in results["models"].items():
+        ms, quartiles = found["ms_per_step"], found["ratio_quartiles"]
+        spread = f"{quartiles[0]:.3f}-{quartiles[1]:.3f}" if quartiles else "-"
+        loss = ("the same bits" if found["same_first_loss"]
+                else f"{found['first_loss']['before']:.6g} / {found['first_loss']['this tree']:.6g}")
+        rows.append(f"| {model} | {ms['before']:.1f} | {ms['this tree']:.1f} | **{found['ratio']:.3f}x** | {spread} "
+                    f"| {loss} |")
+    return (f"`python benchmarks/bench_against_commit.py {results['commit']}`, {results['created']}, on "
+            f"{machine_line(results['machine'])}. One training step under `ampkit.autocast(Policy.default(\"cpu\", "
+            "torch.bfloat16))` (compute auto: float32 compute on bfloat16 values where native bf16 is slower), the "
+            f"earlier commit's code and this tree's ({results['tree']}) in two processes stepped in alternation, "
+            f"{results['rounds']} "
+            "rounds after a warm-up step; medians.\n\n" + "\n".join(rows))
+
+
 def registration_sentence(results: dict[str, Any]) -> str:
     parts = [f"{name} ({found['ops']} ops) {found['ms']:.2f} ms" for name, found in results["registration"].items()]
     return (" What a region that opens alone pays to register its kernels and release them at its exit (medians of "
@@ -855,6 +873,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     if after_regions:
         sections += [f"{level} Plain torch.autocast after ampkit's regions ran (issue 38's side effects)", "",
                      after_regions_section(after_regions), ""]
+    against = load(directory, "against-commit.json")
+    if against:
+        sections += [f"{level} ampkit's default policy against an earlier commit's (issue 38: no slower)", "",
+                     against_commit_table(against), ""]
     compiled = load(directory, "compile.json")
     if compiled:
         sections += [f"{level} torch.compile under every kind of policy", "", compile_table(compiled), ""]
