@@ -85,7 +85,7 @@ def test_without_the_fused_unscale_gradients_are_unscaled_alike_and_it_is_said(m
 
 
 def test_without_the_foreach_copy_the_fallback_agrees(monkeypatch: pytest.MonkeyPatch,
-                                                          fresh_warnings: None) -> None:
+                                                      fresh_warnings: None) -> None:
     tensors = [torch.randn(3, 2), torch.randn(5)]
     monkeypatch.delattr(torch, "_foreach_copy_")
     targets = [torch.zeros(3, 2), torch.zeros(5)]

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
-from torch import nn
 
 CHECKED = ("2.11.0", "2.13.0", "2.14.1")  # the torch releases every private below was checked on (CI tests each)
 _CHECKED_ON = f"torch {', '.join(CHECKED[:-1])} and {CHECKED[-1]}"

@@ -39,7 +39,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ampkit._torch import pytree
 from ampkit.files import atomic_write
 from ampkit.guard import layers, ranks
 from ampkit.optim.states import snapshot

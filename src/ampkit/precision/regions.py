@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ampkit import _compile_torch, _torch
+from ampkit import _compile_torch
 from ampkit.hardware.advice import slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
 from ampkit.modes import ComputeModeWarning
