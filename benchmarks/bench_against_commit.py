@@ -15,6 +15,7 @@ The first step's loss of each is recorded too: the same code path gives the same
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import statistics
@@ -57,7 +58,7 @@ for line in sys.stdin:
 
 def _unpack(commit: str, into: Path) -> Path:
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "src"], capture_output=True, check=True)
-    with tarfile.open(fileobj=__import__("io").BytesIO(archive.stdout)) as tar:
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(into, filter="data")
     return into / "src"
 
