@@ -8,9 +8,7 @@
 # The oldest release also runs the compiled slow tier (tests/test_compiling.py -m slow: inductor, whose privates
 # differ most from the first release's; 2.11's inductor failed every compile under an edited policy, which only
 # that tier saw) and the offline device rehearsal (tests/test_device_scripts.py: in a plain venv, what a user has,
-# it once saw the base interpreter's packages instead of the venv's, and a setuptools that could not build). On a CPU
-# without native bf16 (no avx512_bf16: the suite's bf16 runs are emulated, twice the time) that tier is a SKIPPED line,
-# or CI would pass its 90 minutes; AMPKIT_MATRIX_TIER=on runs it there.
+# it once saw the base interpreter's packages instead of the venv's, and a setuptools that could not build).
 # AMPKIT_TORCH_VERSIONS="2.14.1 2.11.0" picks releases by hand; --list prints the releases and stops.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,12 +40,7 @@ for version in $versions; do
   else
     failed+=("$version")
   fi
-  if [ "$version" = "$oldest" ] && [ "${AMPKIT_MATRIX_SLOW:-0}" != 1 ] && ! grep -q avx512_bf16 /proc/cpuinfo \
-      && [ "${AMPKIT_MATRIX_TIER:-auto}" != on ]; then
-    # Measured on a 2-core AVX2 CPU: 2.13's whole suite 2353 s, 2.14.1's 1210 s; with this tier CI reaches its 90 minutes.
-    echo "SKIPPED torch $version, the oldest: the compiled slow tier and the device rehearsal (this CPU emulates bf16," \
-         "no avx512_bf16, and the suite takes twice as long: with them CI would pass its 90 minutes; AMPKIT_MATRIX_TIER=on runs them)"
-  elif [ "$version" = "$oldest" ] && [ "${AMPKIT_MATRIX_SLOW:-0}" != 1 ]; then
+  if [ "$version" = "$oldest" ] && [ "${AMPKIT_MATRIX_SLOW:-0}" != 1 ]; then
     echo "=== torch $version, the oldest: the compiled slow tier and the device rehearsal"
     if (source "$work/$version/bin/activate" && python -m pytest -q -m slow tests/test_compiling.py \
           tests/test_device_scripts.py); then

@@ -750,9 +750,7 @@ def torch_versions_blocks() -> dict[str, str]:
               f"above install where no torch is, then {others} from the package registry (CUDA builds, which run on "
               "a CPU too), each in a venv of its own, with the same test command less the slow tier (`-m \"not slow\"`: the three "
               f"whole suites would not fit CI's 90 minutes on 2 cores), and on {ordered[0]}, the oldest, the slow tier's "
-              "compiled tests and the offline device rehearsal too (what a user's plain venv sees; on a CPU without "
-              "native bf16, where the suite takes twice as long, that tier is a SKIPPED line, or CI would pass its 90 "
-              "minutes); a release the "
+              "compiled tests and the offline device rehearsal too (what a user's plain venv sees); a release the "
               "registry does not serve is a SKIPPED line there, never a silent pass.")
     suite = RESULTS / "test-suite.json"
     if suite.exists():  # benchmarks/bench_test_suite.py

@@ -40,7 +40,7 @@ NOT_TORCH = {
 def find() -> dict[str, list[str]]:
     """Each private name with the ``file:line`` places that use it: in code, or as a whole string literal (a path
     to look up); comments, docstrings and prose strings left out. A module path is dropped where a longer name
-    under it is found (``torch._dynamo.eval_frame`` looked up for its ``skip_code``: one name)."""
+    under it is found (``torch._dynamo.eval_frame`` looked up for its ``OptimizedModule``: one name)."""
     found: dict[str, list[str]] = {}
     for path in sorted(SRC.rglob("*.py")):
         lines = path.read_text().splitlines()

@@ -79,7 +79,7 @@ def test_resnet_batch_norm_statistics_are_the_unplanned_ones() -> None:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, _ = ampkit.initialize(ResNet18(), None, "O1", torch.bfloat16, compute="native")
+        model, _ = ampkit.initialize(ResNet18(), None, "O1", torch.bfloat16, compute="auto")
     x = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(2))
     plan, (loss, saved, grads), (loss0, _, grads0), planned, plain = _planned_and_plain(model, x, 0.5)
     assert saved <= plan.budget_bytes and any(len(s) > 1 for s in plan.segments)  # merged segments were needed
@@ -98,7 +98,7 @@ def test_below_the_blocks_reach_the_whole_model_is_one_segment(name: str, budget
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model, _ = ampkit.initialize(ResNet18(), None, "O1", torch.bfloat16, compute="native")
+            model, _ = ampkit.initialize(ResNet18(), None, "O1", torch.bfloat16, compute="auto")
         x = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(2))
     for strategy in ("blocks", "sqrt"):
         with pytest.raises(ValueError, match="smallest feasible budget"):

@@ -91,6 +91,46 @@ print(getattr(ampkit.autocast.__enter__, "_torchdynamo_disable", False))
     assert _run(code).splitlines() == ["False", "True True", "True"]
 
 
+def test_override_hooks_installed_before_dynamo_is_imported_give_way_to_the_ones_it_traces() -> None:
+    """An override region open when torch.compile first imports dynamo: its global hooks, installed as plain
+    functions, are replaced by the stand-ins dynamo never compiles as frames of their own (``overrides.
+    _on_dynamo_import``). A graph break inside the overridden module then runs it under its eager hooks, in its
+    dtype, and leaves the region stack as it was (compiled as frames, the plain hooks made a graph end inside the
+    module's region: refused)."""
+    code = """
+import sys, warnings
+warnings.simplefilter("ignore")
+import torch
+from torch import nn
+import ampkit
+from ampkit.precision.state import state
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.sum().item() > -1e9:  # a graph break (.item()) that imports no dynamo in eager code
+            h = h + 1
+        return self.b(h)
+
+model, x = nn.Sequential(nn.Linear(8, 8), Head(), nn.Linear(4, 4)), torch.randn(3, 8)
+seen = []
+for module in (model[1].a, model[1].b, model[2]):
+    module.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+policy = ampkit.Policy.default("cpu", torch.bfloat16, compute="native").with_modules("1", dtype=torch.float32)
+with ampkit.autocast(policy):
+    eager = model(x)
+    print("torch._dynamo" in sys.modules)
+    got = torch.compile(model, backend="aot_eager")(x)
+    print(len(state.stack))
+print(seen == [torch.float32, torch.float32, torch.bfloat16] * 2, torch.equal(eager, got), state.stack == [])
+"""
+    assert _run(code).splitlines() == ["False", "1", "True True True"]
+
+
 def test_dynamo_imported_after_a_library_only_asked_for_its_spec_still_gets_the_marks() -> None:
     """A library that checks for dynamo with ``importlib.util.find_spec`` runs ampkit's import hook without importing
     dynamo: the hook stays until dynamo is imported, then marks and leaves."""

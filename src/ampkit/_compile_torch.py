@@ -109,19 +109,13 @@ def compiled_original(module: nn.Module) -> nn.Module:
     return module._orig_mod if isinstance(module, wrapper) else module  # type: ignore[return-value]
 
 
-def skip_as_frame(fn: Callable[..., Any]) -> None:
-    """Never compile ``fn`` as a frame of its own, yet inline it where dynamo traces a caller (``torch._dynamo.
-    eval_frame.skip_code``, 2.4-2.14.1; dynamo's own ``skip`` would make callers break). Missing: dynamo may
-    compile it alone (recompiles to its limit, then eager: slower, never wrong). Done when dynamo is imported."""
-
-    def apply() -> None:
-        skip_code = getattr(_module("torch._dynamo.eval_frame"), "skip_code", None)
-        if skip_code is None:
-            fallback_once("torch._dynamo.eval_frame.skip_code", "dynamo may compile ampkit's policy guard on its own")
-        else:
-            skip_code(fn.__code__)
-
-    on_dynamo_import(apply)
+def inline_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A stand-in for ``fn`` that dynamo never compiles as a frame of its own (``torch.compiler.disable``) and traces
+    as ``fn``, inline, wherever a trace meets the stand-in as a value (``torch.compiler.substitute_in_graph``, with
+    ``fn`` as its polyfill): a global hook, read from torch's table of hooks. Imports dynamo."""
+    stand_in = torch.compiler.disable(fn)
+    torch.compiler.substitute_in_graph(stand_in)(fn)
+    return stand_in
 
 
 def _translator() -> Any:

@@ -9,6 +9,7 @@ torch release moves what it reads, the output is saved, as without ampkit.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -25,11 +26,24 @@ def passthrough(pack_hook: Callable[[torch.Tensor], Any]) -> Callable[[torch.Ten
     return pack_hook
 
 
+# The graph-node classes of ``identity_forward`` Functions. A Function's ``ctx`` is the node its output's ``grad_fn``
+# is, so each forward records its own class (torch links a node to its Function only by a private attribute).
+_identity_nodes: set[type] = set()
+
+
 def identity_forward(cls: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
     """Mark an autograd Function whose forward returns its first input unchanged, whole (a
     view, as a gradient rescaling does; ``AdaptiveLossScaler``'s brackets): ``_Linear`` looks
     through it for a GELU output (see ``gelu_input``)."""
-    cls._ampkit_identity_forward = True  # type: ignore[attr-defined]
+    forward = cls.forward
+
+    @functools.wraps(forward)
+    def recording(ctx: Any, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():  # while dynamo traces, ctx stands for the node
+            _identity_nodes.add(type(ctx))
+        return forward(ctx, *args, **kwargs)
+
+    cls.forward = staticmethod(recording)  # type: ignore[assignment]
     return cls
 
 
@@ -41,7 +55,7 @@ def gelu_input(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
     otherwise, or when saved-tensor hooks other than a ``passthrough`` one are active
     (offloading, checkpointing), whose unpacking during forward is theirs to decide."""
     fn = x.grad_fn
-    while fn is not None and getattr(_torch.forward_class(fn), "_ampkit_identity_forward", False):
+    while fn is not None and type(fn) in _identity_nodes:
         fn = fn.next_functions[0][0]
     if fn is None or fn.name() != "GeluBackward0":
         return None

@@ -41,25 +41,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.overrides import BaseTorchFunctionMode
 
-from ampkit import _compile_torch
 from ampkit.precision.policy import Policy
 from ampkit.precision.state import state
 
 
-class PolicyGuard(TorchFunctionMode):
-    """A pass-through torch function mode; each subclass stands for one policy (``guard_for``)."""
+class PolicyGuard(BaseTorchFunctionMode):
+    """A pass-through torch function mode; each subclass stands for one policy (``guard_for``). Its
+    ``__torch_function__`` is torch's own pass-through, which dynamo inlines as torch's code, never as a frame of
+    ampkit's (where compiled code breaks its graph, the eager calls between graphs go through it)."""
 
     key: str = ""
-
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        return func(*args, **(kwargs or {}))
-
-
-# Where compiled code breaks its graph (a region opened inside it), torch calls run eagerly through this
-# mode; dynamo would compile its __torch_function__ as a frame of its own, once per signature.
-_compile_torch.skip_as_frame(PolicyGuard.__torch_function__)
 
 
 _lock = threading.Lock()

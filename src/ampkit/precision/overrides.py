@@ -196,10 +196,6 @@ def _forget(stack: list, item: object) -> None:
         stack.pop()
 
 
-# Where dynamo breaks a graph at a module's call, the call runs eagerly and dynamo would compile the hooks as
-# frames of their own (a graph ending with the region open); they are traced only inline, in a caller's graph.
-for _hook in (_pre_hook, _post_hook, _traced_pre_hook):
-    _compile_torch.skip_as_frame(_hook)
 # The eager hooks are never compiled as frames (called from a trace only where it cannot trace the hooks); the policy
 # is guarded by its mode's type, the module by dynamo, so which modules match is a constant of the trace. Marked when
 # dynamo is imported.
@@ -209,12 +205,36 @@ for _name in ("_enters_at_trace", "_leaves_at_trace"):
     _compile_torch.mark(globals(), _name, torch.compiler.assume_constant_result)
 
 
-def _learn_traceable() -> None:
-    global _traceable
+# What ``install_hooks`` registers: the hooks themselves until dynamo is imported, then stand-ins that dynamo never
+# compiles as frames of their own and traces as the hooks, inline (``_compile_torch.inline_only``). Where dynamo breaks
+# a graph at a module's call, the call runs eagerly: compiled as frames of their own, the hooks made a graph end with
+# the module's region open.
+_registered: tuple[Any, Any] = (_pre_hook, _post_hook)
+
+
+def _on_dynamo_import() -> None:
+    global _traceable, _registered
     _traceable = _compile_torch.can_trace_module_regions()
+    with _hooks_lock:
+        _registered = (_compile_torch.inline_only(_pre_hook), _compile_torch.inline_only(_post_hook))
+        if _hook_handles:  # installed before dynamo was imported: the stand-ins take their places
+            _remove_hooks()
+            _add_hooks()
 
 
-_compile_torch.on_dynamo_import(_learn_traceable)
+_compile_torch.on_dynamo_import(_on_dynamo_import)
+
+
+def _add_hooks() -> None:
+    from torch.nn.modules import module as module_mod
+
+    _hook_handles.append(module_mod.register_module_forward_pre_hook(_registered[0]))
+    _hook_handles.append(module_mod.register_module_forward_hook(_registered[1], always_call=True))
+
+
+def _remove_hooks() -> None:
+    while _hook_handles:
+        _hook_handles.pop().remove()
 
 
 def install_hooks() -> None:
@@ -232,12 +252,7 @@ def install_hooks() -> None:
     global _hooks_count
     with _hooks_lock:
         if not _hook_handles:
-            from torch.nn.modules import module as module_mod
-
-            _hook_handles.append(module_mod.register_module_forward_pre_hook(_pre_hook))  # type: ignore[arg-type]
-            _hook_handles.append(
-                module_mod.register_module_forward_hook(_post_hook, always_call=True)
-            )
+            _add_hooks()
         _hooks_count += 1
 
 
@@ -249,5 +264,4 @@ def release_hooks() -> None:
     with _hooks_lock:
         _hooks_count -= 1
         if _hooks_count == 0 and not (_traceable and _traced) and not torch.compiler.is_compiling():  # any thread's
-            while _hook_handles:
-                _hook_handles.pop().remove()
+            _remove_hooks()
