@@ -1,4 +1,5 @@
-"""The torch.compile privates ampkit uses (dynamo, inductor, AOTAutograd), one wrapper each, as in ``_torch.py``.
+"""The torch.compile privates ampkit uses (dynamo, inductor, AOTAutograd), one wrapper each, as in ``_torch.py``,
+and the public marks that keep the rest of ampkit off them (``mark``, ``inline_only``).
 
 Each says the torch versions it was checked on and what ampkit does where it is missing; ``_torch.missing()``
 checks every one of them, so a torch release that moves one fails ``tests/test_torch_shim.py``.
