@@ -79,6 +79,7 @@ def test_resnet_batch_norm_statistics_are_the_unplanned_ones() -> None:
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        # the planner is the subject, not the compute mode: native bf16 convolutions are emulated (slow) on AVX2
         model, _ = ampkit.initialize(ResNet18(), None, "O1", torch.bfloat16, compute="auto")
     x = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(2))
     plan, (loss, saved, grads), (loss0, _, grads0), planned, plain = _planned_and_plain(model, x, 0.5)
@@ -98,7 +99,7 @@ def test_below_the_blocks_reach_the_whole_model_is_one_segment(name: str, budget
         torch.manual_seed(0)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model, _ = ampkit.initialize(ResNet18(), None, "O1", torch.bfloat16, compute="auto")
+            model, _ = ampkit.initialize(ResNet18(), None, "O1", torch.bfloat16, compute="auto")  # as above
         x = torch.randn(4, 1, 28, 28, generator=torch.Generator().manual_seed(2))
     for strategy in ("blocks", "sqrt"):
         with pytest.raises(ValueError, match="smallest feasible budget"):

@@ -11,6 +11,8 @@ own pass over the code, in AOTAutograd's passes over the graph (so the Autocast 
 ampkit's, see the module's region, as dynamo's own ``_enter_autocast`` works), and with the
 ``eager`` backend at every call; inductor's compiled code holds only the casts they led to. A trace
 that stops part-way (a graph break, a restart) closes what it opened through dynamo's cleanup hooks.
+Once dynamo is imported the hooks are registered as stand-ins it traces inline and never compiles as frames of
+their own (``_compile_torch.inline_only``).
 One thing differs from eager: AOTAutograd traces the backward under the forward's autocast state,
 which would cast a float32 module's backward GEMMs to 16 bits; a graph with a float32 module traces
 its backward with autocast off, as eager runs ``loss.backward()`` outside the region.
