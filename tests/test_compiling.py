@@ -199,20 +199,27 @@ def test_nested_regions_compiled_give_eager_dtypes_and_the_outer_region_alone_it
             assert torch.equal(got, eager)
 
 
-@pytest.mark.xfail(strict=True, reason="open (issue 38): a plain torch.autocast opened inside an edited region "
-                   "changes no state dynamo guards (the mode stack, torch.autocast's enabled and dtype), so the graph "
-                   "traced first serves both; a passing run means it was fixed: drop this mark")
 def test_torch_autocast_inside_an_edited_region_compiled_gives_eager_dtypes() -> None:
-    """Issue 38's second repro: eager, a torch.autocast opened inside an ampkit region is torch's own (bfloat16 from
-    a denied linear); compiled, whichever of the two was traced first serves the other."""
+    """Issue 38's second repro: compiled, the graph traced first under an edited region served a torch.autocast
+    opened inside it, and the other way round, where eager gave each its own dtypes. A torch.autocast with the
+    region's dtype changes nothing torch.compile guards, so now it leaves the region's policy in force, eager as
+    compiled (torch's own nesting rule for torch.autocast); one with another dtype, or turned off, is torch's own,
+    and changes a guarded state. Both orders: whichever is traced first must not serve the others."""
     torch._dynamo.reset()
     model, x = nn.Linear(16, 16), torch.randn(8, 16)
     compiled = torch.compile(model, backend="aot_eager")
-    found = []
-    for inner in (contextlib.nullcontext, lambda: torch.autocast("cpu", torch.bfloat16), contextlib.nullcontext):
-        with autocast(CPU.with_ops(deny=["linear"])), inner():
-            found.append((compiled(x).dtype, model(x).dtype))
-    assert found == [(torch.float32,) * 2, (torch.bfloat16,) * 2, (torch.float32,) * 2]
+    inners = {"none": (contextlib.nullcontext, torch.float32),
+              "the region's dtype": (lambda: torch.autocast("cpu", torch.bfloat16), torch.float32),
+              "another dtype": (lambda: torch.autocast("cpu", torch.float16), torch.float16),
+              "turned off": (lambda: torch.autocast("cpu", enabled=False), torch.float32)}
+    for order in (list(inners), list(reversed(inners))):
+        torch._dynamo.reset()
+        for name in order:
+            inner, dtype = inners[name]
+            with autocast(CPU.with_ops(deny=["linear"])), inner():
+                got, eager = compiled(x), model(x)
+            assert got.dtype == eager.dtype == dtype, name
+            assert torch.equal(got, eager), name
 
 
 # ---------------------------------------------------------------------------

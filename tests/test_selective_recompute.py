@@ -18,7 +18,6 @@ import ampkit
 from ampkit._torch import TorchDispatchMode
 from ampkit.diagnostics.memory import observing_kept, saved_bytes_of_step
 from ampkit.experiment.models import GPT, ResNet18
-from ampkit.planning import selective
 from ampkit.planning.measure import BlockCost, Measured, measure
 from ampkit.planning.recompute import RecomputePlan, _knapsack, plan_recompute
 

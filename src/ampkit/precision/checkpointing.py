@@ -25,7 +25,7 @@ from ampkit import _torch
 from ampkit.precision import op_lists
 from ampkit.precision.kernels import kernel_ops, registry
 from ampkit.precision.policy import Policy
-from ampkit.precision.state import current_policy, current_region, torch_nesting, warn_once
+from ampkit.precision.state import current_policy, current_region, warn_once
 
 # Activation checkpointing
 
@@ -39,22 +39,19 @@ _installed: tuple[Any, Any] | None = None  # (torch's, ampkit's) entry points wh
 
 
 def _reentering(fn: Callable[..., Any], enter: EnterRegion) -> Callable[..., Any]:
-    """``fn``, re-entering the calling thread's ampkit regions when it runs outside them, or inside
-    them but below the torch.autocast that torch's checkpoint opens for a recompute (a backward
-    inside the region: ampkit's kernels take an autocast opened inside a region for a plain one)."""
-    depth = torch_nesting()
-    regions = [region for region in map(current_region, op_lists.DEVICE_TYPES)
-               if region is not None and region.policy is not None and region.nesting == depth]
+    """``fn``, re-entering the calling thread's ampkit regions in force at the forward when it runs outside them
+    (a recompute in a backward after the region closed)."""
+    regions = [region for region in map(current_region, op_lists.DEVICE_TYPES) if region is not None]
     policies = [region.policy for region in regions if region.policy is not None]
-    if not policies:  # no region, or one under a plain torch.autocast: torch's own recompute is right
+    if not policies:  # no region, or one under a plain torch.autocast of its own: torch's own recompute is right
         return fn
 
     @functools.wraps(fn)
     def recompute(*args: Any, **kwargs: Any) -> Any:
         with contextlib.ExitStack() as stack:
             for policy in policies:
-                # In the forward the policy is still open, at the depth it was.
-                if current_policy(policy.device_type) is not policy or torch_nesting() > depth:
+                # In the forward, and in a backward inside the region, the policy is in force already.
+                if current_policy(policy.device_type) is not policy:
                     stack.enter_context(enter(policy))
             return fn(*args, **kwargs)
 

@@ -70,8 +70,8 @@ def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> Ca
         policy = getattr(ctx, "_ampkit_policy", None)
         if policy is None:
             return bwd(ctx, *grads)
-        # Inside torch's restored autocast state, so that the region counts it as its own base
-        # (a torch.autocast opened inside a region would otherwise take over, as a plain one does).
+        # Inside torch's restored autocast state (the forward's), the forward's policy entered again: the
+        # backward usually runs after its region has closed.
         with autocast(policy):
             return bwd(ctx, *grads)
 

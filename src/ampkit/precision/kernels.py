@@ -49,7 +49,7 @@ from ampkit.float32_compute import run_in_float32
 from ampkit.precision import op_lists
 from ampkit.precision.op_lists import ALLOW, DENY, INFER
 from ampkit.precision.policy import Policy, autocast_ops, torch_category
-from ampkit.precision.state import current_region, state, torch_nesting, warn_once
+from ampkit.precision.state import current_region, state, warn_once
 
 # ---------------------------------------------------------------------------
 # Casting kernels for edited ops
@@ -123,9 +123,7 @@ def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Call
     torch_default = DENY if torch_default == "banned" else torch_default
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        region = current_region(device_type)
-        if region is not None and torch_nesting() > region.nesting:
-            region = None  # a plain torch.autocast opened inside the region: torch's own behaviour, as alone
+        region = current_region(device_type)  # None below a plain torch.autocast that changed the dtype
         if region is not None:
             category = region.policy.category(op)  # type: ignore[union-attr]
             in_float32 = op in region.float32_ops

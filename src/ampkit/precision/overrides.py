@@ -32,7 +32,7 @@ from ampkit import _compile_torch
 from ampkit.precision import compiling
 from ampkit.precision.kernels import cast_tree, caster
 from ampkit.precision.policy import Policy
-from ampkit.precision.state import Region, state, torch_nesting
+from ampkit.precision.state import Region, state
 
 _module_names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 _hooks_lock = threading.Lock()
@@ -99,7 +99,7 @@ def _eager_pre_hook(module: nn.Module, args: tuple) -> tuple | None:
     guard = None
     if pushed is not None:  # torch.autocast's state does not change: the policy's guard does (compiling.py)
         guard = compiling.enter(compiling.guard_for(pushed, top.float32_ops))
-    state.stack.append(Region(policy.device_type, pushed, ctx, top.float32_ops, torch_nesting(), guard))
+    state.stack.append(Region(policy.device_type, pushed, ctx, top.float32_ops, guard))
     state.module_stack.append((module, ctx))
     return args
 
@@ -165,7 +165,7 @@ def _enter_traced(kind: int) -> None:
     else:
         ctx, pushed = torch.autocast(policy.device_type, dtype=policy.dtype), policy.all_low
     ctx.__enter__()
-    region = Region(policy.device_type, pushed, ctx, top.float32_ops, torch_nesting())
+    region = Region(policy.device_type, pushed, ctx, top.float32_ops)
     state.stack.append(region)
     _compile_torch.on_trace_end(lambda: _close_from(region))
 

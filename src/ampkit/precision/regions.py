@@ -24,7 +24,7 @@ from ampkit.precision import checkpointing, compiling, overrides
 from ampkit.precision.decide import describe, float32_ops
 from ampkit.precision.kernels import kernel_ops, registry
 from ampkit.precision.policy import Policy
-from ampkit.precision.state import Region, state, torch_nesting, warn_once
+from ampkit.precision.state import Region, state, warn_once
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -114,7 +114,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             guard_type = compiling.guard_for(self.policy, self.float32_ops)
         guard = compiling.enter(guard_type) if guard_type is not None else None
         state.stack.append(Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops,
-                                    torch_nesting(), guard))
+                                  guard))
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -26,15 +26,7 @@ class Region(NamedTuple):
     policy: Policy | None  # None where autocast is off
     ctx: torch.autocast
     float32_ops: frozenset[str]  # ops computed in float32 on 16-bit values
-    nesting: int  # torch.autocast's nesting level once this region's own torch.autocast is entered
     guard: Any = None  # the torch function mode torch.compile guards this region's policy by (compiling.py)
-
-
-def torch_nesting() -> int:
-    """How many torch.autocast contexts this thread has open (torch offers no plain getter)."""
-    level = torch.autocast_increment_nesting()
-    torch.autocast_decrement_nesting()
-    return level - 1
 
 
 class ThreadState(threading.local):
@@ -77,11 +69,22 @@ def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> 
 
 
 def current_region(device_type: str) -> Region | None:
-    """The innermost region for ``device_type``; None outside any, or inside a disabled one
-    (where a plain torch.autocast opened within gets torch's own behaviour)."""
+    """The innermost region for ``device_type`` where it is in force; None outside any, inside a disabled one, or
+    where a plain torch.autocast opened inside it has changed torch.autocast's state for the device (turned it
+    off, or to another dtype): there torch's own behaviour, as without ampkit.
+
+    A plain torch.autocast with the region's own dtype leaves the region in force, as torch's own nesting rule
+    leaves an outer torch.autocast's behaviour under an inner one with the same settings. It changes nothing that
+    torch.compile guards (torch.autocast's enabled flags and dtypes, the mode stack), so a rule that told the two
+    apart (the nesting depth did, until issue 38) gave compiled code the other case's dtypes.
+    """
     for region in reversed(state.stack):
         if region.device_type == device_type:
-            return region if region.policy is not None else None
+            policy = region.policy
+            if (policy is None or not torch.is_autocast_enabled(device_type)
+                    or torch.get_autocast_dtype(device_type) is not policy.dtype):
+                return None
+            return region
     return None
 
 
