@@ -256,8 +256,8 @@ def _compiled_amax_worker(rank: int, world: int) -> tuple[list[bool], int, list[
 
 @pytest.mark.distributed
 def test_compiled_amax_reduction_is_one_graph_with_the_eager_scales_and_gradients() -> None:
-    """The amaxes are reduced by torch's functional collective, which dynamo traces: a process group no longer
-    keeps the linear eager (a graph break on either side of it)."""
+    """The amaxes are reduced by ``torch.distributed.all_reduce``, which dynamo traces into its graph (as its
+    functional collective): a process group does not keep the linear eager (a graph break on either side of it)."""
     equal, graphs, scales = zip(*run_ranks(_compiled_amax_worker, 2, timeout_s=240))
     assert all(all(e) and len(e) == 12 for e in equal)
     assert graphs == (1, 1)

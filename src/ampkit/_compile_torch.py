@@ -188,31 +188,3 @@ def can_trace_module_regions() -> bool:
                       "backward_pass_autocast / modules as constants (2.13 on)", "per-module overrides break compiled "
                       "graphs at every module call")
     return found
-
-
-# Looked up when dynamo is imported (it cannot trace an import where the traced code calls the wrapper), or at
-# the first eager call before that.
-_funcol: Any = None
-
-
-def _load_funcol() -> None:
-    global _funcol
-    _funcol = _module("torch.distributed._functional_collectives")
-
-
-on_dynamo_import(_load_funcol)
-
-
-def all_reduce_max(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    """The maximum of ``tensor`` over ``group``'s ranks, as a new tensor: torch's functional collective
-    (``torch.distributed._functional_collectives.all_reduce``, 2.2-2.14.1), which torch.compile traces into its
-    graph. Missing: ``torch.distributed.all_reduce`` in place (eager code only; dynamo breaks its graph there)."""
-    if _funcol is None:
-        _load_funcol()
-    if _funcol is None or not hasattr(_funcol, "all_reduce"):
-        fallback_once("torch.distributed._functional_collectives.all_reduce", "amaxes are reduced in place, and "
-                      "compiled code breaks its graph at each reduction")
-        out = tensor.clone()
-        torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)
-        return out
-    return _funcol.wait_tensor(_funcol.all_reduce(tensor, "max", group))

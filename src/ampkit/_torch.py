@@ -295,8 +295,6 @@ _NEEDED: dict[str, Callable[[], object]] = {
             for name in ("add_cleanup_hook", "compile_and_call_fx_graph")) or None),
     "torch._functorch.config.backward_pass_autocast": lambda: hasattr(_module("torch._functorch.config"),
                                                                       "backward_pass_autocast") or None,
-    "torch.distributed._functional_collectives.all_reduce":
-        lambda: getattr(_module("torch.distributed._functional_collectives"), "all_reduce", None),
 }
 
 

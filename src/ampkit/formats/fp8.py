@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import _torch, _compile_torch
+from ampkit import _torch
 from ampkit.formats.recipes import (
     E4M3,
     E5M2,
@@ -233,8 +233,8 @@ class Fp8Linear(nn.Linear):
         if not self.training:
             return
         amax = tensor.detach().abs().amax().float()
-        if self.process_group is not None:
-            amax = _compile_torch.all_reduce_max(amax, self.process_group)
+        if self.process_group is not None:  # in place on a tensor of its own: torch.compile traces it into its graph
+            torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
         self.amax_history[role] = roll_in(self.amax_history[role], amax)
         self.scale[role] = scale_from_amax(history_amax(self.amax_history[role], self.recipe.amax_compute_algo),
                                            self.recipe.dtype(role), self.recipe.margin, self.scale[role])
