@@ -196,6 +196,25 @@ def test_module_override_by_name_pattern() -> None:
     assert outs == {"body": torch.bfloat16, "lm_head": torch.float32}
 
 
+def test_outside_regions_the_module_hooks_return_before_their_eager_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the global hooks stay (after a compiled call traced them), a module call outside regions pays the two
+    hook calls alone, not their eager path's disabled wrapper as well (issue 38: 6.5 us a module call, was 1.1)."""
+    entered: list[str] = []
+    pre, post = overrides._eager_pre_hook, overrides._eager_post_hook
+    monkeypatch.setattr(overrides, "_eager_pre_hook", lambda module, args: (entered.append("pre"), pre(module, args))[1])
+    monkeypatch.setattr(overrides, "_eager_post_hook", lambda module: (entered.append("post"), post(module))[1])
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+    overrides.install_hooks()  # as a region with overrides does; here no region is open
+    try:
+        model(torch.randn(2, 8))
+        assert entered == []
+        with autocast(CPU.with_modules(nn.GELU, dtype=torch.float32)):
+            assert model(torch.randn(2, 8)).dtype == torch.float32
+        assert entered == ["pre"] * 3 + ["post"]  # the Sequential and its two layers; the GELU's region closes
+    finally:
+        overrides.release_hooks()
+
+
 def test_module_override_to_low_dtype_runs_deny_ops_in_16_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(overrides, "_traceable", True)  # a torch whose dynamo can trace the hooks (2.13 on)
     monkeypatch.setattr(overrides, "_traced", False)  # where no compiled call has traced them

@@ -64,18 +64,25 @@ def name_modules(root: nn.Module) -> None:
 
 
 # dynamo's trace of the hooks folds is_dynamo_compiling() to True; run for real they take the eager path (in any
-# thread: torch.compiler.is_compiling() is true in every thread while one compiles, from 2.13 on).
+# thread: torch.compiler.is_compiling() is true in every thread while one compiles, from 2.13 on). Run for real in a
+# thread without a region (where the hooks stay after a trace) they return before the eager path's disabled wrapper:
+# a module call outside regions costs the two hooks' own calls alone (benchmarks/bench_after_regions.py).
 def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
-    if torch.compiler.is_dynamo_compiling() and _traceable:
+    compiling = torch.compiler.is_dynamo_compiling()
+    if compiling and _traceable:
         return _traced_pre_hook(module, args)
+    if not (compiling or state.stack):  # the thread-local stack is read only where nothing traces
+        return None
     return _eager_pre_hook(module, args)
 
 
 def _post_hook(module: nn.Module, args: tuple, output: Any) -> None:
-    if not (torch.compiler.is_dynamo_compiling() and _traceable):
+    compiling = torch.compiler.is_dynamo_compiling()
+    if compiling and _traceable:
+        if _leaves_at_trace(module):
+            _exit_traced()
+    elif compiling or state.module_stack:
         _eager_post_hook(module)
-    elif _leaves_at_trace(module):
-        _exit_traced()
 
 
 def _eager_pre_hook(module: nn.Module, args: tuple) -> tuple | None:
@@ -242,11 +249,12 @@ def _remove_hooks() -> None:
 def install_hooks() -> None:
     """Install the two global hooks at the first region with overrides; once dynamo has traced them, they stay.
 
-    Removed after each region and installed again at the next, they were new hooks to dynamo every time: a model
-    compiled under an override policy failed dynamo's guard on the global hooks and compiled again at every step,
-    to its recompile limit, then ran eagerly. Outside an override region they return at once: a Python call per
-    module call, in this process only after a compiled call traced them (issue 38 asks for a per-region
-    mechanism). Where no trace went through them (eager code), they go with the last region that needs them.
+    Removed after each region and installed again at the next, they were new hooks to dynamo every time (it guards
+    the hooks' keys in torch's table, and each registration takes a new one): a model compiled under an override
+    policy failed that guard and compiled again at every step, to its recompile limit, then ran eagerly. Outside
+    an override region they return at once, but every module call in the process then takes ``nn.Module``'s path
+    for hooks and calls both (BENCHMARKS.md, "Plain torch.autocast after ampkit's regions ran"), in this process
+    only after a compiled call traced them (issue 38 asks for a per-region mechanism). Where no trace went through them (eager code), they go with the last region that needs them.
     Where dynamo cannot trace them (torch 2.11) they break every compiled graph at each module call, override
     region or not: there they go with the last region that needs them (``release_hooks``), as they do in a process
     that has not imported dynamo (nothing compiles there).
