@@ -14,10 +14,7 @@ block: ampkit holds no kernel, checked), "without" (no region since the last blo
 process has), "kept" (the same regions while a helper thread waits, and the block while it still lives: the kernels
 held, checked), 15 rounds, the order rotated every round; medians. Also one op alone: a 64x64 ``torch.mm`` under
 plain torch.autocast, the same alternation. And what the registration costs a region that opens alone: the registry's
-acquire and release of an edited policy's ops and of float32 compute's, medians of 50. Last, because it lasts for the
-process: a module call's cost (100 ``nn.Identity`` in a Sequential, best of 9 blocks of 200 calls, no region open)
-before and after a model compiled under a module-override region traced ampkit's global module hooks, which then stay
-(dynamo's graphs guard on them: precision/overrides.py).
+acquire and release of an edited policy's ops and of float32 compute's, medians of 50.
 
 Writes results/after-regions.json.
 
@@ -110,31 +107,6 @@ def registration_ms() -> dict[str, dict[str, float]]:
     return found
 
 
-def module_call_us() -> dict[str, float]:
-    """A module call's cost, no region open, before and after a compiled call under an override region traced the
-    global module hooks (they stay for the process: run last)."""
-    from ampkit.precision import overrides
-
-    chain, x = torch.nn.Sequential(*[torch.nn.Identity() for _ in range(100)]), torch.randn(2)
-
-    def best_us() -> float:
-        blocks = []
-        for _ in range(9):
-            start = time.perf_counter()
-            for _ in range(200):
-                chain(x)
-            blocks.append((time.perf_counter() - start) / 200 / 101 * 1e6)
-        return min(blocks)
-
-    assert not overrides._hook_handles
-    before = best_us()
-    policy = ampkit.Policy.default("cpu", torch.bfloat16, compute="native").with_modules("3", dtype="fp32")
-    with ampkit.autocast(policy):
-        torch.compile(chain, backend="eager")(x)
-    assert overrides._hook_handles  # they stay
-    return {"before": before, "after": best_us()}
-
-
 def main() -> None:
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
@@ -173,9 +145,8 @@ def main() -> None:
     ratios = {name: {state: medians[name][state] / medians[name]["without"] for state in ("after", "kept")}
               for name in medians}
     registration = registration_ms()
-    module_call = module_call_us()
     payload = {"rounds": ROUNDS, "steps": STEPS, "registered": registered, "medians": medians, "ratios": ratios,
-               "registration": registration, "module_call_us": module_call}
+               "registration": registration}
     path = save("after-regions", payload)
     gpt_ms = {state: medians["gpt_step"][state] * 1e3 for state in STATES}
     mm_us = {state: medians["mm"][state] * 1e6 for state in STATES}
@@ -184,9 +155,7 @@ def main() -> None:
           f"({ratios['gpt_step']['kept']:.3f}x); a 64x64 mm: {mm_us['after']:.1f}, {mm_us['without']:.1f}, "
           f"{mm_us['kept']:.1f} us ({ratios['mm']['after']:.2f}x, {ratios['mm']['kept']:.2f}x); registering and "
           "releasing a region's kernels: " + ", ".join(f"{name} ({found['ops']} ops) {found['ms']:.2f} ms"
-                                                       for name, found in registration.items())
-          + f"; a module call {module_call['before']:.2f} us, after a compiled override region "
-            f"{module_call['after']:.2f} us; {path}")
+                                                       for name, found in registration.items()) + f"; {path}")
 
 
 if __name__ == "__main__":

@@ -269,17 +269,7 @@ def after_regions_section(results: dict[str, Any]) -> str:
             f"(issue 38 asks <= 1.01x); with the regions' {results['registered']} kernels kept by a live second "
             f"thread {gpt['kept'] * 1e3:.1f} ms, {ratios['gpt_step']['kept']:.3f}x. A 64x64 `torch.mm`: "
             f"{mm['after'] * 1e6:.1f}, {mm['without'] * 1e6:.1f} and {mm['kept'] * 1e6:.1f} us "
-            f"({ratios['mm']['after']:.2f}x, {ratios['mm']['kept']:.2f}x)." + registration_sentence(results)
-            + module_call_sentence(results))
-
-
-def module_call_sentence(results: dict[str, Any]) -> str:
-    found = results.get("module_call_us")
-    if found is None:  # recorded before the script measured it
-        return ""
-    return (" What stays for the process: after a model compiled under a module-override region, ampkit's two global "
-            "module hooks (dynamo's graphs guard on them), so every module call outside regions costs "
-            f"{found['after']:.2f} us against {found['before']:.2f} us before (100 `nn.Identity`, best of 9 blocks).")
+            f"({ratios['mm']['after']:.2f}x, {ratios['mm']['kept']:.2f}x)." + registration_sentence(results))
 
 
 def against_commit_table(results: dict[str, Any]) -> str:
@@ -298,6 +288,16 @@ def against_commit_table(results: dict[str, Any]) -> str:
             f"earlier commit's code and this tree's ({results['tree']}) in two processes stepped in alternation, "
             f"{results['rounds']} "
             "rounds after a warm-up step; medians.\n\n" + "\n".join(rows))
+
+
+def module_hooks_paragraph(results: dict[str, Any]) -> str:
+    found = results["us_per_module_call"]
+    return (f"`python benchmarks/bench_module_hooks.py`, {results['created']}, on {machine_line(results['machine'])}. "
+            "What stays for the process after a model is compiled under a module-override region: ampkit's two global "
+            "module hooks (dynamo's graphs guard on their keys in torch's table). A module call, no region open (100 "
+            "`nn.Identity`, best of 9 blocks): " + ", ".join(f"{name} {us:.2f} us" for name, us in found.items())
+            + ". The no-op hooks are torch's part: any global hook sends every module call through `nn.Module`'s "
+            "path for hooks.")
 
 
 def registration_sentence(results: dict[str, Any]) -> str:
@@ -883,6 +883,9 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     if after_regions:
         sections += [f"{level} Plain torch.autocast after ampkit's regions ran (issue 38's side effects)", "",
                      after_regions_section(after_regions), ""]
+        module_hooks = load(directory, "module-hooks.json")
+        if module_hooks:
+            sections += [module_hooks_paragraph(module_hooks), ""]
     against = load(directory, "against-commit.json")
     if against:
         sections += [f"{level} ampkit's default policy against an earlier commit's (issue 38: no slower)", "",

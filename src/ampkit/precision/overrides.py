@@ -66,7 +66,7 @@ def name_modules(root: nn.Module) -> None:
 # dynamo's trace of the hooks folds is_dynamo_compiling() to True; run for real they take the eager path (in any
 # thread: torch.compiler.is_compiling() is true in every thread while one compiles, from 2.13 on). Run for real in a
 # thread without a region (where the hooks stay after a trace) they return before the eager path's disabled wrapper:
-# a module call outside regions costs the two hooks' own calls alone (benchmarks/bench_after_regions.py).
+# a module call outside regions costs the two hooks' own calls alone (benchmarks/bench_module_hooks.py).
 def _pre_hook(module: nn.Module, args: tuple) -> tuple | None:
     compiling = torch.compiler.is_dynamo_compiling()
     if compiling and _traceable:
