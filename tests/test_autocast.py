@@ -201,8 +201,17 @@ def test_outside_regions_the_module_hooks_return_before_their_eager_path(monkeyp
     hook calls alone, not their eager path's disabled wrapper as well (issue 38; benchmarks/bench_module_hooks.py)."""
     entered: list[str] = []
     pre, post = overrides._eager_pre_hook, overrides._eager_post_hook
-    monkeypatch.setattr(overrides, "_eager_pre_hook", lambda module, args: (entered.append("pre"), pre(module, args))[1])
-    monkeypatch.setattr(overrides, "_eager_post_hook", lambda module: (entered.append("post"), post(module))[1])
+
+    def counted_pre(module: nn.Module, args: tuple) -> tuple | None:
+        entered.append("pre")
+        return pre(module, args)
+
+    def counted_post(module: nn.Module) -> None:
+        entered.append("post")
+        post(module)
+
+    monkeypatch.setattr(overrides, "_eager_pre_hook", counted_pre)
+    monkeypatch.setattr(overrides, "_eager_post_hook", counted_post)
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU())
     overrides.install_hooks()  # as a region with overrides does; here no region is open
     try:

@@ -253,11 +253,11 @@ def install_hooks() -> None:
     the hooks' keys in torch's table, and each registration takes a new one): a model compiled under an override
     policy failed that guard and compiled again at every step, to its recompile limit, then ran eagerly. Outside
     an override region they return at once, but every module call in the process then takes ``nn.Module``'s path
-    for hooks and calls both (BENCHMARKS.md, "Plain torch.autocast after ampkit's regions ran"), in this process
-    only after a compiled call traced them (issue 38 asks for a per-region mechanism). Where no trace went through them (eager code), they go with the last region that needs them.
-    Where dynamo cannot trace them (torch 2.11) they break every compiled graph at each module call, override
-    region or not: there they go with the last region that needs them (``release_hooks``), as they do in a process
-    that has not imported dynamo (nothing compiles there).
+    for hooks and calls both (``benchmarks/bench_module_hooks.py``), in this process only after a compiled call
+    traced them (issue 38 asks for a per-region mechanism). Where no trace went through them (eager code), they go
+    with the last region that needs them. Where dynamo cannot trace them (torch 2.11) they break every compiled
+    graph at each module call, override region or not: there they go with the last region that needs them
+    (``release_hooks``), as they do in a process that has not imported dynamo (nothing compiles there).
     """
     global _hooks_count
     with _hooks_lock:
