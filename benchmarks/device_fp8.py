@@ -1,7 +1,7 @@
 """Native FP8 against emulation on a GPU with FP8 matmuls: the same 20 GPT steps, both recipes.
 
 Delayed scaling (ampkit's own) and current scaling (torchao) train the `ampkit compare` GPT on the same
-batches with native ``torch._scaled_mm`` and with emulation (float32 matmuls on the FP8-rounded values);
+batches with native ``F.scaled_mm`` and with emulation (float32 matmuls on the FP8-rounded values);
 the losses should agree to about FP8's rounding. Absolute times are this GPU's, labelled as such.
 
     python benchmarks/device_fp8.py --out fp8-cuda.json   # a CUDA device with compute capability >= 8.9

@@ -298,23 +298,42 @@ def test_saved_for_backward_counts_what_fp8_stores() -> None:
     assert fp8_bytes == float32_bytes + 8 * 256 + 256 * 256 + 3 * 4
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
-                    reason="needs a GPU with FP8 matmuls (compute capability >= 8.9)")
-def test_native_fp8_matches_emulation(monkeypatch: pytest.MonkeyPatch) -> None:
-    """torch._scaled_mm against the emulated matmul on the same FP8 values and scales."""
+def _native_fp8_runs_on_cpu() -> bool:
+    """Whether ``F.scaled_mm`` has a CPU kernel (torch 2.13 and later; 2.11's is CUDA only)."""
+    one = torch.ones(16, 16).to(E4M3)
+    try:
+        fp8.scaled_mm(one, torch.ones(()), one, torch.ones(()), torch.float32, native=True)
+    except NotImplementedError:
+        return False
+    return True
+
+
+_FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", marks=pytest.mark.skipif(not _native_fp8_runs_on_cpu(),
+                                                 reason="F.scaled_mm has no CPU kernel in this torch")),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not _FP8_GPU, reason="needs a GPU with FP8 matmuls (compute capability >= 8.9)")]),
+])
+def test_native_fp8_matches_emulation(monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """torch's ``F.scaled_mm`` (the native path) against the emulated matmul on the same FP8 values and
+    scales, over three steps of an ``Fp8Linear`` (the third on delayed scales). On the CPU both are float32
+    GEMMs that apply the scales at different points: equal to float32's rounding."""
     results = []
     for native in (True, False):
         monkeypatch.setattr(fp8, "native_fp8", lambda device, native=native: native)
         torch.manual_seed(0)
-        layer = Fp8Linear.from_linear(nn.Linear(64, 32).cuda(), Fp8Recipe())
-        x = torch.randn(16, 64, device="cuda", requires_grad=True)
-        for _ in range(3):  # the third step runs on delayed scales
+        layer = Fp8Linear.from_linear(nn.Linear(64, 32).to(device), Fp8Recipe())
+        x = torch.randn(16, 64, device=device, requires_grad=True)
+        for _ in range(3):
             out = layer(x)
             out.backward(torch.ones_like(out))
         results.append((out.detach(), x.grad.clone(), layer.weight.grad.clone()))
     for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+        tolerance = 1e-5 if device == "cpu" else 1e-2
+        torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
 
 
 def test_a_margin_past_the_formats_range_is_refused() -> None:

@@ -94,13 +94,6 @@ def test_without_the_foreach_copy_the_fallback_agrees(monkeypatch: pytest.Monkey
     assert all(torch.equal(a, b) for a, b in zip(targets, tensors))
 
 
-def test_without_scaled_mm_fp8_is_emulated_and_it_is_said(monkeypatch: pytest.MonkeyPatch,
-                                                          fresh_warnings: None) -> None:
-    monkeypatch.delattr(torch, "_scaled_mm")
-    with pytest.warns(_torch.TorchVersionWarning, match="FP8 matmuls are emulated"):
-        assert not _torch.has_scaled_mm()
-
-
 def test_an_op_that_raises_in_ampkits_kernel_leaves_autocast_on_and_the_region_working() -> None:
     # ampkit's kernels dispatch below the Autocast key by turning autocast off for the call (public, where torch's
     # own kernels use the dispatcher's private guard): an error inside must turn it back on.

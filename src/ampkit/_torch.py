@@ -232,19 +232,6 @@ def flash_attention_cpu_backward(*args: Any, **kwargs: Any) -> Any:
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
 
 
-def has_scaled_mm() -> bool:
-    """Whether ``torch._scaled_mm`` exists (2.4-2.14.1). Missing: FP8 recipes emulate on every device."""
-    if _lookup("torch._scaled_mm") is None:
-        fallback_once("torch._scaled_mm", "FP8 matmuls are emulated (FP8's numerics, float32's speed)")
-        return False
-    return True
-
-
-def scaled_mm(*args: Any, **kwargs: Any) -> Any:
-    """``torch._scaled_mm``, the FP8 GEMM of compute capability >= 8.9 (2.4-2.14.1)."""
-    return torch._scaled_mm(*args, **kwargs)
-
-
 def amp_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """``torch._amp_foreach_non_finite_check_and_unscale_``: GradScaler's fused unscale and inf/NaN check
     (2.4-2.14.1)."""
@@ -281,7 +268,6 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "aten._scaled_dot_product_flash_attention_for_cpu": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
     "aten._scaled_dot_product_flash_attention_for_cpu_backward":
         lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
-    "torch._scaled_mm": lambda: torch._scaled_mm,
     "torch._guards.TracingContext.try_get": lambda: getattr(_module("torch._guards"), "TracingContext").try_get,
     "torch._amp_foreach_non_finite_check_and_unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_,
     "torch._foreach_copy_": lambda: torch._foreach_copy_,

@@ -13,7 +13,7 @@ Formats: ``"e4m3"`` everywhere, or ``"hybrid"``: E4M3 forward (inputs, weights),
 gradients, whose range matters more than their precision.
 
 Where FP8 matmuls exist (CUDA compute capability >= 8.9) the GEMMs run natively through
-``torch._scaled_mm``; elsewhere they are emulated: float32 matmuls on the FP8-rounded values with
+torch's public ``F.scaled_mm``; elsewhere they are emulated: float32 matmuls on the FP8-rounded values with
 the scales applied, which gives FP8's numerics on any CPU.
 """
 
@@ -24,9 +24,9 @@ import fnmatch
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ampkit import _torch
 from ampkit.formats.recipes import (
     E4M3,
     E5M2,
@@ -118,20 +118,22 @@ def cast_numerics(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtyp
 
 
 def native_fp8(device: torch.device) -> bool:
-    """Whether ``device`` has FP8 matmuls (CUDA compute capability >= 8.9, and torch's ``_scaled_mm``)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) and _torch.has_scaled_mm()
+    """Whether ``device`` has FP8 matmuls: CUDA compute capability >= 8.9. (``F.scaled_mm``'s CPU kernel, torch
+    2.13 and later, serves the tests: ``tests/test_fp8.py`` checks the native call against emulation with it.)"""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
               out_dtype: torch.dtype, native: bool) -> torch.Tensor:
     """``dequantize(a) @ dequantize(b)`` for 2-D FP8 ``a`` (m x k) and ``b`` (k x n).
 
-    Native: ``torch._scaled_mm`` (it wants ``b`` column-major and the inverse scales).
-    Emulated: a float32 matmul on the dequantized values.
+    Native: torch's public ``F.scaled_mm`` with one scale per tensor (it wants ``b`` column-major and the
+    decoding scales, the inverse of ampkit's). Emulated: a float32 matmul on the dequantized values.
     """
     if native:
-        return _torch.scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a=scale_a.reciprocal(),
-                                scale_b=scale_b.reciprocal(), out_dtype=out_dtype)
+        tensor_wise = F.ScalingType.TensorWise
+        return F.scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a.reciprocal(), tensor_wise,
+                           scale_b.reciprocal(), tensor_wise, output_dtype=out_dtype)
     return (dequantize(a, scale_a) @ dequantize(b, scale_b)).to(out_dtype)
 
 

@@ -202,7 +202,7 @@ def recommend(device: torch.device | str | None = None, batch_size: int | None =
     )
     fastest = f"{'bf16' if dtype == torch.bfloat16 else 'fp16'} native" if native else "float32"
     fp8_native = device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
-    reasons.append("FP8: native matmuls (compute capability >= 8.9), ampkit.convert_to_fp8 uses torch._scaled_mm"
+    reasons.append("FP8: native matmuls (compute capability >= 8.9), ampkit.convert_to_fp8 uses F.scaled_mm"
                    if fp8_native else "FP8: no FP8 matmuls here; ampkit.convert_to_fp8 emulates them (FP8's "
                    "numerics at float32 GEMM speed plus the casts, to try a recipe, not to train faster)")
     # Block-scaled tensor cores (MXFP8, MXFP4, NVFP4) arrive with compute capability 10.0 (Blackwell). ampkit

@@ -30,7 +30,8 @@ from ampkit.diagnostics.memory import kept_observers
 from ampkit.float32_compute import single_ops
 
 KEPT = ("gemm", "attention")  # the op classes a selectively recomputed block keeps the outputs of
-_GEMM_NAMES = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution", "_convolution", "_scaled_mm")
+_GEMM_NAMES = ("mm", "addmm", "bmm", "baddbmm", "addbmm", "convolution", "_convolution", "_scaled_mm",
+               "_scaled_mm_v2")
 _ATTENTION_NAMES = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
                     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
 
