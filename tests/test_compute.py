@@ -280,6 +280,29 @@ def test_forcing_slow_native_kernels_warns_with_the_measurement(monkeypatch: pyt
         ampkit.autocast(ampkit.Policy.default("cpu", torch.float16, compute="native"))
 
 
+@pytest.mark.parametrize("matmul_speedup", [0.013, 1.9])  # native slower (a warning), faster (nothing to say)
+def test_a_region_built_every_step_reads_the_measurements_once(monkeypatch: pytest.MonkeyPatch,
+                                                               matmul_speedup: float) -> None:
+    """The slow-kernel note's text reads the measurements (most of an empty region's time, when it was asked at every
+    build): asked the first time only, whether or not there is something to say."""
+    reads = []
+
+    def measure(device: str = "cpu", refresh: bool = False) -> Any:
+        reads.append(device)
+        return fake_throughput({"matmul": matmul_speedup, "conv": matmul_speedup})
+
+    monkeypatch.setattr(throughput, "measure", measure)
+    monkeypatch.setattr(state, "_warned", set())
+    policy = ampkit.Policy.default("cpu", torch.float16, compute="native")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            with ampkit.autocast(policy):
+                pass
+    assert len(reads) == 1
+    assert [type(w.message) for w in caught] == ([ampkit.SlowPrecisionWarning] if matmul_speedup < 1 else [])
+
+
 def test_unknown_compute_mode_is_refused_with_the_choices() -> None:
     with pytest.raises(ValueError, match=r"Unknown compute mode: 'fp32'. Choose one of \['auto', 'native', 'float32'\]"):
         ampkit.Policy.default("cpu", compute="fp32")

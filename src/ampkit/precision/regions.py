@@ -87,13 +87,13 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         # torch.compile guards on torch.autocast's state: a policy that differs carries a guard of its own
         self._guard = (compiling.guard_for(self.policy, self.float32_ops) if self._kernel_ops or self._hooks
                        else None)
+        device_type, dtype = self.policy.device_type, self.policy.dtype
         if self.float32_ops:
-            key = f"compute:{self.policy.device_type}:{self.policy.dtype}:{self.policy.compute}"
-            warn_once(key, describe(self.policy), ComputeModeWarning)
+            warn_once(f"compute:{device_type}:{dtype}:{self.policy.compute}", lambda: describe(self.policy),
+                      ComputeModeWarning)
         elif self.policy.enabled and self.policy.compute == "native":
-            slow = slow_native_message(self.policy.device_type, self.policy.dtype)
-            if slow:
-                warn_once(f"slow:{self.policy.device_type}:{self.policy.dtype}", slow, SlowPrecisionWarning)
+            warn_once(f"slow:{device_type}:{dtype}", lambda: slow_native_message(device_type, dtype),
+                      SlowPrecisionWarning)
 
     def __enter__(self) -> autocast:
         policy = self.policy

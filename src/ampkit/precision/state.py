@@ -11,6 +11,7 @@ import sys
 import threading
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -61,11 +62,15 @@ def user_stacklevel() -> int:
     return level
 
 
-def warn_once(key: str, message: str, category: type[Warning] = UserWarning) -> None:
-    """Warn ``message`` the first time ``key`` is seen in this process, at the user's line."""
+def warn_once(key: str, message: str | Callable[[], str | None], category: type[Warning] = UserWarning) -> None:
+    """Warn ``message`` the first time ``key`` is seen in this process, at the user's line. A callable ``message``
+    is asked then only (None: nothing to say): regions are built every step, and their notes' texts read measurements
+    (asked at every build, that was most of an empty region's time: ``benchmarks/bench_region_cost.py``)."""
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, category, stacklevel=user_stacklevel())
+        text = message() if callable(message) else message
+        if text is not None:
+            warnings.warn(text, category, stacklevel=user_stacklevel())
 
 
 def current_region(device_type: str) -> Region | None:
