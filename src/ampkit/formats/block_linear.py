@@ -248,8 +248,3 @@ def convert_to_block_scaled(model: nn.Module, recipe: BlockScaledRecipe | None =
             setattr(owner, child, BlockScaledLinear.from_linear(getattr(owner, child), recipe, seed + index))
     return decisions
 
-
-def block_scaled_layers(model: nn.Module) -> list[str]:
-    """Names of the model's ``BlockScaledLinear`` layers."""
-    return [name for name, m in model.named_modules() if isinstance(m, BlockScaledLinear)]
-
