@@ -14,7 +14,8 @@ registration goes (the Library objects are released; their finalizers give the o
 torch): outside ampkit's regions, torch runs its own kernels, as in a process that never ran
 one (issue 38; ``tests/test_autocast.py`` checks the dispatch, ``benchmarks/bench_after_regions.py``
 the time, and what registering and releasing costs: well under a millisecond for an edit of a few ops,
-about one for float32 compute's 36), paid at each outermost region's entry.
+about one for float32 compute's 36), paid at each outermost region's entry (what that is in a small model's
+training step: ``benchmarks/bench_region_cost.py``).
 A checkpointed segment inside a region counts as open until torch drops it: its recompute
 re-enters the region in the backward (``checkpointing.py``).
 While registered, each kernel reads the calling thread's innermost ampkit region
