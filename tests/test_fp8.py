@@ -336,6 +336,23 @@ def test_native_fp8_matches_emulation(monkeypatch: pytest.MonkeyPatch, device: s
         torch.testing.assert_close(a, b, rtol=tolerance, atol=tolerance)
 
 
+def test_the_native_fp8_gemm_compiles_into_one_graph() -> None:
+    """torch 2.11's dynamo refuses the ``torch._scaled_mm_v2`` that ``F.scaled_mm`` calls: unmarked, every
+    compiled FP8 GEMM broke the graph there (and fullgraph=True raised). Meta tensors: the trace needs no
+    FP8 kernel, so this runs on every torch CI tests."""
+    from torch._dynamo.testing import CompileCounter
+
+    def gemm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor) -> torch.Tensor:
+        return fp8.scaled_mm(a, scale_a, b, scale_b, torch.bfloat16, native=True) * 2
+
+    a, b = torch.empty(16, 32, device="meta", dtype=E4M3), torch.empty(32, 48, device="meta", dtype=E5M2)
+    scale = torch.empty((), device="meta")
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    out = torch.compile(gemm, backend=counter, fullgraph=True)(a, scale, b, scale)
+    assert (counter.frame_count, out.shape, out.dtype) == (1, (16, 48), torch.bfloat16)
+
+
 def test_a_margin_past_the_formats_range_is_refused() -> None:
     with pytest.raises(ValueError, match=r"Fp8Recipe\(margin=200\) is invalid: use an integer in \[0, 8\]"):
         Fp8Recipe(margin=200)  # was accepted, and every output turned NaN from step 2

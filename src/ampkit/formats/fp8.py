@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ampkit import _compile_torch
 from ampkit.formats.recipes import (
     E4M3,
     E5M2,
@@ -131,10 +132,20 @@ def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
     decoding scales, the inverse of ampkit's). Emulated: a float32 matmul on the dequantized values.
     """
     if native:
-        tensor_wise = F.ScalingType.TensorWise
-        return F.scaled_mm(a.contiguous(), b.t().contiguous().t(), scale_a.reciprocal(), tensor_wise,
-                           scale_b.reciprocal(), tensor_wise, output_dtype=out_dtype)
+        return _native_mm(a.contiguous(), b.t().contiguous().t(), scale_a.reciprocal(), scale_b.reciprocal(),
+                          out_dtype)
     return (dequantize(a, scale_a) @ dequantize(b, scale_b)).to(out_dtype)
+
+
+def _native_mm(a: torch.Tensor, b: torch.Tensor, decode_a: torch.Tensor, decode_b: torch.Tensor,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    tensor_wise = F.ScalingType.TensorWise
+    return F.scaled_mm(a, b, decode_a, tensor_wise, decode_b, tensor_wise, output_dtype=out_dtype)
+
+
+# One node of dynamo's graph, which AOTAutograd traces through: torch 2.11's dynamo refuses the
+# ``torch._scaled_mm_v2`` that F.scaled_mm calls (a graph break at every FP8 GEMM; an error with fullgraph=True).
+_compile_torch.mark(globals(), "_native_mm", torch.compiler.allow_in_graph)
 
 
 # -- delayed scaling ------------------------------------------------------------------------------
