@@ -143,8 +143,8 @@ def _native_mm(a: torch.Tensor, b: torch.Tensor, decode_a: torch.Tensor, decode_
     return F.scaled_mm(a, b, decode_a, tensor_wise, decode_b, tensor_wise, output_dtype=out_dtype)
 
 
-# One node of dynamo's graph, which AOTAutograd traces through: torch 2.11's dynamo refuses the
-# ``torch._scaled_mm_v2`` that F.scaled_mm calls (a graph break at every FP8 GEMM; an error with fullgraph=True).
+# One node of dynamo's graph, which AOTAutograd traces through: torch 2.11's dynamo refuses the ATen op
+# ``_scaled_mm_v2`` that F.scaled_mm calls (a graph break at every FP8 GEMM; an error with fullgraph=True).
 _compile_torch.mark(globals(), "_native_mm", torch.compiler.allow_in_graph)
 
 
