@@ -33,7 +33,7 @@ from ampkit.precision.decide import compute_label
 from ampkit.precision.kernels import registry
 from common import interleaved_medians, save
 
-BLOCK = 1000
+BLOCK, GPT_ROUNDS, MLP_ROUNDS, MLP_STEPS = 1000, 301, 15, 20
 
 
 def _regions(make: Callable[[], Any]) -> Callable[[], None]:
@@ -71,19 +71,20 @@ def main() -> None:
         return run
 
     step_s = interleaved_medians({name: step(regions[name]) for name in ("torch.autocast", "ampkit default, native")},
-                                 warmup=5, repeats=301)
+                                 warmup=5, repeats=GPT_ROUNDS)
     ratio = step_s["ampkit default, native"] / step_s["torch.autocast"]
     mlp_ms = _float32_compute_steps()
     path = save("region-cost", {"us_per_region": us_per_region, "small_gpt_step_ms": {
         name: s * 1e3 for name, s in step_s.items()}, "small_gpt_ratio": ratio, "mlp_float32_compute_ms": mlp_ms,
-        "auto_computes": compute_label(auto)})
+        "auto_computes": compute_label(auto), "block": BLOCK, "gpt_rounds": GPT_ROUNDS, "mlp_rounds": MLP_ROUNDS,
+        "mlp_steps": MLP_STEPS})
     print("an empty region: " + ", ".join(f"{name} {us:.1f} us" for name, us in us_per_region.items())
           + "; a small GPT step: " + ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in step_s.items())
           + f" ({ratio:.3f}x); an MLP step, float32 compute: "
           + ", ".join(f"{name} {ms:.2f} ms" for name, ms in mlp_ms.items()) + f"; {path}")
 
 
-def _float32_compute_steps(steps: int = 20, rounds: int = 15) -> dict[str, float]:
+def _float32_compute_steps(steps: int = MLP_STEPS, rounds: int = MLP_ROUNDS) -> dict[str, float]:
     """ms per MLP step under float32 compute, blocks of ``steps`` alternated: the kernels released at every step's
     exit, and kept by a second thread (started and stopped outside the timed steps)."""
     torch.manual_seed(0)

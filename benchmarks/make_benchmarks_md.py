@@ -304,12 +304,14 @@ def region_cost_paragraph(results: dict[str, Any]) -> str:
     regions, steps, mlp = results["us_per_region"], results["small_gpt_step_ms"], results["mlp_float32_compute_ms"]
     return (f"`python benchmarks/bench_region_cost.py`, {results['created']}, on {machine_line(results['machine'])}. "
             "An empty region built where it is opened, as `with ampkit.autocast(policy):` in a training loop does "
-            "(blocks of 1,000, alternated, medians; compute auto is "
+            f"(blocks of {results['block']:,}, alternated, medians; compute auto is "
             f"{results['auto_computes']} here): " + ", ".join(f"{name} {us:.1f} us" for name, us in regions.items())
-            + ". A small GPT's training step (d_model 32, 2 layers, batch 2, context 16; 301 rounds): "
+            + ". A small GPT's training step (d_model 32, 2 layers, batch 2, context 16; "
+            f"{results['gpt_rounds']} rounds): "
             + ", ".join(f"{name} {ms:.3f} ms" for name, ms in steps.items())
             + f" (**{results['small_gpt_ratio']:.3f}x**; issue 38 asks <= 1.00x). What float32 compute's "
-            "registrations cost a small model (an MLP 784-512-512-10, batch 64, SGD; 15 blocks of 20 steps): "
+            f"registrations cost a small model (an MLP 784-512-512-10, batch 64, SGD; {results['mlp_rounds']} blocks "
+            f"of {results['mlp_steps']} steps each way): "
             + ", ".join(f"{name} {ms:.2f} ms a step" for name, ms in mlp.items())
             + " (the kernels registered at each step's region and released at its exit, the price of a process "
             "that runs torch's own kernels between regions).")
