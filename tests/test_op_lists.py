@@ -27,7 +27,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ampkit
 from ampkit import Policy
 from ampkit.precision import decide
-from ampkit import _torch
 from ampkit.precision import op_lists
 from ampkit.precision import policy as policy_module
 
@@ -278,9 +277,11 @@ def test_default_lists_are_exactly_the_ops_this_torch_autocasts(device_type: str
 
 
 def _torch_autocasts(monkeypatch: pytest.MonkeyPatch, ops: dict[str, set[str]]) -> None:
-    """This test sees a torch that autocasts ``ops[device_type]``; the process's own reading is kept
-    (its cache bypassed, not cleared: a reading taken after ampkit registered kernels would hold them)."""
-    monkeypatch.setattr(_torch, "autocast_ops", lambda device_type: frozenset(ops[device_type]))
+    """This test sees a torch whose dispatcher has autocast kernels for ``ops[device_type]``; the process's own
+    reading is kept (its cache bypassed, not cleared: a reading taken after ampkit registered kernels would hold
+    them)."""
+    device = {op_lists.autocast_key(device_type): device_type for device_type in op_lists.DEVICE_TYPES}
+    monkeypatch.setattr(policy_module, "_has_kernel", lambda op, key: op in ops[device[key]])
     monkeypatch.setattr(policy_module, "autocast_ops", policy_module.autocast_ops.__wrapped__)
 
 
@@ -295,14 +296,6 @@ def test_a_default_policy_leaves_out_the_ops_the_running_torch_lacks(monkeypatch
     assert (cuda.allow, cuda.deny, cuda.infer) == ({"mm", "_cudnn_rnn"}, set(), set())
     with pytest.raises(ValueError, match="Unknown op 'not_an_op' in deny="):
         cpu.with_ops(deny=["not_an_op"])  # an edited list still names an unknown op
-
-
-def test_an_op_torch_autocasts_that_the_table_lacks_is_left_to_torch_and_said(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    _torch_autocasts(monkeypatch, {"cpu": {"mm", "gelu"}, "cuda": set()})
-    with pytest.warns(_torch.TorchVersionWarning, match="no category for: gelu"):  # each read, here uncached
-        policy = Policy.default("cpu")
-        assert policy.category("gelu") is None and policy.edits == set()  # torch's own kernel decides
 
 
 def test_lists_are_disjoint_and_every_cpu_op_has_a_sample() -> None:

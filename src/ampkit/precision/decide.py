@@ -11,10 +11,9 @@ import functools
 
 import torch
 
-from ampkit import _torch
 from ampkit.hardware import throughput
 from ampkit.modes import check_compute
-from ampkit.precision.policy import Policy
+from ampkit.precision.policy import Policy, known_op
 
 # The op classes a measurement distinguishes, and the autocast-level (ATen) ops of
 # each whose work is GEMMs or convolutions: with float32 compute for a class,
@@ -56,7 +55,7 @@ def float32_classes(device_type: str, dtype: torch.dtype, compute: str) -> froze
 
 @functools.cache
 def _existing(ops: frozenset[str]) -> frozenset[str]:
-    return ops & _torch.aten_op_names()
+    return frozenset(op for op in ops if known_op(op))
 
 
 def float32_ops(policy: Policy) -> frozenset[str]:

@@ -106,6 +106,12 @@ TABLE: dict[str, dict[str, frozenset[str]]] = {
 DEVICE_TYPES = tuple(TABLE)
 
 
+def autocast_key(device_type: str) -> str:
+    """The dispatcher's Autocast key for ``device_type``, by the name ``torch.library`` takes: where torch's autocast
+    kernels are, and where edited policies register theirs."""
+    return {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}[device_type]
+
+
 def torch_lists(device_type: str, autocast_ops: frozenset[str]) -> dict[str, frozenset[str]]:
     """torch.autocast's lists on a torch that has autocast kernels for ``autocast_ops``:
     the table less the ops that torch does not autocast (or lacks)."""
@@ -116,11 +122,6 @@ def default_lists(device_type: str, autocast_ops: frozenset[str]) -> dict[str, f
     """ampkit's defaults on that torch: its decisions, with the banned ops it has run in float32."""
     lists = torch_lists(device_type, autocast_ops)
     return {**lists, DENY: lists[DENY] | (frozenset(BANNED[device_type]) & autocast_ops)}
-
-
-def unknown_ops(device_type: str, autocast_ops: frozenset[str]) -> frozenset[str]:
-    """Ops that torch autocasts and the table has no category for (a release newer than the table)."""
-    return autocast_ops - frozenset().union(*TABLE[device_type].values()) - frozenset(BANNED[device_type])
 
 
 def torch_category(device_type: str, op: str, autocast_ops: frozenset[str]) -> str | None:

@@ -10,13 +10,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import warnings
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from ampkit import _torch
 from ampkit.modes import check_compute, resolve_dtype
 from ampkit.precision import op_lists
 from ampkit.precision.op_lists import ALLOW, DENY, INFER
@@ -34,27 +32,44 @@ def check_device_type(device_type: str) -> str:
     return device_type
 
 
-def known_ops() -> frozenset[str]:
-    """Every ATen operator name (without overload) the installed torch defines."""
-    return _torch.aten_op_names()
+def known_op(op: str) -> bool:
+    """Whether the running torch defines the ATen operator ``op`` (without overload): ``torch.ops.aten``
+    resolves every registered operator by name, loaded yet or not."""
+    return hasattr(getattr(torch.ops.aten, op, None), "overloads")
+
+
+def _ops_like(op: str) -> list[str]:
+    """Up to three ATen operator names close to ``op``: among the table's and those torch has loaded."""
+    names = set(dir(torch.ops.aten)).union(*(ops for table in op_lists.TABLE.values() for ops in table.values()))
+    return difflib.get_close_matches(op, sorted(n for n in names if known_op(n)), n=3)
 
 
 @functools.cache
 def autocast_ops(device_type: str) -> frozenset[str]:
-    """The ops the running torch autocasts on ``device_type``, read from its dispatcher once.
+    """The ops of ampkit's table that the running torch autocasts on ``device_type``, read once.
 
-    Ops it autocasts that ampkit's table has no category for (a torch newer than the table)
-    are left to torch.autocast, said once with a TorchVersionWarning.
+    An op is autocast where one of its overloads has a kernel at the device's Autocast key
+    (the public ``OpOverload.has_kernel_for_dispatch_key``), asked before ampkit registers
+    kernels of its own there (``kernels.py`` reads this first). The table holds every op
+    torch autocasts in the releases CI tests (``tests/test_op_lists.py`` checks each
+    against its dispatcher); an op a newer torch adds is not read here and is left to
+    torch.autocast, as every op no policy edit names is.
     """
-    ops = _torch.autocast_ops(device_type)
-    if ops is None:  # no dispatcher query: the table, less the ops this torch lacks
-        ops = frozenset().union(*op_lists.TABLE[device_type].values(), op_lists.BANNED[device_type]) & known_ops()
-    if unknown := op_lists.unknown_ops(device_type, ops):
-        warnings.warn(f"torch {torch.__version__} autocasts ops on {device_type} that ampkit's op table has no "
-                      f"category for: {', '.join(sorted(unknown))}. They run as torch.autocast runs them, and "
-                      "`ampkit ops` does not show them; name one in with_ops() to decide it yourself.",
-                      _torch.TorchVersionWarning, stacklevel=3)
-    return ops
+    key = op_lists.autocast_key(device_type)
+    candidates = frozenset().union(*op_lists.TABLE[device_type].values(), op_lists.BANNED[device_type])
+    return frozenset(op for op in candidates if known_op(op) and _has_kernel(op, key))
+
+
+def _has_kernel(op: str, key: str) -> bool:
+    """Whether an overload of the ATen operator ``op`` has a kernel at the dispatch key ``key``."""
+    packet = getattr(torch.ops.aten, op)
+    for name in packet.overloads():
+        try:
+            if getattr(packet, name).has_kernel_for_dispatch_key(key):
+                return True
+        except RuntimeError:  # "operator aten::__and__.bool does not exist": an overload only TorchScript has
+            continue
+    return False
 
 
 def torch_lists(device_type: str) -> dict[str, frozenset[str]]:
@@ -75,8 +90,8 @@ def _check_ops(ops: Iterable[str], argument: str) -> frozenset[str]:
         if not isinstance(op, str):
             raise ValueError(f"{argument}= takes op names (strings), got {op!r}; `ampkit ops` lists them.")
     for op in sorted(ops):
-        if op not in known_ops():
-            close = difflib.get_close_matches(op, known_ops(), n=3)
+        if not known_op(op):
+            close = _ops_like(op)
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
             raise ValueError(
                 f"Unknown op {op!r} in {argument}=: it is no ATen operator of torch "
