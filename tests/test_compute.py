@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampkit
 from ampkit import float32_compute
-from ampkit.float32_compute import fast_paths
+from ampkit.float32_compute import fast_paths, gelu_recompute
 from ampkit.precision import decide
 from ampkit.hardware import throughput
 from ampkit.diagnostics.memory import saved_bytes_of_step
@@ -418,25 +418,47 @@ def test_a_linear_after_a_gelu_recomputes_its_input_bit_for_bit_and_saves_one_hi
         mlp.zero_grad()
         return grads
 
-    loss, recomputing = saved_bytes_of_step(mlp, step)  # its hook only looks: the GELU output is recomputed
+    loss, recomputing = saved_bytes_of_step(mlp, step)
     loss.backward()
     recomputed = gradients()
-    hidden: set[int] = set()  # storages of the (64, 128) tensors packed under another's hooks
+    hidden: list[torch.Tensor] = []  # the (64, 128) tensors packed under another's hooks, as packed
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if t.shape == (64, 128):
-            hidden.add(t.untyped_storage().data_ptr())
+            hidden.append(t.detach().clone())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # another's hooks: saved as before
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # another's hooks pack what the linear saves
         saved_loss = step()
-    assert len(hidden) == 2  # the GELU's input and its output: not recomputed under these hooks
+    assert len(hidden) == 2 and torch.equal(hidden[0], hidden[1])  # the GELU's input, for the GELU and the linear
     saved_loss.backward()
     assert torch.equal(loss, saved_loss)
     assert all(torch.equal(a, b) for a, b in zip(recomputed, gradients()))
     monkeypatch.setattr(fast_paths, "gelu_input", lambda x: None)
     _, saving = saved_bytes_of_step(mlp, step)
     assert saving - recomputing == 64 * 128 * 2  # the bf16 GELU output, which the second linear no longer saves
+    step().backward()  # the GELU output saved: the same gradients
+    assert all(torch.equal(a, b) for a, b in zip(recomputed, gradients()))
+
+
+def test_a_gelu_output_or_input_written_in_place_is_saved_not_recomputed() -> None:
+    """The recompute would give the GELU's output as computed, not as the model changed it after."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(8, 16), nn.Linear(16, 8)
+    x = torch.randn(4, 8)
+    with ampkit.autocast(ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")):
+        hidden = F.gelu(first(x))
+        assert gelu_recompute.gelu_input(hidden) is not None and gelu_recompute.gelu_input(hidden[:2]) is None
+        hidden.mul_(2.0)
+        assert gelu_recompute.gelu_input(hidden) is None
+        out = second(hidden)
+        pre = first(x)
+        other = F.gelu(pre)
+        pre.add_(1.0)  # the GELU's own backward would refuse this; the linear's recompute must not miss it
+        assert gelu_recompute.gelu_input(other) is None
+    out.float().sum().backward()
+    want = hidden.detach().float().sum(0)  # the weight's gradient: the written values, summed over the batch
+    assert torch.allclose(second.weight.grad, torch.ones(8, 1) * want, rtol=1e-2)
 
 
 def test_the_gelu_recompute_stays_out_of_activation_checkpointing() -> None:

@@ -100,45 +100,6 @@ def disable_current_modes() -> contextlib.AbstractContextManager[Any]:
     return _dispatch._disable_current_modes()
 
 
-@functools.cache
-def aten_op_names() -> frozenset[str]:
-    """Every ATen operator name, without overload, the running torch defines.
-
-    ``torch._C._dispatch_get_all_op_names`` (2.4-2.14.1). Missing: policies cannot check
-    op names and refuse every edit (``missing()`` names it).
-    """
-    getter = _lookup("torch._C._dispatch_get_all_op_names")
-    if getter is None:
-        fallback_once("torch._C._dispatch_get_all_op_names", "op names are checked against the ops torch.ops.aten "
-                      "has loaded so far, so a valid but unloaded op may be refused")
-        return frozenset(n for n in dir(torch.ops.aten) if not n.startswith("_"))
-    return frozenset(n[len("aten::") :].split(".")[0] for n in getter() if n.startswith("aten::"))
-
-
-@functools.cache
-def autocast_ops(device_type: str) -> frozenset[str] | None:
-    """The ATen ops with an autocast kernel for ``device_type`` in the running torch: what torch.autocast casts
-    (``torch._C._dispatch_has_kernel_for_dispatch_key``, 2.11-2.14.1), read before ampkit registers kernels of its
-    own (``precision/kernels.py`` asks first). None where missing: the policy takes its table, less unknown ops.
-    Not the public ``OpOverload.has_kernel_for_dispatch_key``, which calls this one: resolving every overload to
-    ask it made a process's first policy about ten times as slow to build (issue 38's closing notes)."""
-    has_kernel = _lookup("torch._C._dispatch_has_kernel_for_dispatch_key")
-    getter = _lookup("torch._C._dispatch_get_all_op_names")
-    if has_kernel is None or getter is None:
-        fallback_once("torch._C._dispatch_has_kernel_for_dispatch_key", "the default op lists are ampkit's "
-                      "table of the tested releases' lists, less the ops this torch lacks, not read from this torch")
-        return None
-    key = autocast_key(device_type)
-    return frozenset(name[len("aten::"):].split(".")[0] for name in getter()
-                     if name.startswith("aten::") and has_kernel(name, key))
-
-
-def autocast_key(device_type: str) -> str:
-    """The dispatcher's Autocast key for ``device_type``, by the name ``torch.library`` takes: where torch's autocast
-    kernels are, and where edited policies register theirs."""
-    return {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}[device_type]
-
-
 def is_mutable(overload: Any) -> bool:
     """Whether an op overload writes to an argument (``out=``, in-place): ``OpOverload._schema`` (2.4-2.14.1)."""
     return bool(overload._schema.is_mutable)
@@ -168,26 +129,6 @@ def replace_checkpoint_entry_points(function: Any, generator: Any) -> None:
 
     setattr(cp, "CheckpointFunction", function)
     setattr(cp, next(name for name in _GENERATORS if hasattr(cp, name)), generator)
-
-
-def saved_tensors_hooks_now() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
-    """The innermost ``saved_tensors_hooks`` pair, or None (``torch._C._autograd._top_saved_tensors_default_hooks``,
-    2.4-2.14.1). Missing: the GELU recompute is skipped, as it is under others' hooks."""
-    getter = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return (_unknown_hook, _unknown_hook) if getter is None else getter(False)
-
-
-def _unknown_hook(value: Any) -> Any:
-    return value
-
-
-def gelu_saved(node: Any) -> tuple[torch.Tensor, str] | None:
-    """What a ``GeluBackward0`` node saved: its input and approximation mode (``_saved_self``, ``_saved_approximate``,
-    2.4-2.14.1). None where they are missing: then no GELU output is recomputed (it is saved, as without ampkit)."""
-    try:
-        return node._saved_self, node._saved_approximate
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def is_compiling() -> bool:
@@ -259,11 +200,8 @@ def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> N
 _NEEDED: dict[str, Callable[[], object]] = {
     "torch.utils._pytree": lambda: None if isinstance(pytree, _Absent) else pytree,
     "torch.utils._python_dispatch": lambda: None if isinstance(_dispatch, _Absent) else _dispatch,
-    "torch._C._dispatch_get_all_op_names": lambda: torch._C._dispatch_get_all_op_names,
-    "torch._C._dispatch_has_kernel_for_dispatch_key": lambda: torch._C._dispatch_has_kernel_for_dispatch_key,
     "OpOverload._schema": lambda: torch.ops.aten.mm.default._schema.is_mutable,
     "torch.utils.checkpoint entry points": lambda: checkpoint_entry_points() or None,
-    "torch._C._autograd._top_saved_tensors_default_hooks": lambda: torch._C._autograd._top_saved_tensors_default_hooks,
     "torch._fused_sdp_choice": lambda: torch._fused_sdp_choice,
     "aten._scaled_dot_product_flash_attention_for_cpu": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
     "aten._scaled_dot_product_flash_attention_for_cpu_backward":

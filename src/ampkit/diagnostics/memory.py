@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit.float32_compute.gelu_recompute import passthrough
 from ampkit.float32_compute.weights import is_weight_copy, weight_storages
 from ampkit.modes import MIXED_LEVELS, OPT_LEVELS, OptLevel, resolve_dtype
 from ampkit.shards import local_shard
@@ -67,7 +66,6 @@ def saved_bytes_of_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> t
         if storage.data_ptr() not in params and not is_weight_copy(t):
             seen[storage.data_ptr()] = storage.nbytes()
 
-    @passthrough
     def pack(t: torch.Tensor) -> torch.Tensor:
         count(t)
         return t

@@ -33,7 +33,8 @@ class _Linear(torch.autograd.Function):
     once, as torch's own linear (addmm) and its backward (two mm, a sum) are.
 
     A GELU output ``x`` is not saved: its backward recomputes it from the GELU's input,
-    which autograd keeps anyway (a transformer MLP then saves one hidden-size tensor, not two)."""
+    which autograd keeps anyway (a transformer MLP then saves one hidden-size tensor, not two:
+    ``gelu_recompute.py``)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]

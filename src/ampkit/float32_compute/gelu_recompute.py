@@ -1,15 +1,22 @@
 """A linear reading a GELU's output recomputes it in backward instead of saving it.
 
 autograd keeps a GELU's input for the GELU's own backward, so a linear that reads the
-GELU's output can save nothing more and recompute that output in its backward (the same
-kernel on the same 16-bit values: bit for bit). A transformer MLP then saves one
-hidden-size tensor, not two. The graph inspection goes through ``ampkit._torch``: where a
-torch release moves what it reads, the output is saved, as without ampkit.
+GELU's output can save that input instead and recompute the output in its backward (the
+same kernel on the same 16-bit values: bit for bit). A transformer MLP then saves one
+hidden-size tensor, not two.
+
+Where float32 compute runs ``linear``, the region registers a kernel for ``gelu`` as well
+(``precision/kernels.py``): torch's own GELU, which also notes each output's input and
+mode here (``recording``). Reading them back off autograd's graph node would need its
+saved tensors, which torch keeps private, and would unpack them during the forward under
+others' saved-tensor hooks; the linear saves the input it found through
+``save_for_backward``, so such hooks (offloading, checkpointing) pack it as any other.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,13 +24,25 @@ import torch
 
 from ampkit import _torch, _torch_tensors
 
+# What each live GELU output was computed from, by the output's id: (the output, its input, the input's count of
+# in-place writes then, the approximation mode). An entry goes with its output.
+_computed_from: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int, str]] = {}
 
-def passthrough(pack_hook: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
-    """Mark a ``saved_tensors_hooks`` pack hook that returns its tensor as it is (one that
-    only looks, as ``memory.saved_bytes_of_step`` does): under it, ``_Linear`` still
-    recomputes a GELU output instead of saving it (see ``gelu_input``)."""
-    pack_hook._ampkit_passthrough = True  # type: ignore[attr-defined]
-    return pack_hook
+
+def recording(kernel: Callable[..., Any]) -> Callable[..., Any]:
+    """``kernel``, the Autocast-key kernel of ``aten::gelu``, also noting what each output with a gradient was
+    computed from. Outputs of a cast input (a policy that lists ``gelu``) and of a trace are not noted."""
+
+    @functools.wraps(kernel)
+    def gelu(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = kernel(x, *args, **kwargs)
+        if out.requires_grad and out.dtype == x.dtype and not _torch.is_compiling():
+            key = id(out)
+            _computed_from[key] = (weakref.ref(out, lambda _: _computed_from.pop(key, None)), x,
+                                   _torch_tensors.version(x), kwargs.get("approximate", "none"))
+        return out
+
+    return gelu
 
 
 # The graph-node classes of ``identity_forward`` Functions. A Function's ``ctx`` is the node its output's ``grad_fn``
@@ -48,12 +67,10 @@ def identity_forward(cls: type[torch.autograd.Function]) -> type[torch.autograd.
 
 
 def gelu_input(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
-    """When ``x`` is the output of a GELU (a transformer MLP's hidden layer), possibly behind
-    ``identity_forward`` Functions, the GELU's input and mode: autograd keeps that input for
-    the GELU's own backward, so a linear reading ``x`` can save nothing more and recompute
-    ``x`` in its backward (the same kernel on the same 16-bit values: bit for bit). None
-    otherwise, or when saved-tensor hooks other than a ``passthrough`` one are active
-    (offloading, checkpointing), whose unpacking during forward is theirs to decide."""
+    """When ``x`` is the whole output of a GELU that ``recording`` noted (a transformer MLP's
+    hidden layer), possibly behind ``identity_forward`` Functions, and neither it nor the GELU's
+    input was written since (a write to ``x`` gives it another ``grad_fn``): the GELU's input and mode. autograd keeps that input for the GELU's own backward, so a linear
+    reading ``x`` can save it instead and recompute ``x`` in its backward. None otherwise."""
     fn = x.grad_fn
     while fn is not None and type(fn) in _identity_nodes:
         fn = fn.next_functions[0][0]
@@ -63,10 +80,11 @@ def gelu_input(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
     if base is not None and (x.shape, x.stride(), x.storage_offset()) != (base.shape, base.stride(),
                                                                          base.storage_offset()):
         return None
-    hooks = _torch.saved_tensors_hooks_now()
-    if hooks is not None and not getattr(hooks[0], "_ampkit_passthrough", False):
+    out = x if base is None else base
+    found = _computed_from.get(id(out))
+    if found is None or found[0]() is not out:
         return None
-    saved = _torch.gelu_saved(fn)
-    if saved is None or saved[0].dtype != x.dtype or saved[0].shape != x.shape:
+    _, source, version, approximate = found
+    if _torch_tensors.version(source) != version or source.dtype != x.dtype or source.shape != x.shape:
         return None
-    return saved
+    return source, approximate

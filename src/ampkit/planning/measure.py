@@ -18,7 +18,6 @@ from torch import nn
 
 from ampkit._torch import pytree
 from ampkit.diagnostics.memory import observing_kept
-from ampkit.float32_compute.gelu_recompute import passthrough
 from ampkit.float32_compute.single_ops import single_ops
 from ampkit.float32_compute.weights import is_weight_copy, weight_storages
 from ampkit.planning.segments import installed
@@ -113,7 +112,6 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
             sizes[storage.data_ptr()] = storage.nbytes()
             savers.setdefault(storage.data_ptr(), set()).add(active[-1] if active else _OUTSIDE)
 
-    @passthrough
     def pack(t: torch.Tensor) -> torch.Tensor:
         count(t)
         return t

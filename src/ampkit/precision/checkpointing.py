@@ -58,7 +58,7 @@ def _reentering(fn: Callable[..., Any], enter: EnterRegion) -> Callable[..., Any
     if not torch.compiler.is_dynamo_compiling():
         # The recompute re-enters the region in the backward, after the forward's region closed: the region's
         # dispatcher kernels stay registered until torch drops the segment (with its graph), not released and
-        # registered again per segment (with float32 compute's 36 ops, a backward of small blocks took far longer).
+        # registered again per segment (with float32 compute's 37 ops, a backward of small blocks took far longer).
         for policy, region in zip(policies, regions):
             ops = kernel_ops(policy, region.float32_ops)
             registry.acquire(policy.device_type, ops)

@@ -14,8 +14,8 @@ registration goes (the Library objects are released; their finalizers give the o
 torch): outside ampkit's regions, torch runs its own kernels, as in a process that never ran
 one (issue 38; ``tests/test_autocast.py`` checks the dispatch, ``benchmarks/bench_after_regions.py``
 the time, and what registering and releasing costs: well under a millisecond for an edit of a few ops,
-about one for float32 compute's 36), paid at each outermost region's entry (what that is in a small model's
-training step: ``benchmarks/bench_region_cost.py``).
+about one for float32 compute's 37, its 36 GEMM-class ops and ``gelu``), paid at each outermost region's entry
+(what that is in a small model's training step: ``benchmarks/bench_region_cost.py``).
 A checkpointed segment inside a region counts as open until torch drops it: its recompute
 re-enters the region in the backward (``checkpointing.py``).
 While registered, each kernel reads the calling thread's innermost ampkit region
@@ -47,6 +47,7 @@ import torch
 
 from ampkit import _torch
 from ampkit.float32_compute import run_in_float32
+from ampkit.float32_compute.gelu_recompute import recording
 from ampkit.precision import op_lists
 from ampkit.precision.op_lists import ALLOW, DENY, INFER
 from ampkit.precision.policy import Policy, autocast_ops, torch_category
@@ -217,7 +218,7 @@ class _Registry:
             warnings.simplefilter("ignore")
             for op in ops:
                 for qualified, kernel in _kernels(device_type, op):
-                    lib.impl(qualified, kernel, _torch.autocast_key(device_type))
+                    lib.impl(qualified, kernel, op_lists.autocast_key(device_type))
         return lib
 
 
@@ -243,7 +244,10 @@ def _kernels(device_type: str, op: str) -> tuple[tuple[str, Callable[..., Any]],
         overload = getattr(packet, name)
         if _torch.is_mutable(overload):  # out= and in-place variants keep their dtypes
             continue
-        found.append((op if name == "default" else f"{op}.{name}", _make_kernel(device_type, op, overload)))
+        kernel = _make_kernel(device_type, op, overload)
+        if op == "gelu":  # notes what its output was computed from, for a float32-computed linear reading it
+            kernel = recording(kernel)
+        found.append((op if name == "default" else f"{op}.{name}", kernel))
     return tuple(found)
 
 
@@ -254,6 +258,8 @@ def kernel_ops(policy: Policy, float32_ops: frozenset[str]) -> frozenset[str]:
     """The ops that need ampkit kernels for ``policy``, its module overrides and its
     float32-computed ops."""
     ops = policy.edits | float32_ops
+    if "linear" in float32_ops:  # a linear reading a GELU's output recomputes it (float32_compute/gelu_recompute.py)
+        ops = ops | {"gelu"}
     if any(o.dtype != torch.float32 for o in policy.overrides):
         ops = ops | policy.all_low.edits
     return ops
