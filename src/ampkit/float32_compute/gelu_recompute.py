@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ampkit import _torch_tensors
+from ampkit import _torch, _torch_tensors
 
 # What each live GELU output was computed from, by the output's id: (the output, its input, the input's count of
 # in-place writes then, the approximation mode). An entry goes with its output.
@@ -36,8 +36,8 @@ def recording(kernel: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(kernel)
     def gelu(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         out = kernel(x, *args, **kwargs)
-        # Not while torch.compile works, in any thread (a traced output is no tensor to keep): a linear then saves it.
-        if out.requires_grad and out.dtype == x.dtype and not torch.compiler.is_compiling():
+        # Not while torch.compile traces in this thread (torch 2.11's is_compiling() is false in AOTAutograd's trace)
+        if out.requires_grad and out.dtype == x.dtype and not _torch.is_compiling():
             key = id(out)
             _computed_from[key] = (weakref.ref(out, lambda _: _computed_from.pop(key, None)), x,
                                    _torch_tensors.version(x), kwargs.get("approximate", "none"))
