@@ -4,7 +4,9 @@ memory, overflow, and the auto decision from measured hardware."""
 from __future__ import annotations
 
 import copy
+import gc
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -459,6 +461,21 @@ def test_a_gelu_output_or_input_written_in_place_is_saved_not_recomputed() -> No
     out.float().sum().backward()
     want = hidden.detach().float().sum(0)  # the weight's gradient: the written values, summed over the batch
     assert torch.allclose(second.weight.grad, torch.ones(8, 1) * want, rtol=1e-2)
+
+
+def test_a_gelu_output_kept_after_backward_does_not_keep_the_gelu_input() -> None:
+    """What the recompute notes holds the GELU's input no longer than autograd does."""
+    first, second = nn.Linear(8, 16), nn.Linear(16, 8)
+    with ampkit.autocast(ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")):
+        pre = first(torch.randn(4, 8))
+        hidden = F.gelu(pre)  # kept by this test, as a model's hook might keep an activation
+        out = second(hidden)
+    assert gelu_recompute.gelu_input(hidden)[0] is pre  # type: ignore[index]
+    held = weakref.ref(pre)
+    del pre
+    out.float().sum().backward()
+    gc.collect()
+    assert held() is None and gelu_recompute.gelu_input(hidden) is None
 
 
 def test_the_gelu_recompute_stays_out_of_activation_checkpointing() -> None:
