@@ -50,7 +50,7 @@ def at_least(major: int, minor: int) -> bool:  # the running torch is release ma
 
 
 def _lookup(path: str) -> Any:
-    """The object at ``path`` (``torch._C._autograd.x``), or None where this torch lacks it."""
+    """The object at ``path`` (``torch._foreach_copy_``), or None where this torch lacks it."""
     obj: Any = torch
     for part in path.split(".")[1:]:
         obj = getattr(obj, part, None)
