@@ -478,7 +478,7 @@ def test_a_gelu_output_kept_after_backward_does_not_keep_the_gelu_input() -> Non
     assert held() is None and gelu_recompute.gelu_input(hidden) is None
 
 
-def test_the_gelu_recompute_stays_out_of_activation_checkpointing() -> None:
+def test_the_gelu_recompute_under_activation_checkpointing_gives_the_same_bits() -> None:
     torch.manual_seed(0)
     mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
     x = torch.randn(8, 16)

@@ -71,8 +71,9 @@ def identity_forward(cls: type[torch.autograd.Function]) -> type[torch.autograd.
 def gelu_input(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
     """When ``x`` is the whole output of a GELU that ``recording`` noted (a transformer MLP's
     hidden layer), possibly behind ``identity_forward`` Functions, and neither it nor the GELU's
-    input was written since (a write to ``x`` gives it another ``grad_fn``): the GELU's input and mode. autograd keeps that input for the GELU's own backward, so a linear
-    reading ``x`` can save it instead and recompute ``x`` in its backward. None otherwise."""
+    input was written since (a write to ``x`` gives it another ``grad_fn``): the GELU's input
+    and mode. autograd keeps that input for the GELU's own backward, so a linear reading ``x``
+    can save it instead and recompute ``x`` in its backward. None otherwise."""
     fn = x.grad_fn
     while fn is not None and type(fn) in _identity_nodes:
         fn = fn.next_functions[0][0]
