@@ -25,9 +25,10 @@ import torch
 from ampkit import _torch, _torch_tensors
 
 # What each live GELU output was computed from, by the output's id: (the output, its input, the input's count of
-# in-place writes then, the approximation mode). An entry goes with its output; the input is held weakly, as long as
-# autograd keeps it for the GELU's backward (torch keeps a tensor's Python object alive while autograd holds it).
-_computed_from: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor], int, str]] = {}
+# in-place writes then, the approximation mode). An entry goes with its output, or when the GELU's backward starts:
+# it holds the input no longer than the GELU's graph node does. (Not a weak reference to the input: torch does not
+# always keep a tensor's Python object while autograd holds the tensor, so it could die before the linear reads it.)
+_computed_from: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int, str]] = {}
 
 
 def recording(kernel: Callable[..., Any]) -> Callable[..., Any]:
@@ -40,8 +41,9 @@ def recording(kernel: Callable[..., Any]) -> Callable[..., Any]:
         # Not while torch.compile traces in this thread (torch 2.11's is_compiling() is false in AOTAutograd's trace)
         if out.requires_grad and out.dtype == x.dtype and not _torch.is_compiling():
             key = id(out)
-            _computed_from[key] = (weakref.ref(out, lambda _: _computed_from.pop(key, None)), weakref.ref(x),
-                                   _torch_tensors.version(x), kwargs.get("approximate", "none"))
+            noted = weakref.ref(out, lambda noted: _forget(key, noted))
+            _computed_from[key] = (noted, x, _torch_tensors.version(x), kwargs.get("approximate", "none"))
+            out.grad_fn.register_prehook(lambda _: _forget(key, noted))  # the hook holds no tensor
         return out
 
     return gelu
@@ -87,8 +89,12 @@ def gelu_input(x: torch.Tensor) -> tuple[torch.Tensor, str] | None:
     found = _computed_from.get(id(out))
     if found is None or found[0]() is not out:
         return None
-    source, version, approximate = found[1](), found[2], found[3]
-    if (source is None or _torch_tensors.version(source) != version or source.dtype != x.dtype
-            or source.shape != x.shape):
+    _, source, version, approximate = found
+    if _torch_tensors.version(source) != version or source.dtype != x.dtype or source.shape != x.shape:
         return None
     return source, approximate
+
+
+def _forget(key: int, noted: weakref.ref[torch.Tensor]) -> None:
+    if key in _computed_from and _computed_from[key][0] is noted:  # not a later output's that took the same id
+        del _computed_from[key]
