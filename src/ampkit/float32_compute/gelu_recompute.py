@@ -26,8 +26,11 @@ from ampkit import _torch, _torch_tensors
 
 # What each live GELU output was computed from, by the output's id: (the output, its input, the input's count of
 # in-place writes then, the approximation mode). An entry goes with its output, or when the GELU's backward starts:
-# it holds the input no longer than the GELU's graph node does. (Not a weak reference to the input: torch does not
-# always keep a tensor's Python object while autograd holds the tensor, so it could die before the linear reads it.)
+# it holds the input no longer than the GELU's graph node does. Not a weak reference to the input: torch does not
+# always keep a tensor's Python object while autograd holds the tensor, so whether the linear found the input came
+# to depend on the garbage collector, and a non-reentrant checkpoint's recompute must decide as its forward did (it
+# hands the recomputed tensors back by order, and a GELU's input and output look alike to its metadata check: a
+# forward that saved the input and a recompute that saved the output gave wrong gradients, silently).
 _computed_from: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor, int, str]] = {}
 
 
