@@ -68,6 +68,17 @@ def _record_dtypes(model: nn.Module) -> dict[str, tuple[torch.dtype, torch.dtype
     return seen
 
 
+
+class _RMSNorm(nn.Module):
+    """transformers' RMSNorm in short: its float32 weight times a 16-bit input promotes to float32."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x.float() * x.float().pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()).to(x.dtype)
+
 # -- workers (run in the spawned ranks) ---------------------------------------------------------
 
 
@@ -268,6 +279,13 @@ def _errors_worker(rank: int, world: int) -> dict:
     result.float().pow(2).mean().backward()
     optimizer.step()
     out["keep_float32"] = (seen, result.dtype, fsdp.sharding(mixed).float32, fsdp.sharding(mixed).blocks)
+    # A norm found by behaviour, kept float32 and gathered so, returns its 16-bit input's dtype (as initialize's O2).
+    normed = fsdp.fully_shard(nn.Sequential(nn.Linear(8, 8), _RMSNorm(8), nn.Linear(8, 4)), opt_level="O2",
+                              dtype=torch.bfloat16, compute="float32")
+    dtypes: list[torch.dtype] = []
+    normed[1].register_forward_hook(lambda m, args, result: dtypes.append(result.dtype))
+    normed(torch.randn(2, 8))
+    out["custom_norm"] = (dtypes, fsdp.sharding(normed).float32)
     plain = _gpt()
     torch_fully_shard(plain)
     out["initialize"] = refused(lambda: ampkit.initialize(plain, None, "O2", torch.bfloat16))
@@ -447,6 +465,7 @@ def test_bad_calls_are_refused_in_one_line_and_change_nothing() -> None:
     assert seen["1"] == (torch.bfloat16, torch.bfloat16) and seen["3"][0] == torch.bfloat16
     assert seen["2"][0] == torch.float32 and output == torch.float32
     assert kept == ("0", "2") and blocks == ("1", "3")
+    assert out["custom_norm"] == ([torch.bfloat16], ("1",))
 
 
 def test_o3_updates_kahan_and_stochastic_on_shards() -> None:

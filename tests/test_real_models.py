@@ -88,6 +88,45 @@ def test_o2_bert_returns_its_masked_lm_output_in_float32() -> None:
     assert _rel_l2(out.logits, out32.logits) < 0.03
 
 
+
+def test_o2_a_custom_norm_returns_its_input_dtype_so_qwen3s_attention_runs() -> None:
+    """Qwen3 normalizes each head's queries and keys (``q_norm``, ``k_norm``: RMSNorms found by behaviour, kept
+    float32). On main their float32 weight promoted the bfloat16 heads to float32 and attention refused them
+    beside bfloat16 values (``Expected query, key, and value to have the same dtype``). Now a kept custom norm
+    returns its input's dtype, as torch's own norms do, and O2 trains as float32 does."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    reference = Qwen3ForCausalLM(config)
+    model, optimizer = _o2(copy.deepcopy(reference))
+    attention = model.model.layers[0].self_attn
+    assert attention.q_norm.weight.dtype == torch.float32 and attention.q_proj.weight.dtype == torch.bfloat16
+    seen = {}
+    for name in ("q_norm", "k_norm"):
+        getattr(attention, name).register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out.dtype))
+    idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+    out, out32 = model(idx, labels=idx), reference(idx, labels=idx)
+    assert seen == {"q_norm": torch.bfloat16, "k_norm": torch.bfloat16}
+    assert out.logits.dtype == torch.float32 and _rel_l2(out.logits, out32.logits) < 0.02
+    out.loss.backward()
+    optimizer.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_o2_the_projections_after_a_custom_norm_share_one_16_bit_input() -> None:
+    """A Llama attention's q, k and v projections read the input norm's output: one bfloat16 tensor (on main each
+    cast the norm's float32 output for itself, and each saved its own copy for backward)."""
+    model, _ = _o2(_llama())
+    attention = model.model.layers[0].self_attn
+    inputs = {}
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(attention, name).register_forward_pre_hook(lambda m, args, name=name: inputs.__setitem__(name, args[0]))
+    model(torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)))
+    q, k, v = inputs["q_proj"], inputs["k_proj"], inputs["v_proj"]
+    assert q.dtype == torch.bfloat16 and q is k and k is v
+
 def _t5() -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 

@@ -8,9 +8,16 @@
 - **Buffers: never cast at O2.** A buffer is not trained: a rotary embedding's ``inv_freq``, FP8 amax histories,
   running statistics. Cast to bfloat16, transformers' rotary angles drift from float32's in proportion to the
   position (``tests/test_real_models.py`` measures it at position 4095).
-- Where anything but torch's own norms stays float32, float32 activations can reach 16-bit layers (a float32
-  RMSNorm's output, a sum with a float32 buffer): each module with 16-bit weights of its own then casts its
-  floating inputs to the 16-bit dtype (``cast_inputs``).
+- **A kept norm returns its input's dtype**, as torch's own norms do on float32 weights (``layer_norm`` and
+  ``rms_norm`` take mixed dtypes): a norm found by behaviour gets a forward hook casting its float32 output to
+  its 16-bit input's dtype (``add_norm_output_casts``). Its weight times a 16-bit input would otherwise promote
+  to float32, and code beside the modules then mixes dtypes: Qwen3's per-head ``q_norm`` and ``k_norm`` gave
+  attention float32 queries and keys beside bfloat16 values (``scaled_dot_product_attention`` refuses them), and
+  each projection after a norm cast the same float32 output for itself (three bfloat16 copies of one activation
+  saved for a Llama attention's q, k and v projections; one now).
+- Where anything else stays float32, float32 activations can reach 16-bit layers (a ``keep_float32`` embedding's
+  output, a sum with a float32 buffer): each module with 16-bit weights of its own then casts its floating
+  inputs to the 16-bit dtype (``cast_inputs``).
 - The model's outputs become float32 through any container: tensors, tuples, lists, dicts, dataclasses and
   transformers' ``ModelOutput`` (a dict and a dataclass at once).
 - **Losses computed inside the model** (transformers' BERT and T5 compute theirs in ``forward``) take float32
@@ -112,6 +119,24 @@ def add_input_casts(model: nn.Module, dtype: torch.dtype, kept_params: set[int])
         own = list(module.parameters(recurse=False))
         if module is not model and own and not any(id(p) in kept_params for p in own):
             module.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
+
+
+def cast_output_to_input_dtype(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    """A forward hook (with kwargs): a float32 tensor output takes the dtype of the first floating tensor input
+    where that is 16-bit (a kept norm's output, as a 16-bit model's norm would give it); else the output as it is."""
+    given = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+    if (given is not None and given.dtype in LOW_DTYPES and isinstance(output, torch.Tensor)
+            and output.dtype == torch.float32):
+        return output.to(given.dtype)
+    return None
+
+
+def add_norm_output_casts(kept: Sequence[nn.Module]) -> None:
+    """Give each norm of ``kept`` found by behaviour (torch's own return their input's dtype already) the
+    ``cast_output_to_input_dtype`` hook."""
+    for module in kept:
+        if not isinstance(module, NORM_TYPES) and _normalizes(module):
+            module.register_forward_hook(cast_output_to_input_dtype, with_kwargs=True)
 
 
 def to_float32(value: Any) -> Any:

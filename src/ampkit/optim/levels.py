@@ -21,6 +21,7 @@ from ampkit.optim import grads, pure16
 from ampkit.optim.kept import (
     Float32Losses,
     add_input_casts,
+    add_norm_output_casts,
     cast_inputs,
     cast_output_to_float32,
     kept_modules,
@@ -196,8 +197,8 @@ def cast_model_(model: nn.Module, level: OptLevel, dtype: torch.dtype,
     16-bit outputs to float32 at ``model``'s forward. Parameter objects are kept, so optimizers built on them
     still hold them.
 
-    O2 keeps in float32 what ``optim/kept.py`` says: normalization layers (by behaviour) and ``keep_float32``
-    types, with any weight tied to theirs, and every buffer. Where that lets float32 activations reach 16-bit
+    O2 keeps in float32 what ``optim/kept.py`` says: normalization layers (by behaviour; each returns its input's
+    dtype) and ``keep_float32`` types, with any weight tied to theirs, and every buffer. Where that lets float32 activations reach 16-bit
     layers (anything but torch's norms kept), each module whose own weights are 16-bit casts its floating
     inputs to ``dtype``. O3 casts every floating parameter and buffer.
     """
@@ -207,6 +208,7 @@ def cast_model_(model: nn.Module, level: OptLevel, dtype: torch.dtype,
     for module in model.modules():
         if id(module) not in kept_ids:
             _cast_own(module, dtype, kept_params, buffers=not level.keeps_float32)
+    add_norm_output_casts(kept)
     if level.keeps_float32 and needs_input_casts(model, kept, keep_float32):
         add_input_casts(model, dtype, kept_params)
     model.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
