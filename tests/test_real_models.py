@@ -384,7 +384,7 @@ def test_find_nonfinite_skips_the_infinity_t5_discards_and_finds_an_overflow_in_
     assert finding.phase == "forward" and finding.finite_inputs
 
 
-@pytest.mark.parametrize("architecture", ["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "gpt2", "bert"])
 def test_compare_trains_a_transformers_architecture_named_on_the_command_line(architecture: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``ampkit compare --model hf:<architecture>``: a small model of that family from its config, random weights,
     on the text data, float32 beside bf16 O2 (3 steps here; 200 by default)."""

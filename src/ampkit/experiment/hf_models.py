@@ -1,6 +1,6 @@
 """``--model hf:<architecture>``: a small language model of a transformers family, built from its config with
 random weights (nothing is downloaded), so that ``ampkit compare`` runs on real architectures from the command
-line (tested for llama, gpt2 and bert; ``tune`` and ``--activation-budget`` build their model the same way).
+line (tested for llama, qwen3, gpt2 and bert; ``tune`` and ``--activation-budget`` build their model the same way).
 
 Each is causal (BERT as a decoder: next-token prediction on the text data must not see the next token), keeps no
 key/value cache (training keeps none; the recompute planner refuses one) and returns its logits, the one tensor
@@ -24,6 +24,7 @@ SIZES = {"d_model": 64, "n_layers": 2, "n_heads": 4}  # the defaults; ",name=val
 ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),  # RMSNorms on each head's queries and keys
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
     "bert": ("BertConfig", "BertLMHeadModel", {"is_decoder": True}),
 }
@@ -97,6 +98,8 @@ def _sizes(architecture: str, vocab: int, context: int, width: int, layers: int,
                 "bos_token_id": 0, "eos_token_id": 0}
     names = {"vocab_size": vocab, "max_position_embeddings": context, "hidden_size": width,
              "num_hidden_layers": layers, "num_attention_heads": heads, "intermediate_size": 4 * width}
-    if architecture in ("llama", "qwen2"):
+    if architecture in ("llama", "qwen2", "qwen3"):
         names |= {"num_key_value_heads": heads, "bos_token_id": 0, "eos_token_id": 0, "pad_token_id": 0}
+    if architecture == "qwen3":
+        names["head_dim"] = width // heads  # Qwen3Config's own default is 128, whatever the width
     return names
