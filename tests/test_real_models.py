@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import re
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -126,6 +127,41 @@ def test_o2_the_projections_after_a_custom_norm_share_one_16_bit_input() -> None
     model(torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1)))
     q, k, v = inputs["q_proj"], inputs["k_proj"], inputs["v_proj"]
     assert q.dtype == torch.bfloat16 and q is k and k is v
+
+
+@pytest.mark.parametrize("compute", ["native", "float32"])
+def test_the_recompute_planner_plans_a_qwen3_at_o2_and_keeps_its_gradients(compute: str) -> None:
+    """Qwen3's grouped-query attention runs on float32 compute's generic path (a nested graph). On the tree
+    before this test the planner's measurement raised there (its selective recompute context entered twice:
+    torch recomputed each checkpointed block once more per generic op's backward). Now the plan fits its budget
+    and the planned model's gradients are the unplanned ones, to the bit."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ampkit.diagnostics.memory import saved_bytes_of_step
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                         use_cache=False)
+    reference = Qwen3ForCausalLM(config)
+    idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(out: Any) -> torch.Tensor:
+        return out.logits.float().pow(2).mean()
+
+    grads = []
+    for planned in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, _ = ampkit.initialize(copy.deepcopy(reference), None, "O2", torch.bfloat16, compute=compute)
+            if planned:
+                plan = ampkit.plan_recompute(model, (idx,), 0.5, loss_fn=loss_fn, repeats=1)
+                plan.apply(model)
+                _, saved = saved_bytes_of_step(model, lambda: loss_fn(model(idx)))
+                assert plan.segments and saved <= plan.budget_bytes
+            loss_fn(model(idx)).backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 def _t5() -> nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration

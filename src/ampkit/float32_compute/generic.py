@@ -7,11 +7,19 @@ decomposition is recorded in a nested graph whose GEMM/convolution kernels
 outputs to the dtype the native kernel would return. The Function's backward replays that
 graph under the same mode, so backward GEMMs compute in float32 too, although
 ``loss.backward()`` runs outside the autocast region.
+
+Inside a non-reentrant activation checkpoint (``checkpointed_segment``) the nested graph is not kept: its
+backward is a graph task of its own, and torch recomputes a checkpointed segment once per graph task that
+unpacks a tensor saved in it, so each such op's backward recomputed the whole segment again (and a selective
+policy's recompute context, entered a second time, raised). There the Function saves its inputs as any op does
+and builds the nested graph again in its backward: one op's forward, not the segment's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -165,19 +173,57 @@ class UpcastGemms(TorchDispatchMode):
         return pytree.tree_unflatten(rounded, spec)
 
 
+_SAVED = object()  # in a checkpointed segment's flat call: a tensor's place, filled from the saved tensors
+_segments = threading.local()  # .depth: the non-reentrant checkpointed segments this thread runs in
+
+
+@contextlib.contextmanager
+def checkpointed_segment() -> Iterator[None]:
+    """Mark the enclosed code as a non-reentrant checkpointed segment, in its forward and in its recompute
+    alike (``precision/checkpointing.py`` enters it around the segment's function): ``Float32Compute`` then
+    keeps no nested graph (the module's docstring says why)."""
+    _segments.depth = getattr(_segments, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _segments.depth -= 1
+
+
+def _drop(t: torch.Tensor) -> Any:
+    return None
+
+
+def _dropped(packed: Any) -> torch.Tensor:
+    raise AssertionError("a checkpointed segment's nested graph is dropped at its forward, never run backward")
+
+
+def _nested(fn: Callable[[list[Any]], Any], flat: tuple[Any, ...]) -> tuple[list[Any], Any]:
+    """``fn`` on detached aliases of ``flat``'s tensors, under ``UpcastGemms`` with grad: (the aliases, the
+    outputs, whose graph is the nested one)."""
+    inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in flat]
+    for outer, inner in zip(flat, inputs):
+        if isinstance(outer, torch.Tensor) and is_weight(outer):
+            remember_weight_alias(inner)
+    with torch.enable_grad(), UpcastGemms():
+        return inputs, fn(inputs)
+
+
 class Float32Compute(torch.autograd.Function):
     """``fn`` on float32-computing kernels; its backward replays the nested graph
     under the same mode. Inputs are the flattened call (tensors and constants)."""
 
     @staticmethod
     def forward(ctx: Any, fn: Callable[[list[Any]], Any], *flat: Any) -> Any:  # type: ignore[override]
-        inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in flat]
-        for outer, inner in zip(flat, inputs):
-            if isinstance(outer, torch.Tensor) and is_weight(outer):
-                remember_weight_alias(inner)
-        with torch.enable_grad(), UpcastGemms():
-            outs = fn(inputs)
-        ctx.inputs, ctx.outputs = inputs, outs
+        if getattr(_segments, "depth", 0):
+            # The graph goes with this call; saved-tensor hooks (the checkpoint's) see only the inputs saved here.
+            with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+                inputs, outs = _nested(fn, flat)
+            ctx.save_for_backward(*(t for t in flat if isinstance(t, torch.Tensor)))
+            ctx.fn, ctx.flat = fn, [_SAVED if isinstance(t, torch.Tensor) else t for t in flat]
+            ctx.inputs = ctx.outputs = None
+        else:
+            inputs, outs = _nested(fn, flat)
+            ctx.fn, ctx.inputs, ctx.outputs = None, inputs, outs
         ctx.set_materialize_grads(False)  # outputs nobody used get None, not zeros to multiply
         detached = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in outs)
         ctx.mark_non_differentiable(
@@ -189,6 +235,10 @@ class Float32Compute(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     @without_autocast
     def backward(ctx: Any, *grads: Any) -> Any:
+        if ctx.fn is not None:  # a checkpointed segment's (once: the saved tensors go with the first backward)
+            saved = iter(ctx.saved_tensors)
+            ctx.inputs, ctx.outputs = _nested(ctx.fn, tuple(next(saved) if t is _SAVED else t for t in ctx.flat))
+            ctx.fn = ctx.flat = None
         if ctx.outputs is None:
             raise RuntimeError(
                 "Trying to backward through a float32-compute op a second time: these ops support one "
