@@ -249,3 +249,27 @@ def test_the_compare_table_gives_each_planned_run_against_the_same_setting_witho
     console.print(report.table(result))
     text = console.export_text()
     assert "(1.20x)" in text and "(0.75x)" in text and "(0.50x)" in text and "without its plan" in text
+
+
+def test_a_planned_run_plans_inside_its_first_step_while_the_other_runs_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compare steps its runs in turn; a run with an activation budget planned at start-up, beside the others'
+    start-ups and planners (two planners on two cores: 80 s for hf:qwen3's compare, 3 s for one alone). Now it
+    plans after the host's first ``step``, and its timed steps leave the planning out."""
+    from ampkit.experiment import training
+    from ampkit.experiment.config import RunConfig
+
+    events: list[str] = []
+    real = training.plan_recompute
+
+    def planning(*args, **kwargs):  # type: ignore[no-untyped-def]
+        events.append("plan")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(training, "plan_recompute", planning)
+    config = RunConfig(model="gpt", data="text", precision="bf16", opt_level="O1", steps=2, batch_size=4,
+                       compute="native", probe=False, activation_budget="0.5")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = training.execute(config, wait=events.append)
+    assert events == ["step", "plan", "step", "finish"]
+    assert result.steps == 2
