@@ -77,13 +77,14 @@ def execute(
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
     plan = data_mod.batches(dataset, config.batch_size, config.steps, config.seed, CONTEXT)
-    planned = config.activation_budget is not None
-    if planned:  # planned on the first batch, in the run's precision
+    budget = config.activation_budget
+    planned = budget is not None
+    if budget is not None:  # planned on the first batch, in the run's precision
         x0, y0 = batch(plan[0])
         # Inside the host's first step of this run, while the other runs wait: measured beside them, two runs'
         # planners on two cores took 80 s where one alone takes 3 (hf:qwen3), as evaluating together does.
         wait("step")
-        plan_recompute(model, x0, config.activation_budget, loss_fn=lambda logits: F.cross_entropy(
+        plan_recompute(model, x0, budget, loss_fn=lambda logits: F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), y0.reshape(-1))).apply(model)
     forward = torch.compile(model) if config.compiled else model  # after every conversion and plan
     guard = make_guard(model, optimizer, scaler) if config.guard else None
