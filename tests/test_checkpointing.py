@@ -119,7 +119,8 @@ def test_a_checkpointed_segment_of_generic_float32_ops_is_recomputed_once(contex
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     def contexts():  # type: ignore[no-untyped-def]
-        forward, recompute = create_selective_checkpoint_contexts(lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE)
+        forward, recompute = create_selective_checkpoint_contexts(
+            lambda ctx, op, *args, **kwargs: CheckpointPolicy.PREFER_RECOMPUTE)
 
         @contextlib.contextmanager
         def entered(mode):  # type: ignore[no-untyped-def]

@@ -106,7 +106,8 @@ def test_o2_a_custom_norm_returns_its_input_dtype_so_qwen3s_attention_runs() -> 
     assert attention.q_norm.weight.dtype == torch.float32 and attention.q_proj.weight.dtype == torch.bfloat16
     seen = {}
     for name in ("q_norm", "k_norm"):
-        getattr(attention, name).register_forward_hook(lambda m, args, out, name=name: seen.__setitem__(name, out.dtype))
+        getattr(attention, name).register_forward_hook(
+            lambda module, args, out, name=name: seen.__setitem__(name, out.dtype))
     idx = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(1))
     out, out32 = model(idx, labels=idx), reference(idx, labels=idx)
     assert seen == {"q_norm": torch.bfloat16, "k_norm": torch.bfloat16}

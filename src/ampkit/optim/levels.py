@@ -198,9 +198,9 @@ def cast_model_(model: nn.Module, level: OptLevel, dtype: torch.dtype,
     still hold them.
 
     O2 keeps in float32 what ``optim/kept.py`` says: normalization layers (by behaviour; each returns its input's
-    dtype) and ``keep_float32`` types, with any weight tied to theirs, and every buffer. Where that lets float32 activations reach 16-bit
-    layers (anything but torch's norms kept), each module whose own weights are 16-bit casts its floating
-    inputs to ``dtype``. O3 casts every floating parameter and buffer.
+    dtype) and ``keep_float32`` types, with any weight tied to theirs, and every buffer. Where that lets float32
+    activations reach 16-bit layers (anything but torch's norms kept), each module whose own weights are 16-bit
+    casts its floating inputs to ``dtype``. O3 casts every floating parameter and buffer.
     """
     kept = kept_modules(model, keep_float32) if level.keeps_float32 else []
     kept_ids = {id(m) for m in kept}
