@@ -68,7 +68,6 @@ def _record_dtypes(model: nn.Module) -> dict[str, tuple[torch.dtype, torch.dtype
     return seen
 
 
-
 class _RMSNorm(nn.Module):
     """transformers' RMSNorm in short: its float32 weight times a 16-bit input promotes to float32."""
 
@@ -78,6 +77,7 @@ class _RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.weight * (x.float() * x.float().pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()).to(x.dtype)
+
 
 # -- workers (run in the spawned ranks) ---------------------------------------------------------
 
