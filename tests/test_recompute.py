@@ -253,8 +253,8 @@ def test_the_compare_table_gives_each_planned_run_against_the_same_setting_witho
 
 def test_a_planned_run_plans_inside_its_first_step_while_the_other_runs_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """compare steps its runs in turn; a run with an activation budget planned at start-up, beside the others'
-    start-ups and planners (two planners on two cores: 80 s for hf:qwen3's compare, 3 s for one alone). Now it
-    plans after the host's first ``step``, inside that step's turn."""
+    start-ups and planners, which oversubscribed the cores. Now it plans after the host's first ``step``, inside
+    that step's turn."""
     from ampkit.experiment import training
     from ampkit.experiment.config import RunConfig
 

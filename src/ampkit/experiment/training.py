@@ -81,8 +81,8 @@ def execute(
     planned = budget is not None
     if budget is not None:  # planned on the first batch, in the run's precision
         x0, y0 = batch(plan[0])
-        # Inside the host's first step of this run, while the other runs wait: measured beside them, two runs'
-        # planners on two cores took 80 s where one alone takes 3 (hf:qwen3), as evaluating together does.
+        # Inside the host's first step of this run, while the other runs wait: planners measuring beside each other
+        # oversubscribe the cores (many times slower, as evaluating together was).
         wait("step")
         plan_recompute(model, x0, budget, loss_fn=lambda logits: F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), y0.reshape(-1))).apply(model)
