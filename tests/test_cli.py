@@ -169,15 +169,30 @@ def test_help_says_what_each_command_does_and_the_defaults_of_compares_settings(
         assert re.search(rf"{flag} \S+ (?:(?! --).)*?\(default:? {default}", texts["compare"]), flag
 
 
+@pytest.mark.parametrize("model", ["resnet18", "hf:llama"])
 def test_inspect_reads_whole_at_80_columns_and_advises_no_padding_without_a_gpu(capsys, monkeypatch,  # type: ignore[no-untyped-def]
-                                                                                  tmp_path) -> None:
+                                                                                  tmp_path, model: str) -> None:
     """On main, at 80 columns module names were cut ("layers.0.shor..."), and a CPU-only machine was told to pad
-    dimensions for tensor cores it does not have."""
+    dimensions for tensor cores it does not have. Later a transformers model's longer names cut every figure
+    ("0…"), and the memory table cut its headers and wrapped its totals on any model."""
+    if model.startswith("hf:"):
+        pytest.importorskip("transformers")
     monkeypatch.setenv("COLUMNS", "80")
-    assert main(["inspect", "--model", "resnet18", "--batch-size", "8", "--out", str(tmp_path / "inspect")]) == 0
+    assert main(["inspect", "--model", model, "--batch-size", "8", "--out", str(tmp_path / "inspect")]) == 0
     out = capsys.readouterr().out
-    table = out.split("Memory estimate")[0]
-    assert "…" not in table and " layers.0.shortcut " in table and max(map(len, table.splitlines())) <= 80
+    assert "…" not in out and max(map(len, out.splitlines())) <= 80
+    assert re.search(r" setting +weights +gradients +weights +states +activations +total", out)
+    assert re.search(r"\n float32( +\d+\.\d){6} *\n", out)  # one line a setting, a figure a column
+    names = []  # each row's name, a name folded onto more lines joined again; every row's six figures whole
+    rows = re.split(r"\n *\n", re.split(r"─+ *\n", out, maxsplit=1)[1], maxsplit=1)[0]  # from the rule to a blank line
+    for line in rows.splitlines():
+        name, *figures = line.split()
+        if figures:
+            assert len(figures) == 6 and all(re.fullmatch(r"-|[\d.e+-]+%?", f) for f in figures), line
+            names.append(name)
+        else:
+            names[-1] += name
+    assert ("layers.0.shortcut" if model == "resnet18" else "model.model.layers.1.post_attention_layernorm") in names
     if not torch.cuda.is_available():
         words = " ".join(out.split())
         assert "this machine has none, so nothing to change here" in words and "-> pad to" not in words

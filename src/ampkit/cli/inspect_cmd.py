@@ -106,14 +106,16 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2, allow_nan=False))
         return 0
     console = Console()
-    # No name or figure cut at 80 columns: light borders, headers on two lines, and the module's type only where
-    # there is room for it (at 80 columns it cut every other column).
+    # No name or figure cut at 80 columns: light borders, headers on two lines, the module's type only where there
+    # is room for it (at 80 columns it cut every other column), and a name too long for its column (a transformers
+    # model's "model.layers.0.post_attention_layernorm") folded onto a second line, whole, not the figures cut.
     typed = console.width >= 100
     table = Table(title=f"ampkit inspect: {args.model} on {data_name}, batch {batch} (float32 pass)",
                   box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     for header in ("module", *(["type"] if typed else []), "max\n|act|", "act >\n65504", "max\n|grad|",
                    "grad fp16\nsubnormal", "grad\nfp16 -> 0", "grad\nbf16 -> 0"):
-        table.add_column(header, justify="left" if header in ("module", "type") else "right", no_wrap=True)
+        named = header in ("module", "type")
+        table.add_column(header, justify="left" if named else "right", no_wrap=not named, overflow="fold")
     for m in report.modules:
         g = m.gradient
         table.add_row(
@@ -129,12 +131,14 @@ def run(args: argparse.Namespace) -> int:
         console.print(_block_table(report))
     for reason in report.reasons:
         console.print(f"- {reason}")
-    mem = Table(title=f"Memory estimate ({memory.parameters:,} parameters, AdamW)")
-    for header in ("setting", "weights", "gradients", "master weights", "optimizer states", "activations", "total"):
-        mem.add_column(header, justify="left" if header == "setting" else "right")
+    mem = Table(title=f"Memory estimate, MiB ({memory.parameters:,} parameters, AdamW)", box=box.SIMPLE_HEAD,
+                pad_edge=False, collapse_padding=True)  # as the ranges' table: whole at 80 columns
+    for header in ("setting", "weights", "gradients", "master\nweights", "optimizer\nstates", "activations", "total"):
+        named = header == "setting"
+        mem.add_column(header, justify="left" if named else "right", no_wrap=not named, overflow="fold")
     for row in (memory.float32, memory.mixed):
-        mem.add_row(row.label, *(f"{v / MIB:.1f} MiB" for v in (row.weights, row.gradients, row.master_weights,
-                                                             row.optimizer_states, row.activations, row.total)))
+        mem.add_row(row.label, *(f"{v / MIB:.1f}" for v in (row.weights, row.gradients, row.master_weights,
+                                                         row.optimizer_states, row.activations, row.total)))
     console.print(mem)
     # tensor cores are a GPU's: on a machine without one, the dimensions are listed for a later GPU run, not advised
     where = "" if torch.cuda.is_available() else " (it matters on a GPU; this machine has none, so nothing to change here)"
