@@ -159,6 +159,24 @@ def test_current_scaling_runs_on_torchao_and_matches_the_formula(granularity: st
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_o3_is_refused_on_weights_all_gathered_in_fp8_and_changes_nothing() -> None:
+    """torchao's FP8 all-gather casts float32 weights: at O3 (16-bit weights) AdamW's first step raised deep in
+    torch (``expected dtype float for `end```), and FSDP2 asserted on the mixed dtypes. O2 trains."""
+    pytest.importorskip("torchao.float8")
+    model = _mlp()
+    convert_to_fp8(model, Fp8Recipe(scaling="current", fsdp_all_gather=True), include=["0"], emulate=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    before = {name: (p, p.dtype) for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"opt_level='O3' stores 16-bit weights, but 2 weight\(s\) \(0.weight, "
+                                         r"\.\.\.\) are converted with Fp8Recipe\(fsdp_all_gather=True\).*'O2'"):
+        ampkit.initialize(model, optimizer, "O3", torch.bfloat16)
+    assert {name: (p, p.dtype) for name, p in model.named_parameters()} == before
+    assert not hasattr(model, "_ampkit_opt_level") and not optimizer.state
+    model, optimizer = ampkit.initialize(model, optimizer, "O2", torch.bfloat16)
+    model(torch.randn(4, 32)).float().pow(2).mean().backward()
+    optimizer.step()
+
+
 # -- the module swap ---------------------------------------------------------------------------
 
 def test_first_last_and_odd_sized_linears_stay_unless_named() -> None:

@@ -3,6 +3,7 @@ FP8 all-gathers and amaxes, sharded checkpoints, memory, and the refusals (bound
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from pathlib import Path
@@ -161,6 +162,18 @@ def _fp8_worker(rank: int, world: int) -> dict:
         optimizer.step()
     out["delayed"] = {name: b.clone() for name, b in model.named_buffers() if name.endswith("amax_history")}
     out["current"] = _current_fp8(rank, world, fsdp_all_gather=True)
+    # O2 shards the norms on their own: a block's all-gather is all FP8, which gloo has no type for (ampkit sends it
+    # as bytes); O3 cannot keep torchao's float32 weights in 16 bits, and is refused with the model as it was
+    out["current_o2"] = _fp8_gathers_o2(rank, world)
+    model = _gpt()
+    ampkit.convert_to_fp8(model, ampkit.Fp8Recipe(scaling="current", fsdp_all_gather=True), emulate=True)
+    before = {name: (p, p.dtype) for name, p in model.named_parameters()}
+    try:
+        fsdp.fully_shard(model, opt_level="O3", dtype=torch.bfloat16)
+        out["o3"] = "accepted"
+    except ValueError as error:
+        out["o3"] = str(error)
+    out["o3_untouched"] = before == {name: (p, p.dtype) for name, p in model.named_parameters()}
     return out
 
 
@@ -186,6 +199,45 @@ def _current_fp8(rank: int, world: int, fsdp_all_gather: bool) -> dict:
     weight = model.blocks[0].mlp[0].weight
     local = weight.to_local() if world > 1 else weight
     return {"losses": losses, "weight_type": type(local).__name__}
+
+
+class _Block(nn.Module):
+    """A bias-free MLP block (a transformers LM's, as Llama's or Qwen's): at O2 its norm is a unit of its own and
+    every weight left in it is FP8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(32), nn.Linear(32, 64, bias=False), nn.Linear(64, 32, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _fp8_gathers_o2(rank: int, world: int) -> dict:
+    """O2 with FP8 all-gathers of bias-free blocks: losses of 3 steps, on ``world`` ranks or in one process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), _Block(), _Block(), nn.Linear(32, 16))
+    ampkit.convert_to_fp8(model, ampkit.Fp8Recipe(scaling="current", fsdp_all_gather=world > 1), emulate=True)
+    if world > 1:
+        model = fsdp.fully_shard(model, opt_level="O2", dtype=torch.bfloat16, compute="float32")
+        optimizer = fsdp.prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    else:
+        model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2",
+                                             torch.bfloat16, compute="float32")
+    x, y = torch.randn(2 * PER_RANK, 16, generator=torch.Generator().manual_seed(1)), torch.zeros(2 * PER_RANK, 16)
+    losses = []
+    for _ in range(3):
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x[rank::world]), y[rank::world])
+        loss.backward()
+        optimizer.step()
+        mean = loss.detach().clone()
+        if world > 1:
+            fsdp.precompute_fp8_scales(model)
+            dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+    local = model[1].up.weight
+    return {"losses": losses, "weight_type": type(local.to_local() if world > 1 else local).__name__}
 
 
 def _checkpoint_worker(rank: int, world: int, folder: str) -> dict:
@@ -268,6 +320,25 @@ def _errors_worker(rank: int, world: int) -> dict:
     out["early_prepare"] = refused(lambda: fsdp.prepare_optimizer(model, early))
     out["update"] = refused(lambda: fsdp.prepare_optimizer(model, torch.optim.AdamW(model.parameters()), "kahan"))
     out["save_file"] = refused(lambda: ampkit.save_checkpoint("/nonexistent/x.pt", model=model))
+    out["plan"] = refused(lambda: ampkit.plan_recompute(model, _global_batch(0)[0][rank::world], 0.5))
+    # The way the refusal names: plan the float32 model, apply the plan, then shard: the unplanned losses. The
+    # plan as made, then with a segment of both blocks (one FSDP2 unit: the segment runs the second block's forward
+    # from the first's, past its gather) and with the whole model.
+    policy = ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")
+    plan = ampkit.plan_recompute(_gpt(), _global_batch(0)[0][rank::world], 0.5, policy=policy)
+    losses = {}
+    for name, segments in (("unplanned", None), ("planned", plan.segments), ("both", (("blocks.0", "blocks.1"),)),
+                           ("whole", (("",),))):
+        planned = _gpt()
+        if segments is not None:
+            dataclasses.replace(plan, segments=segments, selective=()).apply(planned)
+        planned = fsdp.fully_shard(planned, opt_level="O2", dtype=torch.bfloat16, compute="float32")
+        losses[name] = _train(planned, fsdp.prepare_optimizer(planned, torch.optim.AdamW(planned.parameters())),
+                              rank, world)
+    out["planned_losses"] = losses
+    inner = _gpt()  # a segment inside a block: a plan made with other blocks= than fully_shard's
+    dataclasses.replace(plan, segments=(("blocks.0.mlp.0", "blocks.0.mlp.1"),), selective=()).apply(inner)
+    out["stray"] = refused(lambda: fsdp.fully_shard(inner, opt_level="O2", dtype=torch.bfloat16))
     # A Sequential with a norm among its children and a float32 embedding: the norm is one unit, not two.
     torch.manual_seed(0)
     mixed = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
@@ -408,9 +479,14 @@ def test_fp8_on_shards_delayed_amaxes_agree_and_fp8_all_gathers_match_one_proces
     for name in delayed[0]:
         assert torch.equal(delayed[0][name], delayed[1][name]), name
         assert delayed[0][name].abs().sum() > 0
+        single_o2 = _fp8_gathers_o2(0, 1)
     for rank in ranks:
-        assert rank["current"]["weight_type"] == "WeightWithDynamicFloat8CastTensor"  # FP8 all-gather in use
+        for case in ("current", "current_o2"):
+            assert rank[case]["weight_type"] == "WeightWithDynamicFloat8CastTensor", case  # FP8 all-gather in use
         assert rank["current"]["losses"] == pytest.approx(single["losses"], rel=1e-3)
+        # the FP8 all-gather casts the float32 shards to FP8, one process at O2 its bfloat16 weights: within 1%
+        assert rank["current_o2"]["losses"] == pytest.approx(single_o2["losses"], rel=1e-2)
+        assert "opt_level='O3'" in rank["o3"] and "fsdp_all_gather=False" in rank["o3"] and rank["o3_untouched"]
 
 
 def test_a_sharded_checkpoint_resumes_bit_identically_and_loads_into_one_process(tmp_path: Path) -> None:
@@ -455,12 +531,17 @@ def test_bad_calls_are_refused_in_one_line_and_change_nothing() -> None:
         "early_prepare": "RuntimeError: SGD was built before ampkit.distributed.fully_shard",
         "update": "ValueError: update='kahan' applies at O3 only",
         "save_file": "ValueError: states['model']['tok.weight'] is a DTensor (an FSDP2 shard)",
+        "plan": "ValueError: plan_recompute measures a model in one process, and this one is sharded by FSDP2",
+        "stray": "ValueError: The model's recompute plan runs ['blocks.0.mlp.0', 'blocks.0.mlp.1'] in a segment of "
+                 "several blocks, but they are not the blocks fully_shard shards (['blocks.0', 'blocks.1'])",
         "initialize": "ValueError: The model is sharded with FSDP2 already",
     }
     for key, start in expected.items():
         assert out[key].startswith(start), (key, out[key])
         assert "\n" not in out[key], key
     assert out["untouched"] is True
+    losses = out["planned_losses"]
+    assert losses["planned"] == losses["both"] == losses["whole"] == losses["unplanned"]
     seen, output, kept, blocks = out["keep_float32"]
     assert seen["1"] == (torch.bfloat16, torch.bfloat16) and seen["3"][0] == torch.bfloat16
     assert seen["2"][0] == torch.float32 and output == torch.float32

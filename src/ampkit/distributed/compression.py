@@ -226,3 +226,22 @@ class PredividedReduceScatter:
             self.counts.overflows += 1
             warnings.warn(overflow_message(input_tensor.dtype, self.factor, world_size), ReductionOverflowWarning,
                           stacklevel=2)
+
+
+class BytesAllGather:
+    """FSDP2's all-gather, a buffer of 1-byte floats sent as bytes (set with ``FSDPModule.set_custom_all_gather``
+    on a model whose weights torchao all-gathers in FP8): gloo has no float8 types, and FSDP2 hands it a float8
+    buffer where every weight of a unit is FP8 (a block whose norms are units of their own, as at O2). An
+    all-gather moves bits, so the bytes arrive as the floats were."""
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
+                 async_op: bool = False) -> Any:
+        if output_tensor.dtype.is_floating_point and output_tensor.element_size() == 1:
+            output_tensor, input_tensor = output_tensor.view(torch.uint8), input_tensor.view(torch.uint8)
+        all_gather = getattr(dist, "all_gather_single", None)  # torch >= 2.13's name
+        if all_gather is None:
+            return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return all_gather(output_tensor, input_tensor, group=group, async_op=async_op)

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit.distributed.compression import PredividedReduceScatter, predivide, require_process_group
-from ampkit.distributed.units import plan_units
+from ampkit.distributed.compression import BytesAllGather, PredividedReduceScatter, predivide, require_process_group
+from ampkit.distributed.units import group_segments, plan_units
+from ampkit.formats.torchao import check_fp8_gathers, fp8_gathered
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import OptLevel, opt_level as level_named, resolve_dtype
 from ampkit.optim import pure16
@@ -124,7 +125,8 @@ def fully_shard(
         ValueError: a bad mesh, opt level, dtype, reduce dtype, predivide factor, block type,
             ``keep_float32`` or ``reshard_after_forward``; a model already sharded or initialized, not
             float32, with a 0-d parameter, or whose weights are shared across the units FSDP2 would shard
-            them in. Nothing is changed when it raises.
+            them in; a recompute plan whose segment of several blocks is not of the blocks sharded (a segment of
+            blocks is one unit); O3 on weights torchao all-gathers in FP8. Nothing is changed when it raises.
 
     Example:
         >>> model = ampkit.distributed.fully_shard(model, opt_level="O2", dtype=torch.bfloat16)
@@ -138,6 +140,7 @@ def fully_shard(
     level = check_settings(opt_level, compute, policy)
     check_keep_float32(level, keep_float32)
     device = _check_model(model)
+    check_fp8_gathers(model, level.name, level.pure16)
     _check_sharding_arguments(blocks, reshard_after_forward)
     world_size = require_process_group(None)
     mesh = _mesh(mesh, device.type, world_size)
@@ -146,7 +149,10 @@ def fully_shard(
     reduce_dtype = _reduce_dtype(reduce_dtype)
     factor = predivide(mesh.size(), predivide_factor)
     kept, chosen = plan_units(model, level, tuple(keep_float32), blocks)
+    plan = getattr(model, "_ampkit_recompute", None)  # a recompute plan applied before sharding
+    units = group_segments(chosen, plan.segments if plan is not None else ())
     before = list(model.parameters())
+    gathers_fp8 = bool(fp8_gathered(model))
 
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -163,8 +169,10 @@ def fully_shard(
     for _, module in kept:
         torch_fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
                           mp_policy=MixedPrecisionPolicy(None, reduce_dtype, cast_forward_inputs=False))
-    for _, module in chosen:
-        torch_fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward,
+    for unit in units:
+        modules = [module for _, module in unit]
+        torch_fully_shard(modules if len(modules) > 1 else modules[0],  # type: ignore[arg-type]
+                          mesh=mesh, reshard_after_forward=reshard_after_forward,
                           mp_policy=MixedPrecisionPolicy(gathered, reduce_dtype))
     torch_fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=MixedPrecisionPolicy(
         gathered, reduce_dtype, output_dtype=torch.float32 if level.masters else None))
@@ -174,6 +182,8 @@ def fully_shard(
             module.set_force_sum_reduction_for_comms(True)
             module.set_gradient_divide_factor(1.0)
             module.set_custom_reduce_scatter(comm)  # type: ignore[arg-type]
+            if gathers_fp8:
+                module.set_custom_all_gather(BytesAllGather())  # type: ignore[arg-type]
     wrap_forward(model, *forward_wrappers(level, device.type, dtype, compute, policy))
     model._ampkit_opt_level = level.name  # type: ignore[assignment]
     model._ampkit_sharding = layout  # type: ignore[assignment]

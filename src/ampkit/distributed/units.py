@@ -75,6 +75,30 @@ def check_units(model: nn.Module, chosen: list[tuple[str, nn.Module]], kept: lis
                     "owners are in one unit, or use opt_level='O1'.")
 
 
+def group_segments(chosen: list[tuple[str, nn.Module]],
+                   segments: Sequence[tuple[str, ...]]) -> list[list[tuple[str, nn.Module]]]:
+    """The blocks as FSDP2 units, in order: each alone, but the blocks of a recompute plan's segment of several
+    (``plan.apply`` before sharding) in one unit. FSDP2 gathers a unit's weights at its first module's forward, and
+    such a segment runs its blocks' forwards from its first block's, past the others' own gathers. ValueError for
+    a segment whose blocks are not all units (the plan was made with other ``blocks=``)."""
+    units = dict(chosen)
+    several = [segment for segment in segments if len(segment) > 1]
+    stray = [name for segment in several for name in segment if name not in units]
+    if stray:
+        shown = list(units) if len(units) <= 4 else [*list(units)[:4], "..."]
+        raise ValueError(f"The model's recompute plan runs {stray[:3]} in a segment of several blocks, but they are "
+                         f"not the blocks fully_shard shards ({shown}): pass plan_recompute and fully_shard the same "
+                         "blocks=.")
+    segment_of = {name: segment for segment in several for name in segment}
+    groups: list[list[tuple[str, nn.Module]]] = []
+    for name, module in chosen:
+        if name not in segment_of:
+            groups.append([(name, module)])
+        elif name == segment_of[name][0]:
+            groups.append([(block, units[block]) for block in segment_of[name]])
+    return groups
+
+
 def _within(inner: nn.Module, outer: nn.Module) -> bool:
     return any(m is inner for m in outer.modules())
 

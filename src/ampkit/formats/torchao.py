@@ -7,6 +7,8 @@ extra (``ampkit[fp8]``), imported on first use.
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
 
 from ampkit.formats.recipes import E4M3, GRAD, Fp8Recipe
@@ -37,3 +39,25 @@ def precompute_fsdp_scales(model: nn.Module) -> None:
     except ImportError:
         return  # no torchao: no FP8 all-gathers either
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def fp8_gathered(model: nn.Module) -> list[str]:
+    """The names of ``model``'s weights that torchao all-gathers in FP8 (``Fp8Recipe(fsdp_all_gather=True)``);
+    none where torchao was never imported (no model can hold its weights then, and importing it costs seconds)."""
+    if "torchao" not in sys.modules:
+        return []
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    return [name for name, p in model.named_parameters() if isinstance(p, WeightWithDynamicFloat8CastTensor)]
+
+
+def check_fp8_gathers(model: nn.Module, level: str, pure16: bool) -> None:
+    """Refuse O3 on a model whose weights torchao all-gathers in FP8: torchao casts float32 weights to FP8 at the
+    all-gather and cannot hold them in 16 bits (FSDP2 asserts on the mixed dtypes; in one process AdamW's first step
+    raises on them)."""
+    names = fp8_gathered(model) if pure16 else []
+    if names:
+        raise ValueError(f"opt_level={level!r} stores 16-bit weights, but {len(names)} weight(s) ({names[0]}, ...) "
+                         "are converted with Fp8Recipe(fsdp_all_gather=True), whose FP8 all-gather casts float32 "
+                         "weights. Use opt_level='O2' (float32 masters, 16-bit compute, FP8 all-gathers), or convert "
+                         "with fsdp_all_gather=False.")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampkit.formats.torchao import check_fp8_gathers
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import OptLevel, check_compute, opt_level as level_named, resolve_dtype
 from ampkit.optim import grads, pure16
@@ -98,7 +99,8 @@ def initialize(
     Raises:
         ValueError: an unknown ``opt_level``, dtype, compute mode or update; a policy with O0, O2 or O3;
             an update other than ``"plain"`` below O3; a ``grad_dtype`` other than float32 and ``dtype``;
-            ``states`` that the optimizer or the level cannot take (``states.check_states``).
+            ``states`` that the optimizer or the level cannot take (``states.check_states``); O3 on weights
+            converted with ``Fp8Recipe(fsdp_all_gather=True)``.
 
     Examples:
         >>> model, optimizer = ampkit.initialize(model, optimizer, "O2")
@@ -117,6 +119,7 @@ def initialize(
             "float32 model and its plain optimizer (a second call adds masters of masters and a second set of hooks)."
         )
     check_model_and_optimizer(model, optimizer)
+    check_fp8_gathers(model, level.name, level.pure16)
     if level.weights_16bit and any(is_sharded(p) for p in model.parameters()):
         raise ValueError(f"The model is sharded with FSDP2 already: {level} casts weights, which FSDP2 does "
                          "at its all-gathers. Call ampkit.distributed.fully_shard(model, opt_level="

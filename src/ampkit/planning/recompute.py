@@ -40,6 +40,7 @@ from ampkit.distributed.units import shard_blocks
 from ampkit.planning.measure import WHOLE, BlockCost, Measured, measure, step_ms
 from ampkit.planning.segments import install
 from ampkit.precision.policy import Policy
+from ampkit.shards import is_sharded
 
 STRATEGIES = ("auto", "blocks", "sqrt")
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -150,14 +151,21 @@ def plan_recompute(model: nn.Module, sample_inputs: Any, budget: int | float | s
         A ``RecomputePlan``; ``plan.apply(model)`` installs it.
 
     Raises:
-        ValueError: an unknown strategy, a bad budget (see ``parse_budget``), a model without blocks,
-            ``"sqrt"`` over blocks not in an nn.Sequential, or a budget below what any plan of the strategy
-            reaches (the smallest feasible budget is named, in bytes).
+        ValueError: an unknown strategy, a bad budget (see ``parse_budget``), a model without blocks or sharded
+            by FSDP2 (plan it before sharding), ``"sqrt"`` over blocks not in an nn.Sequential, or a budget below
+            what any plan of the strategy reaches (the smallest feasible budget is named, in bytes).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is invalid: choose one of {list(STRATEGIES)}.")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} is invalid: the number of timed forward passes, an integer >= 1.")
+    if any(is_sharded(p) for p in model.parameters()):
+        raise ValueError("plan_recompute measures a model in one process, and this one is sharded by FSDP2 (DTensor "
+                         "parameters, gathered and freed around each unit). Plan the float32 model before sharding, on "
+                         "one rank's batch under the policy it will train at, then apply the plan and shard it: "
+                         "plan = ampkit.plan_recompute(model, x, budget, policy=ampkit.Policy.default('cpu', "
+                         "torch.bfloat16)); plan.apply(model); model = ampkit.distributed.fully_shard(model, "
+                         "opt_level='O2', ...).")
     chosen = shard_blocks(model, blocks)
     if not chosen:
         raise ValueError(f"{type(model).__name__} has no blocks to recompute (no nn.Sequential or nn.ModuleList "
