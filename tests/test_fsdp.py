@@ -330,7 +330,9 @@ def _errors_worker(rank: int, world: int) -> dict:
     for name, segments in (("unplanned", None), ("planned", plan.segments), ("both", (("blocks.0", "blocks.1"),)),
                            ("whole", (("",),))):
         planned = _gpt()
-        if segments is not None:
+        if segments is plan.segments:
+            plan.apply(planned)  # as made, selective segments included
+        elif segments is not None:
             dataclasses.replace(plan, segments=segments, selective=()).apply(planned)
         planned = fsdp.fully_shard(planned, opt_level="O2", dtype=torch.bfloat16, compute="float32")
         losses[name] = _train(planned, fsdp.prepare_optimizer(planned, torch.optim.AdamW(planned.parameters())),
