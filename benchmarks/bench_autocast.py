@@ -9,14 +9,21 @@ variant leaves the rotation after 45 s of timed steps and 3 timings), bytes save
 for backward and ratios to float32 and to torch.autocast. Then the per-op overhead over 10,000 small
 linears, and 16-bit against float32 matmul speed.
 
+On a GPU (``--device cuda``) the same workloads and variants run there, each timing ending in a device sync;
+these small steps are bound by the host's per-op work rather than the GPU's arithmetic, which is where a
+Python layer over autocast costs most.
+
     python benchmarks/bench_autocast.py   # writes benchmarks/results/autocast.json
+    python benchmarks/bench_autocast.py --device cuda --out DIR   # writes DIR/autocast.json
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +35,7 @@ from ampkit import float32_compute
 from ampkit.precision import decide
 from ampkit.experiment.models import GPT, ResNet18
 from ampkit.diagnostics.memory import saved_bytes_of_step
-from common import interleaved_medians, paired_ratio_quartiles, save
+from common import RESULTS, interleaved_medians, paired_ratio_quartiles, save
 
 WARMUP, REPEATS = 1, 31
 BUDGET_S = 45.0  # per variant: torch.autocast's 16-bit kernels take tens of seconds a step on AVX2-only CPUs
@@ -38,12 +45,25 @@ EDITS = {
 }
 
 
-def workload(name: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+def workload(name: str, device: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     if name == "resnet18":
-        return ResNet18(), torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
-    tokens = torch.randint(0, 256, (8, 257))
-    return GPT(context=256, d_model=384, n_layers=4, n_heads=6), tokens[:, :-1], tokens[:, 1:]
+        model, x, y = ResNet18(), torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+    else:
+        tokens = torch.randint(0, 256, (8, 257))
+        model, x, y = GPT(context=256, d_model=384, n_layers=4, n_heads=6), tokens[:, :-1], tokens[:, 1:]
+    return model.to(device), x.to(device), y.to(device)
+
+
+def synced(fn: Callable[[], object], device: str) -> Callable[[], None]:
+    """``fn``, then a wait for the GPU's queue: a timing covers the work, not only its launch."""
+    if device == "cpu":
+        return fn  # type: ignore[return-value]
+
+    def run() -> None:
+        fn()
+        torch.cuda.synchronize()
+    return run
 
 
 def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
@@ -68,15 +88,15 @@ def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     return step
 
 
-def bench_models() -> list[dict]:
+def bench_models(device: str) -> list[dict]:
     rows = []
     for name in ("resnet18", "gpt"):
-        model, x, y = workload(name)
-        auto = ampkit.Policy.default("cpu", torch.bfloat16)  # compute="auto"
+        model, x, y = workload(name, device)
+        auto = ampkit.Policy.default(device, torch.bfloat16)  # compute="auto"
         edited = auto.with_ops(**EDITS[name])
         regions = {
             "float32": contextlib.nullcontext,
-            "torch.autocast bf16": lambda: torch.autocast("cpu", torch.bfloat16),
+            "torch.autocast bf16": lambda: torch.autocast(device, torch.bfloat16),
             "ampkit default bf16, auto": lambda: ampkit.autocast(auto),
             "ampkit edited bf16, auto": lambda: ampkit.autocast(edited),
         }
@@ -87,7 +107,8 @@ def bench_models() -> list[dict]:
                                                    torch.bfloat16)
         steps["ampkit O2 bf16, auto"] = step_fn(o2_model, x, y, contextlib.nullcontext, o2_optimizer)
         samples: dict[str, list[float]] = {}
-        medians = interleaved_medians(steps, warmup=WARMUP, repeats=REPEATS, budget_s=BUDGET_S, samples=samples)
+        timed = {label: synced(step, device) for label, step in steps.items()}
+        medians = interleaved_medians(timed, warmup=WARMUP, repeats=REPEATS, budget_s=BUDGET_S, samples=samples)
         saved = {label: saved_bytes_of_step(step.model, step.forward)[1]  # type: ignore[attr-defined]
                  for label, step in steps.items()}
         reference = "torch.autocast bf16"
@@ -96,7 +117,7 @@ def bench_models() -> list[dict]:
                 "model": name,
                 "variant": label,
                 "compute": decide.describe(auto) if label.endswith("auto") else None,
-                "float32_compute": sorted(decide.float32_classes("cpu", torch.bfloat16, "auto"))
+                "float32_compute": sorted(decide.float32_classes(device, torch.bfloat16, "auto"))
                 if label.endswith("auto") else [],
                 "edits": EDITS[name] if label.startswith("ampkit edited") else None,
                 "ms_per_step": medians[label] * 1e3,
@@ -111,10 +132,10 @@ def bench_models() -> list[dict]:
     return rows
 
 
-def bench_per_op(n: int = 10_000) -> dict:
-    x, w = torch.randn(64, 64), torch.randn(64, 64, requires_grad=True)
+def bench_per_op(device: str, n: int = 10_000) -> dict:
+    x, w = torch.randn(64, 64, device=device), torch.randn(64, 64, device=device, requires_grad=True)
     # Native compute: this measures the cost of ampkit's casting kernels, not of the arithmetic.
-    default = ampkit.Policy.default("cpu", torch.bfloat16, compute="native")
+    default = ampkit.Policy.default(device, torch.bfloat16, compute="native")
     edited = default.with_ops(deny=["linear"])  # every call goes through ampkit's kernel
 
     def loop(region: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], None]:
@@ -122,11 +143,11 @@ def bench_per_op(n: int = 10_000) -> dict:
             with torch.no_grad(), region():
                 for _ in range(n):
                     F.linear(x, w)
-        return run
+        return synced(run, device)
 
     medians = interleaved_medians(
         {
-            "torch.autocast": loop(lambda: torch.autocast("cpu", torch.bfloat16)),
+            "torch.autocast": loop(lambda: torch.autocast(device, torch.bfloat16)),
             "ampkit default": loop(lambda: ampkit.autocast(default)),
             "ampkit edited (linear moved)": loop(lambda: ampkit.autocast(edited)),
             "torch.autocast, linear to fp32 by hand": loop(contextlib.nullcontext),
@@ -144,10 +165,10 @@ def bench_per_op(n: int = 10_000) -> dict:
     }
 
 
-def bench_matmul() -> dict:
+def bench_matmul(device: str) -> dict:
     """512x512 matmuls: native float32, bfloat16 and float16, and both 16-bit dtypes computed
     in float32 on their values (ampkit.float32_compute.run_in_float32)."""
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    a, b = torch.randn(512, 512, device=device), torch.randn(512, 512, device=device)
     variants = {}
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         a16, b16 = a.to(dt), b.to(dt)
@@ -156,7 +177,7 @@ def bench_matmul() -> dict:
             variants[f"{str(dt).removeprefix('torch.')} float32-compute"] = (
                 lambda a16=a16, b16=b16: float32_compute.run_in_float32(torch.mm, a16, b16)
             )
-    medians = interleaved_medians(variants, warmup=1, repeats=7)
+    medians = interleaved_medians({k: synced(v, device) for k, v in variants.items()}, warmup=1, repeats=7)
     return {
         "ms": {k: v * 1e3 for k, v in medians.items()},
         "speed_over_fp32": {k: medians["float32"] / v for k, v in medians.items()},
@@ -164,13 +185,19 @@ def bench_matmul() -> dict:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the folder autocast.json goes to")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this torch sees no CUDA device; run it on a GPU machine, or --device cpu")
     torch.manual_seed(0)
-    rows = bench_models()
-    per_op = bench_per_op()
-    matmul = bench_matmul()
+    rows = bench_models(args.device)
+    per_op = bench_per_op(args.device)
+    matmul = bench_matmul(args.device)
     path = save("autocast", {"models": rows, "per_op": per_op, "matmul_512": matmul,
-                             "warmup": WARMUP, "repeats": REPEATS})
-    table = Table(title="Training step on CPU: ampkit vs float32 and torch.autocast (same run)")
+                             "warmup": WARMUP, "repeats": REPEATS}, args.out, args.device)
+    table = Table(title=f"Training step on {args.device}: ampkit vs float32 and torch.autocast (same run)")
     for col in ("model", "variant", "ms/step", "vs float32", "vs torch.autocast", "saved for backward",
                 "vs float32"):
         table.add_column(col)

@@ -51,10 +51,12 @@ def interleaved_medians(
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def save(name: str, payload: dict[str, Any]) -> Path:
-    """Write ``results/<name>.json`` atomically, with the machine it ran on."""
-    path = RESULTS / f"{name}.json"
-    payload = {"machine": advice.machine_summary(), "created": time.strftime("%Y-%m-%d %H:%M"), **payload}
+def save(name: str, payload: dict[str, Any], directory: Path = RESULTS, device: str = "cpu") -> Path:
+    """Write ``<directory>/<name>.json`` (``results/`` unless named) atomically, with the machine it ran on (and
+    the GPU, for ``device="cuda"``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    payload = {"machine": advice.machine_summary(device), "created": time.strftime("%Y-%m-%d %H:%M"), **payload}
     atomic_write(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=2) + "\n"))
     return path
 

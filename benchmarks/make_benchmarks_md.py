@@ -24,6 +24,20 @@ from common import RESULTS
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
 ARCHIVE = "avx512-bf16-cpu"  # an earlier machine's records, kept beside this machine's
+# Records from the GPU machine a session is sometimes lent (benchmarks/device_check.sh): folder, heading, what it is.
+DEVICE_RECORDS = [
+    ("h200-cuda", "## A GPU: one NVIDIA H200",
+     "From `benchmarks/device_check.sh` on a lent GPU machine (torch 2.11 with CUDA 13.0, the image's own; "
+     "`cp -r $OUT/compare-*-cuda benchmarks/results/h200-cuda/` and its autocast.json and fp8-cuda.json beside them). "
+     "These training steps are short enough that the host's per-op work, not the GPU's arithmetic, sets their time: "
+     "where a Python layer over autocast costs most, and where mixed precision's casts make a step slower than "
+     "float32's. The compare records were made before ampkit's default CUDA region stopped pushing a torch function "
+     "mode (compiling.needs_guard), the autocast record after it; with the mode, the default policy's steps took "
+     "1.25x (ResNet-18) and 1.13x (GPT) torch.autocast's."),
+    ("h200-host-cpu", "## The GPU machine's CPU: 16 cores with AMX and AVX-512 BF16",
+     "`benchmarks/bench_autocast.py --device cpu` on the same lent machine's host CPU (an Intel Xeon that computes "
+     "bfloat16 natively), torch 2.11: the CPU that issue 38's eager criterion asks for."),
+]
 
 
 def machine_line(machine: dict[str, Any]) -> str:
@@ -123,7 +137,8 @@ def autocast_table(results: dict[str, Any]) -> str:
     warmup = results.get("warmup", 2)
     timed = "median of the steps timed (in brackets)" if v2 else f"median of {repeats}"
     rows = [
-        f"`python benchmarks/bench_autocast.py`, {results['created']}, on {machine_line(results['machine'])}. "
+        f"`python benchmarks/bench_autocast.py{' --device cuda' if results['machine']['device'] == 'cuda' else ''}`, "
+        f"{results['created']}, on {machine_line(results['machine'])}. "
         f"Training steps, {timed} after {warmup} warm-up step{'s' if warmup > 1 else ''}, variants "
         "timed in alternation"
         + ("; after a ratio to float32, in brackets, the middle half of the per-round ratios (each round times "
@@ -798,6 +813,16 @@ def replace_block(text: str, name: str, body: str) -> str | None:
     return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
 
 
+def native_fp8_paragraph(results: dict[str, Any]) -> str:
+    """benchmarks/device_fp8.py: the same GPT steps with native FP8 matmuls and emulated ones, per recipe."""
+    runs = ", ".join(
+        f"{recipe} scaling native {run['native']['median_step_ms']:.1f} ms/step against emulated "
+        f"{run['emulated']['median_step_ms']:.1f}, losses at most {100 * run['max_relative_loss_difference']:.2f}% apart"
+        for recipe, run in results["runs"].items())
+    return (f"`python benchmarks/device_fp8.py` on {results['device']} (torch {results['torch']}), the `ampkit compare` "
+            f"GPT for {results['steps']} steps (median step after two): {runs}.")
+
+
 def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     """The Markdown sections of one machine's records, and the generated blocks (README.md, docs/) they fill."""
     relative = directory.relative_to(ROOT).as_posix()
@@ -808,9 +833,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
         results = json.loads(path.read_text())
         results["command"] = load(path.parent, "command.json")
         name = path.parent.name
-        sections += [f"{level} `ampkit compare`: {name.removeprefix('compare-')}", "", compare_table(results), "",
-                     f"![loss curves]({relative}/{name}/curves.png)",
-                     f"![time and memory]({relative}/{name}/summary.png)", ""]
+        sections += [f"{level} `ampkit compare`: {name.removeprefix('compare-')}", "", compare_table(results), ""]
+        pictures = [f"![{alt}]({relative}/{name}/{file})" for alt, file in
+                    (("loss curves", "curves.png"), ("time and memory", "summary.png")) if (path.parent / file).exists()]
+        sections += [*pictures, ""] if pictures else []  # a GPU run brings back its results.json alone
         if name == "compare-digits-cpu":
             blocks["compare"] = compare_table(results)
             if all("ratio_to_fp32" in run for run in results["runs"]):  # the earlier machine's records predate it
@@ -910,6 +936,9 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     if against:
         sections += [f"{level} ampkit's default policy against an earlier commit's (issue 38: no slower)", "",
                      against_commit_table(against), ""]
+    native_fp8 = load(directory, "fp8-cuda.json")
+    if native_fp8:
+        sections += [f"{level} FP8: native matmuls against emulation", "", native_fp8_paragraph(native_fp8), ""]
     compiled = load(directory, "compile.json")
     if compiled:
         sections += [f"{level} torch.compile under every kind of policy", "", compile_table(compiled), ""]
@@ -938,6 +967,10 @@ def main() -> None:
                      "machine, which computed bfloat16 natively (about 2x float32), before ampkit measured hardware "
                      "or had float32 compute; peak memory there is the whole process's peak RSS.", ""]
         sections += earlier
+    for folder, heading, about in DEVICE_RECORDS:
+        if (RESULTS / folder).is_dir():
+            gpu, _ = records(RESULTS / folder, "###")
+            sections += [heading, "", about, ""] + gpu
     # The README and the manual's pages hold generated blocks; each block lives in exactly one of them.
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     texts = {page: page.read_text() for page in pages}

@@ -388,6 +388,32 @@ def test_cuda_bce_runs_in_float32_with_a_warning_instead_of_raising() -> None:
     assert loss.dtype == torch.float32
 
 
+def test_only_a_policy_that_does_what_torch_autocast_does_not_pushes_a_guard_mode() -> None:
+    """The default CUDA policy's one kernel runs an op torch.autocast refuses (no graph of torch.autocast's holds
+    it): that region pushes no mode, which cost each torch call on an H200 (a ResNet-18 step 1.25x torch.autocast's).
+    An edit, float32 compute or a module override does push one."""
+    from ampkit.precision import compiling, decide
+
+    def pushes(policy: Policy) -> bool:
+        return compiling.needs_guard(policy, kernels.kernel_ops(policy, decide.float32_ops(policy)))
+
+    cuda = Policy.default("cuda", torch.float16, compute="native")
+    assert kernels.kernel_ops(cuda, frozenset()) == {"binary_cross_entropy"} and not pushes(cuda)
+    assert not pushes(Policy.default("cpu", torch.bfloat16, compute="native"))
+    assert pushes(cuda.with_ops(deny=["linear"])) and pushes(cuda.with_modules(nn.LayerNorm, dtype=torch.float32))
+    assert pushes(Policy.default("cpu", torch.bfloat16, compute="float32"))
+
+
+@requires_cuda
+def test_a_default_cuda_region_pushes_no_torch_function_mode() -> None:
+    from torch.overrides import _get_current_function_mode_stack
+
+    with autocast(Policy.default("cuda", torch.float16)):
+        assert _get_current_function_mode_stack() == []
+    with autocast(Policy.default("cuda", torch.float16).with_ops(deny=["linear"])):
+        assert len(_get_current_function_mode_stack()) == 1
+
+
 def test_default_policy_casts_a_weight_used_twice_once() -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -8,6 +8,7 @@ from torch import nn
 
 import ampkit
 from ampkit import DynamicLossScaler, MasterWeightOptimizer
+from conftest import requires_cuda
 
 
 def _net() -> nn.Module:
@@ -327,3 +328,72 @@ def test_a_float32_weight_is_its_own_master_and_training_is_unchanged(resume: bo
     assert ampkit.measured_state_bytes(copied_model, copied) - ampkit.measured_state_bytes(shared_model, shared) \
         == 4 * sum(p.numel() for p in norm.parameters())
     assert set(map(id, shared.state)) == masters  # the moments are keyed by the masters, the norm's included
+
+
+class _SeenNormInputs(torch.overrides.TorchFunctionMode):
+    """Records the dtype of the input each norm function is called with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.dtype] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in (nn.functional.layer_norm, nn.functional.group_norm, nn.functional.rms_norm):
+            self.seen.append(args[0].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def _norms() -> list[tuple[nn.Module, tuple[int, ...]]]:
+    torch.manual_seed(0)
+    return [(nn.LayerNorm(8), (2, 3, 8)), (nn.GroupNorm(2, 8), (2, 8, 3)), (nn.RMSNorm(8), (2, 3, 8))]
+
+
+def test_o2_norms_run_on_a_float32_copy_off_the_cpu_and_return_their_inputs_dtype() -> None:
+    """CUDA's layer_norm refuses a bfloat16 input beside float32 weights (an H200, torch 2.11: every O2 GPT step
+    failed): off the CPU a kept torch norm computes on a float32 copy (the meta device stands in for CUDA here)."""
+    from ampkit.optim.kept import add_norm_casts
+
+    for norm, shape in _norms():
+        add_norm_casts([norm.to("meta")])
+        spy = _SeenNormInputs()
+        with spy:
+            out = norm(torch.empty(shape, device="meta", dtype=torch.bfloat16))
+        assert spy.seen == [torch.float32] and out.dtype == torch.bfloat16, type(norm)
+
+
+def test_o2_norms_on_the_cpu_take_16_bit_inputs_as_before_bit_for_bit_and_deep_copies_keep_their_own() -> None:
+    import copy
+
+    from ampkit.optim.kept import add_norm_casts
+
+    for norm, shape in _norms():
+        x = torch.randn(shape).bfloat16()
+        expected = norm(x)
+        add_norm_casts([norm])
+        spy = _SeenNormInputs()
+        with spy:
+            out = norm(x)
+        assert spy.seen == [torch.bfloat16] and torch.equal(out, expected), type(norm)
+        twin = copy.deepcopy(norm)
+        with torch.no_grad():
+            twin.weight.mul_(2)
+        assert not torch.equal(twin(x), out) and torch.equal(norm(x), expected), type(norm)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_o2_trains_torchs_norms_on_cuda(dtype: str) -> None:
+    """Layer, group, RMS and batch norms kept in float32 beside 16-bit linears and convolutions, one step on CUDA."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(4, 8, 3, padding=1), nn.BatchNorm1d(8), nn.GroupNorm(2, 8), nn.Flatten(1),
+                          nn.LayerNorm(8 * 6), nn.Linear(8 * 6, 16), nn.RMSNorm(16), nn.Linear(16, 3)).cuda()
+    model, opt = ampkit.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), "O2", dtype)
+    outputs = []
+    for module in model:
+        module.register_forward_hook(lambda m, i, o: outputs.append(o.dtype))
+    loss = nn.functional.cross_entropy(model(torch.randn(4, 4, 6, device="cuda")), torch.tensor([0, 1, 2, 0]).cuda())
+    loss.backward()
+    opt.step()
+    low = torch.float16 if dtype == "fp16" else torch.bfloat16
+    assert outputs == [low] * len(model) and torch.isfinite(loss)
+    assert model[4].weight.dtype == torch.float32 and model[5].weight.dtype == low

@@ -38,7 +38,7 @@ from ampkit.formats.torchao import check_fp8_gathers, fp8_gathered
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import OptLevel, opt_level as level_named, resolve_dtype
 from ampkit.optim import pure16
-from ampkit.optim.kept import add_input_casts, add_norm_output_casts, needs_input_casts
+from ampkit.optim.kept import add_input_casts, add_norm_casts, needs_input_casts
 from ampkit.optim.levels import cast_model_, check_keep_float32, check_settings, forward_wrappers, wrap_forward
 from ampkit.optim.states import check_states, for_level
 from ampkit.precision.policy import Policy
@@ -162,7 +162,7 @@ def fully_shard(
     if level.pure16:
         cast_model_(model, level, dtype)  # uniform 16-bit shards; inputs cast in, outputs float32 out
     gathered = dtype if level.masters else None  # O2: float32 shards (the masters), gathered in 16 bits
-    add_norm_output_casts([m for _, m in kept])  # a custom norm's float32 output takes its 16-bit input's dtype
+    add_norm_casts([m for _, m in kept])  # a custom norm's float32 output takes its 16-bit input's dtype
     if level.keeps_float32 and needs_input_casts(model, [m for _, m in kept], keep_float32):
         # float32 activations (a float32 embedding's, a custom norm's) can reach 16-bit modules: each casts its inputs.
         add_input_casts(model, dtype, {id(p) for _, m in kept for p in m.parameters()})

@@ -8,13 +8,16 @@
 - **Buffers: never cast at O2.** A buffer is not trained: a rotary embedding's ``inv_freq``, FP8 amax histories,
   running statistics. Cast to bfloat16, transformers' rotary angles drift from float32's in proportion to the
   position (``tests/test_real_models.py`` measures it at position 4095).
-- **A kept norm returns its input's dtype**, as torch's own norms do on float32 weights (``layer_norm`` and
-  ``rms_norm`` take mixed dtypes): a norm found by behaviour gets a forward hook casting its float32 output to
-  its 16-bit input's dtype (``add_norm_output_casts``). Its weight times a 16-bit input would otherwise promote
+- **A kept norm returns its input's dtype**, as torch's own norms do on float32 weights on the CPU (``layer_norm``
+  and ``rms_norm`` take mixed dtypes there): a norm found by behaviour gets a forward hook casting its float32
+  output to its 16-bit input's dtype (``add_norm_casts``). Its weight times a 16-bit input would otherwise promote
   to float32, and code beside the modules then mixes dtypes: Qwen3's per-head ``q_norm`` and ``k_norm`` gave
   attention float32 queries and keys beside bfloat16 values (``scaled_dot_product_attention`` refuses them), and
   each projection after a norm cast the same float32 output for itself (three bfloat16 copies of one activation
-  saved for a Llama attention's q, k and v projections; one now).
+  saved for a Llama attention's q, k and v projections; one now). Off the CPU, torch's layer, group and RMS norms
+  run on a float32 copy of a 16-bit input and return its dtype: CUDA's ``layer_norm`` refuses a bfloat16 input
+  beside float32 weights ("expected scalar type BFloat16 but found Float", an H200 with torch 2.11). Batch and
+  instance norms take mixed dtypes on CUDA as on the CPU (cuDNN's batch norm wants float32 weights).
 - Where anything else stays float32, float32 activations can reach 16-bit layers (a ``keep_float32`` embedding's
   output, a sum with a float32 buffer): each module with 16-bit weights of its own then casts its floating
   inputs to the 16-bit dtype (``cast_inputs``).
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -131,12 +135,33 @@ def cast_output_to_input_dtype(module: nn.Module, args: tuple, kwargs: dict, out
     return None
 
 
-def add_norm_output_casts(kept: Sequence[nn.Module]) -> None:
-    """Give each norm of ``kept`` found by behaviour (torch's own return their input's dtype already) the
-    ``cast_output_to_input_dtype`` hook."""
+# torch's norms whose kernels take a 16-bit input beside float32 weights on the CPU only
+FLOAT32_OFF_CPU = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
+
+
+def add_norm_casts(kept: Sequence[nn.Module]) -> None:
+    """Give each norm of ``kept`` found by behaviour the ``cast_output_to_input_dtype`` hook, and each of torch's
+    ``FLOAT32_OFF_CPU`` norms the ``float32_off_cpu`` forward (torch's own return their input's dtype already)."""
     for module in kept:
-        if not isinstance(module, NORM_TYPES) and _normalizes(module):
+        if isinstance(module, FLOAT32_OFF_CPU):
+            # a bound method, so copy.deepcopy of the model binds it to the copy
+            forward = float32_off_cpu(type(module).forward)
+            module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+        elif not isinstance(module, NORM_TYPES) and _normalizes(module):
             module.register_forward_hook(cast_output_to_input_dtype, with_kwargs=True)
+
+
+def float32_off_cpu(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """A norm's ``forward`` that, off the CPU, runs on a float32 copy of a 16-bit input and returns the input's
+    dtype; on the CPU, where the kernels take mixed dtypes, it is ``forward`` as it is (bit for bit)."""
+
+    @functools.wraps(forward)
+    def wrapped(self: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if x.device.type != "cpu" and x.dtype in LOW_DTYPES:
+            return forward(self, x.float(), *args, **kwargs).to(x.dtype)
+        return forward(self, x, *args, **kwargs)
+
+    return wrapped
 
 
 def to_float32(value: Any) -> Any:

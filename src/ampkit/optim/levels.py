@@ -22,7 +22,7 @@ from ampkit.optim import grads, pure16
 from ampkit.optim.kept import (
     Float32Losses,
     add_input_casts,
-    add_norm_output_casts,
+    add_norm_casts,
     cast_inputs,
     cast_output_to_float32,
     kept_modules,
@@ -211,7 +211,7 @@ def cast_model_(model: nn.Module, level: OptLevel, dtype: torch.dtype,
     for module in model.modules():
         if id(module) not in kept_ids:
             _cast_own(module, dtype, kept_params, buffers=not level.keeps_float32)
-    add_norm_output_casts(kept)
+    add_norm_casts(kept)
     if level.keeps_float32 and needs_input_casts(model, kept, keep_float32):
         add_input_casts(model, dtype, kept_params)
     model.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)

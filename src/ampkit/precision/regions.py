@@ -85,8 +85,8 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         self._kernel_ops = kernel_ops(self.policy, self.float32_ops) if self.policy.enabled else frozenset()
         self._hooks = bool(self.policy.enabled and self.policy.overrides)  # module overrides need the global hooks
         # torch.compile guards on torch.autocast's state: a policy that differs carries a guard of its own
-        self._guard = (compiling.guard_for(self.policy, self.float32_ops) if self._kernel_ops or self._hooks
-                       else None)
+        self._guard = (compiling.guard_for(self.policy, self.float32_ops)
+                       if self.policy.enabled and compiling.needs_guard(self.policy, self._kernel_ops) else None)
         device_type, dtype = self.policy.device_type, self.policy.dtype
         if self.float32_ops:
             warn_once(f"compute:{device_type}:{dtype}:{self.policy.compute}", lambda: describe(self.policy),
