@@ -391,7 +391,7 @@ def test_cuda_bce_runs_in_float32_with_a_warning_instead_of_raising() -> None:
 def test_only_a_policy_that_does_what_torch_autocast_does_not_pushes_a_guard_mode() -> None:
     """The default CUDA policy's one kernel runs an op torch.autocast refuses (no graph of torch.autocast's holds
     it): that region pushes no mode, which cost each torch call on an H200 (a ResNet-18 step 1.25x torch.autocast's).
-    An edit, float32 compute or a module override does push one."""
+    An edit (of that op too), float32 compute or a module override does push one."""
     from ampkit.precision import compiling, decide
 
     def pushes(policy: Policy) -> bool:
@@ -402,6 +402,7 @@ def test_only_a_policy_that_does_what_torch_autocast_does_not_pushes_a_guard_mod
     assert not pushes(Policy.default("cpu", torch.bfloat16, compute="native"))
     assert pushes(cuda.with_ops(deny=["linear"])) and pushes(cuda.with_modules(nn.LayerNorm, dtype=torch.float32))
     assert pushes(Policy.default("cpu", torch.bfloat16, compute="float32"))
+    assert pushes(cuda.with_ops(allow=["binary_cross_entropy"]))  # else its graph would run under the default's
 
 
 @requires_cuda
