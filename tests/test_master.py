@@ -359,6 +359,11 @@ def test_o2_norms_run_on_a_float32_copy_off_the_cpu_and_return_their_inputs_dtyp
         with spy:
             out = norm(torch.empty(shape, device="meta", dtype=torch.bfloat16))
         assert spy.seen == [torch.float32] and out.dtype == torch.bfloat16, type(norm)
+    weightless = nn.LayerNorm(8, elementwise_affine=False)
+    add_norm_casts([weightless])  # nothing to mix with: it takes the 16-bit input as it is
+    with (spy := _SeenNormInputs()):
+        weightless(torch.empty(2, 8, device="meta", dtype=torch.bfloat16))
+    assert spy.seen == [torch.bfloat16]
 
 
 def test_o2_norms_on_the_cpu_take_16_bit_inputs_as_before_bit_for_bit_and_deep_copies_keep_their_own() -> None:

@@ -141,9 +141,10 @@ FLOAT32_OFF_CPU = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 def add_norm_casts(kept: Sequence[nn.Module]) -> None:
     """Give each norm of ``kept`` found by behaviour the ``cast_output_to_input_dtype`` hook, and each of torch's
-    ``FLOAT32_OFF_CPU`` norms the ``float32_off_cpu`` forward (torch's own return their input's dtype already)."""
+    ``FLOAT32_OFF_CPU`` norms with float32 weights the ``float32_off_cpu`` forward (torch's own return their input's
+    dtype already; one without weights takes a 16-bit input on any device)."""
     for module in kept:
-        if isinstance(module, FLOAT32_OFF_CPU):
+        if isinstance(module, FLOAT32_OFF_CPU) and any(p.dtype == torch.float32 for p in module.parameters()):
             # a bound method, so copy.deepcopy of the model binds it to the copy
             forward = float32_off_cpu(type(module).forward)
             module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
