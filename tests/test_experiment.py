@@ -87,6 +87,20 @@ def test_results_json_has_every_field(tiny: tuple[comparison.Comparison, Path]) 
 
 
 @pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
+def test_each_warning_the_runs_print_is_shown_once() -> None:
+    """On torch 2.11 (the GPU image's) every run of a comparison printed the shim's TorchVersionWarning and
+    torchao's import noise: five runs, five copies. A warning another run printed is left out."""
+    from ampkit.experiment.process import new_warnings
+
+    version = "/a/overrides.py:226: TorchVersionWarning: torch 2.11.0 lacks it\n  _traceable = check()\n"
+    noise = "Failed to load a library\n"
+    other = "/b/training.py:9: UserWarning: only this run's\n  warn()\n"
+    shown: set[str] = set()
+    assert new_warnings(noise + version, shown) == noise + version
+    assert new_warnings(noise + version + other + version, shown) == other
+    assert new_warnings(version, shown) == ""
+
+
 def test_runs_step_in_lockstep_in_alternating_order() -> None:
     configs = [RunConfig(model="mlp", steps=3, batch_size=8),
                RunConfig(model="mlp", steps=3, batch_size=8, precision="bf16", opt_level="O2")]

@@ -142,9 +142,10 @@ def compare(
                     if revise is not None:
                         revise(revised_s)
             runs = []
+            shown: set[str] = set()  # the runs' warnings printed so far: each is printed once
             for host in hosts:  # one at a time: evaluating together oversubscribes the cores (measured slower)
                 host.finish()
-                runs.append(host.result())
+                runs.append(host.result(shown))
         except KeyboardInterrupt as interrupt:  # Ctrl-C, or a host's SIGTERM handler: keep what ran
             interrupt.partial = partial_record(configs, hosts)  # type: ignore[attr-defined]
             raise

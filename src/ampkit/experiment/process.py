@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,6 +40,25 @@ class RunFailed(RuntimeError):
         last = next((line.strip() for line in reversed(log.splitlines()) if line.strip()), "no error output")
         super().__init__(f"The {label} run failed (exit code {code}): {last}")
         self.label, self.code, self.log = label, code, log
+
+
+# The first line of a warning as Python prints it: "path:line: Category: message"
+_WARNING_LINE = re.compile(r"^\S.*:\d+: \w+: ")
+
+
+def new_warnings(text: str, shown: set[str]) -> str:
+    """``text`` (a run's error output) less the warnings in ``shown``, which takes the rest: every run of a comparison
+    says the same TorchVersionWarning or torchao import noise, and a reader needs it once, not once per run. A
+    warning is its first line and the lines after it up to the next warning's."""
+    blocks: list[str] = []
+    for line in text.splitlines(keepends=True):
+        if not blocks or _WARNING_LINE.match(line):
+            blocks.append(line)
+        else:
+            blocks[-1] += line
+    fresh = [block for block in dict.fromkeys(blocks) if block not in shown]
+    shown.update(fresh)
+    return "".join(fresh)
 
 
 class RunProcess:
@@ -96,15 +116,16 @@ class RunProcess:
         """Let the run evaluate (after its last step); ``result`` collects what it found."""
         self._write("finish")
 
-    def result(self) -> RunResult:
-        """The run's result, once the process has evaluated and exited."""
+    def result(self, shown: set[str] | None = None) -> RunResult:
+        """The run's result, once the process has evaluated and exited. Its warnings go to stderr, each once: those
+        in ``shown`` (another run's, the same text) are left out, and the others added to it."""
         message = self._read("result")
         if self._process.wait() != 0:
             self._fail()
         self._errors.seek(0)
-        warnings_text = self._errors.read()
+        warnings_text = new_warnings(self._errors.read(), set() if shown is None else shown)
         if warnings_text.strip():
-            print(warnings_text, file=sys.stderr, end="")  # the run's warnings, shown once
+            print(warnings_text, file=sys.stderr, end="")
         return RunResult(**message["result"])
 
     def _write(self, command: str) -> None:
