@@ -231,7 +231,7 @@ def test_runs_evaluate_one_after_another(monkeypatch: pytest.MonkeyPatch) -> Non
         def finish(self) -> None:
             calls.append(("finish", self.config.label))
 
-        def result(self) -> str:
+        def result(self, shown: set[str]) -> str:
             calls.append(("result", self.config.label))
             return self.config.label
 
