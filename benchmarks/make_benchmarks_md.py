@@ -32,8 +32,7 @@ DEVICE_RECORDS = [
      "These training steps are short enough that the host's per-op work, not the GPU's arithmetic, sets their time: "
      "where a Python layer over autocast costs most, and where mixed precision's casts make a step slower than "
      "float32's. The compare records were made before ampkit's default CUDA region stopped pushing a torch function "
-     "mode (compiling.needs_guard), the autocast record after it; with the mode, the default policy's steps took "
-     "1.25x (ResNet-18) and 1.13x (GPT) torch.autocast's."),
+     "mode (compiling.needs_guard), the autocast record after it."),
     ("h200-host-cpu", "## The GPU machine's CPU: 16 cores with AMX and AVX-512 BF16",
      "`benchmarks/bench_autocast.py --device cpu` on the same lent machine's host CPU (an Intel Xeon that computes "
      "bfloat16 natively), torch 2.11: the CPU that issue 38's eager criterion asks for."),

@@ -390,7 +390,7 @@ def test_cuda_bce_runs_in_float32_with_a_warning_instead_of_raising() -> None:
 
 def test_only_a_policy_that_does_what_torch_autocast_does_not_pushes_a_guard_mode() -> None:
     """The default CUDA policy's one kernel runs an op torch.autocast refuses (no graph of torch.autocast's holds
-    it): that region pushes no mode, which cost each torch call on an H200 (a ResNet-18 step 1.25x torch.autocast's).
+    it): that region pushes no mode, which cost each torch call (measured on an H200's steps of small models).
     An edit (of that op too), float32 compute or a module override does push one."""
     from ampkit.precision import compiling, decide
 
