@@ -84,8 +84,8 @@ def needs_guard(policy: Policy, kernel_ops: frozenset[str]) -> bool:
     """Whether a region of ``policy``, with dispatcher kernels for ``kernel_ops``, pushes a guard mode: where it
     does what torch.autocast does not (module overrides, a kernel for an op torch.autocast runs) or what the
     default policy does not (an op torch.autocast refuses, run other than in float32)."""
-    as_default = op_lists.BANNED[policy.device_type].keys() & policy.deny
-    return bool(policy.overrides) or bool(kernel_ops - as_default)
+    banned = op_lists.BANNED[policy.device_type]  # no set operation on its keys: torch 2.11's dynamo traces this
+    return bool(policy.overrides) or any(op not in banned or op not in policy.deny for op in kernel_ops)
 
 
 def guard_for(policy: Policy, float32_ops: frozenset[str]) -> type[PolicyGuard]:
