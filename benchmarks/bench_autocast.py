@@ -88,7 +88,7 @@ def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     return step
 
 
-def bench_models(device: str) -> list[dict]:
+def bench_models(device: str, repeats: int = REPEATS) -> list[dict]:
     rows = []
     for name in ("resnet18", "gpt"):
         model, x, y = workload(name, device)
@@ -108,7 +108,7 @@ def bench_models(device: str) -> list[dict]:
         steps["ampkit O2 bf16, auto"] = step_fn(o2_model, x, y, contextlib.nullcontext, o2_optimizer)
         samples: dict[str, list[float]] = {}
         timed = {label: synced(step, device) for label, step in steps.items()}
-        medians = interleaved_medians(timed, warmup=WARMUP, repeats=REPEATS, budget_s=BUDGET_S, samples=samples)
+        medians = interleaved_medians(timed, warmup=WARMUP, repeats=repeats, budget_s=BUDGET_S, samples=samples)
         saved = {label: saved_bytes_of_step(step.model, step.forward)[1]  # type: ignore[attr-defined]
                  for label, step in steps.items()}
         reference = "torch.autocast bf16"
@@ -125,6 +125,7 @@ def bench_models(device: str) -> list[dict]:
                 "ratio_to_float32": medians[label] / medians["float32"],
                 "ratio_to_float32_quartiles": paired_ratio_quartiles(samples[label], samples["float32"]),
                 "ratio_to_torch_autocast": medians[label] / medians[reference],
+                "ratio_to_torch_autocast_quartiles": paired_ratio_quartiles(samples[label], samples[reference]),
                 "saved_for_backward_bytes": saved[label],
                 "saved_ratio_to_float32": saved[label] / saved["float32"],
                 "saved_equal_to_torch_autocast": saved[label] == saved[reference],
@@ -188,15 +189,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS, help="the folder autocast.json goes to")
+    parser.add_argument("--repeats", type=int, default=REPEATS,
+                        help=f"timed rounds of the training steps (default {REPEATS}; more narrow the ratios' spread)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this torch sees no CUDA device; run it on a GPU machine, or --device cpu")
     torch.manual_seed(0)
-    rows = bench_models(args.device)
+    rows = bench_models(args.device, args.repeats)
     per_op = bench_per_op(args.device)
     matmul = bench_matmul(args.device)
     path = save("autocast", {"models": rows, "per_op": per_op, "matmul_512": matmul,
-                             "warmup": WARMUP, "repeats": REPEATS}, args.out, args.device)
+                             "warmup": WARMUP, "repeats": args.repeats}, args.out, args.device)
     table = Table(title=f"Training step on {args.device}: ampkit vs float32 and torch.autocast (same run)")
     for col in ("model", "variant", "ms/step", "vs float32", "vs torch.autocast", "saved for backward",
                 "vs float32"):

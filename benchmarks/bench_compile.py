@@ -26,6 +26,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # Compile seconds are cold compiles: a fresh inductor cache for this run (graphs it caches, it reuses).
@@ -39,7 +40,7 @@ from rich.console import Console  # noqa: E402
 import ampkit  # noqa: E402
 from ampkit.diagnostics.memory import saved_bytes_of_step  # noqa: E402
 from ampkit.experiment.models import GPT, ResNet18  # noqa: E402
-from common import interleaved_medians, save  # noqa: E402
+from common import RESULTS, interleaved_medians, save  # noqa: E402
 
 WARMUP, REPEATS, BUDGET_S = 1, 21, 20.0
 
@@ -137,6 +138,7 @@ def run_model(name: str, console: Console) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the folder compile.json goes to")
     args = parser.parse_args()
     # Ten variants compile the same forward code, each under its own guards (policy, grad mode): past dynamo's
     # default limit of 8 graphs per code object the rest would run eagerly, unreported.
@@ -147,7 +149,7 @@ def main() -> None:
     console = Console()
     models = {name: run_model(name, console) for name in args.only}
     path = save("compile", {"backend": "inductor", "dtype": "torch.bfloat16", "budget_s": BUDGET_S,
-                            "repeats": REPEATS, "models": models})
+                            "repeats": REPEATS, "models": models}, args.out)
     console.print(f"wrote {path}")
 
 

@@ -34,8 +34,9 @@ DEVICE_RECORDS = [
      "float32's. The compare records were made before ampkit's default CUDA region stopped pushing a torch function "
      "mode (compiling.needs_guard), the autocast record after it."),
     ("h200-host-cpu", "## The GPU machine's CPU: 16 cores with AMX and AVX-512 BF16",
-     "`benchmarks/bench_autocast.py --device cpu` on the same lent machine's host CPU (an Intel Xeon that computes "
-     "bfloat16 natively), torch 2.11: the CPU that issue 38's eager criterion asks for."),
+     "`benchmarks/bench_autocast.py --device cpu --repeats 101` and `benchmarks/bench_compile.py --only gpt` on the "
+     "same lent machine's host CPU (an Intel Xeon that computes bfloat16 natively), torch 2.11: the CPU that issue "
+     "38's eager and compiled criteria ask for."),
 ]
 
 
@@ -136,12 +137,13 @@ def autocast_table(results: dict[str, Any]) -> str:
     warmup = results.get("warmup", 2)
     timed = "median of the steps timed (in brackets)" if v2 else f"median of {repeats}"
     rows = [
-        f"`python benchmarks/bench_autocast.py{' --device cuda' if results['machine']['device'] == 'cuda' else ''}`, "
+        f"`python benchmarks/bench_autocast.py{' --device cuda' if results['machine']['device'] == 'cuda' else ''}"
+        f"{'' if results.get('repeats', 31) == 31 else ' --repeats ' + str(results['repeats'])}`, "
         f"{results['created']}, on {machine_line(results['machine'])}. "
         f"Training steps, {timed} after {warmup} warm-up step{'s' if warmup > 1 else ''}, variants "
         "timed in alternation"
-        + ("; after a ratio to float32, in brackets, the middle half of the per-round ratios (each round times "
-           "every variant once): how far the figure moves with this machine's noise."
+        + ("; after a ratio to float32 (and to torch.autocast, where recorded), in brackets, the middle half of the "
+           "per-round ratios (each round times every variant once): how far the figure moves with this machine's noise."
            if "ratio_to_float32_quartiles" in results["models"][0] else "."),
         "",
     ]
@@ -163,7 +165,9 @@ def autocast_table(results: dict[str, Any]) -> str:
         if v2:
             quartiles = row.get("ratio_to_float32_quartiles")
             spread = f" ({quartiles[0]:.2f}-{quartiles[1]:.2f})" if quartiles and row["variant"] != "float32" else ""
-            cells += [f"{row['ratio_to_float32']:.3f}x{spread}", f"{row['ratio_to_torch_autocast']:.3f}x",
+            against = row.get("ratio_to_torch_autocast_quartiles")  # per round, as the float32 spread is
+            near = f" ({against[0]:.2f}-{against[1]:.2f})" if against and "torch.autocast" not in row["variant"] else ""
+            cells += [f"{row['ratio_to_float32']:.3f}x{spread}", f"{row['ratio_to_torch_autocast']:.3f}x{near}",
                       f"{row['saved_for_backward_bytes'] / MIB:.1f} MiB", f"{row['saved_ratio_to_float32']:.2f}x"]
         else:
             cells += [f"{row['ratio_to_torch_autocast']:.3f}x", f"{row['saved_for_backward_bytes'] / MIB:.1f} MiB",
