@@ -536,3 +536,14 @@ def test_epochs_and_steps_together_are_refused() -> None:  # the CLI's parser re
     with pytest.raises(ValueError, match="epochs=1 and steps=3 both set the run's length: give one of them"):
         settings.plan(model="mlp", epochs=1, steps=3)
 
+
+
+def test_an_out_under_a_file_is_refused_before_the_plan_times_anything(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Was: `--out results.json/run` passed the flag checks, the plan timed its steps, and only then did creating the
+    directory fail."""
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["compare", "--steps", "1", "--out", str(tmp_path / "notes.txt" / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot hold results: {tmp_path / 'notes.txt'} is a file" in err and "planning:" not in err
+    assert (tmp_path / "notes.txt").read_text() == "mine"

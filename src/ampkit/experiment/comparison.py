@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import os
 import re
 import statistics
 import time
@@ -189,6 +190,13 @@ def check_out_dir(out: Path) -> None:
     """Refuse an output directory that already holds results (never overwrite silently)."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"out='{out}' is a file, not a directory.")
+    # Where it would be created: said now, not after the plan's timings (nothing is created here)
+    ancestor = next(path for path in (out.absolute(), *out.absolute().parents) if path.exists())
+    if not ancestor.is_dir():
+        raise ValueError(f"out='{out}' cannot hold results: {ancestor} is a file. Pass a directory you can write to.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"out='{out}' cannot hold results: {ancestor} is not writable. Pass a directory you can "
+                         "write to.")
     clashes = [name for name in RESULT_FILES if (out / name).exists()]
     if clashes:
         raise ValueError(
