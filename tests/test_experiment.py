@@ -99,6 +99,17 @@ def test_each_warning_the_runs_print_is_shown_once() -> None:
     assert new_warnings(noise + version, shown) == noise + version
     assert new_warnings(noise + version + other + version, shown) == other
     assert new_warnings(version, shown) == ""
+    # the host printed its own copy (raised elsewhere, printed as "warning: ..."): the runs' copies are left out
+    import warnings
+
+    from ampkit._torch import TorchVersionWarning
+    from ampkit.experiment.process import warning_key
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn("torch 2.11.0 lacks it", TorchVersionWarning)
+    host = {warning_key(warning) for warning in caught}
+    assert new_warnings(noise + version.replace("/a/overrides.py:226", "/a/_compile_torch.py:190"), host) == noise
 
 
 def test_runs_step_in_lockstep_in_alternating_order() -> None:

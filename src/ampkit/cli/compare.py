@@ -21,7 +21,7 @@ from ampkit.experiment.cost import Estimate, estimate
 from ampkit.experiment.data import DATASETS
 from ampkit.experiment.hf_models import HELP as HF_HELP
 from ampkit.experiment.models import MODELS
-from ampkit.experiment.process import RunFailed
+from ampkit.experiment.process import RunFailed, warning_key
 from ampkit.experiment.settings import IMAGE_DEFAULTS, MODEL_DEFAULTS, plan
 from ampkit.files import atomic_write
 from ampkit.hardware import throughput
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     print_plan(console, configs, cost)
     planned = time.perf_counter()  # what the estimate is of: the runs, from here
     try:
-        result = _compare(args, configs, cost, console)
+        result = _compare(args, configs, cost, console, {warning_key(warning) for warning in caught})
     except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: keep the steps taken, marked incomplete
         partial = getattr(interrupt, "partial", None)
         if partial is not None:
@@ -167,9 +167,9 @@ def run(args: argparse.Namespace) -> int:
     return 1 if diverged else 0
 
 
-def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: Estimate,
-             console: Console) -> Comparison:
-    times: dict[str, Any] = dict(estimated_s=estimate.total_s, evaluation_s=estimate.evaluation_s)
+def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: Estimate, console: Console,
+             shown: set[str]) -> Comparison:
+    times: dict[str, Any] = dict(estimated_s=estimate.total_s, evaluation_s=estimate.evaluation_s, shown=shown)
 
     def revised(say: Callable[[str], None]) -> Callable[[float], None]:
         return lambda total_s: say(f"ampkit compare: from the runs' own first {REVISE_AFTER + 1} steps, about "

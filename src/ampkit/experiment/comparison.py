@@ -99,7 +99,7 @@ class Comparison:
 
 def compare(
     configs: list[RunConfig], progress: Progress | None = None, estimated_s: float | None = None,
-    revise: Callable[[float], None] | None = None, evaluation_s: float = 0.0,
+    revise: Callable[[float], None] | None = None, evaluation_s: float = 0.0, shown: set[str] | None = None,
 ) -> Comparison:
     """Run every configuration in its own subprocess, steps interleaved, and collect the results.
 
@@ -116,6 +116,7 @@ def compare(
             estimated again from the runs themselves: the time so far, each run's remaining steps at the median of
             its own, and ``evaluation_s`` (the plan's estimate of the evaluations). Kept as ``revised_s``.
         evaluation_s: see ``revise``.
+        shown: the warnings printed already (``process.warning_key`` of each): the runs' copies are left out.
 
     Raises:
         RuntimeError: a run failed (its error output is in the message); the others are stopped.
@@ -143,7 +144,7 @@ def compare(
                     if revise is not None:
                         revise(revised_s)
             runs = []
-            shown: set[str] = set()  # the runs' warnings printed so far: each is printed once
+            shown = set(shown or ())  # the warnings printed so far: each is printed once
             for host in hosts:  # one at a time: evaluating together oversubscribes the cores (measured slower)
                 host.finish()
                 runs.append(host.result(shown))

@@ -43,21 +43,33 @@ class RunFailed(RuntimeError):
 
 
 # The first line of a warning as Python prints it: "path:line: Category: message"
-_WARNING_LINE = re.compile(r"^\S.*:\d+: \w+: ")
+_WARNING_LINE = re.compile(r"^\S.*:\d+: (\w+): ")
+
+
+def warning_key(warning: warnings.WarningMessage) -> str:
+    """What ``new_warnings`` knows a warning by, for one this process printed itself: its category and the first line
+    of its message (where it was raised differs between the host and a run)."""
+    return f"{warning.category.__name__}: {str(warning.message).splitlines()[0] if str(warning.message) else ''}"
 
 
 def new_warnings(text: str, shown: set[str]) -> str:
     """``text`` (a run's error output) less the warnings in ``shown``, which takes the rest: every run of a comparison
-    says the same TorchVersionWarning or torchao import noise, and a reader needs it once, not once per run. A
-    warning is its first line and the lines after it up to the next warning's."""
+    says the same TorchVersionWarning or torchao import noise, and a reader needs it once, not once per run (nor
+    again after the host's own copy, ``warning_key``). A warning is its first line and the lines after it up to the
+    next warning's, known by its category and message; other lines by their text."""
     blocks: list[str] = []
     for line in text.splitlines(keepends=True):
         if not blocks or _WARNING_LINE.match(line):
             blocks.append(line)
         else:
             blocks[-1] += line
-    fresh = [block for block in dict.fromkeys(blocks) if block not in shown]
-    shown.update(fresh)
+    fresh = []
+    for block in blocks:
+        first = _WARNING_LINE.match(block)
+        key = f"{first.group(1)}: {(block[first.end():].splitlines() or [''])[0]}" if first else block
+        if key not in shown:
+            shown.add(key)
+            fresh.append(block)
     return "".join(fresh)
 
 
