@@ -106,21 +106,24 @@ def guard_lines(comparison: Comparison) -> list[str]:
             for run in comparison.runs if run.guard is not None for e in run.guard["events"]]
 
 
-def slower_lines(comparison: Comparison, native_speedup: dict[str, float]) -> list[str]:
-    """A line per 16-bit run with native kernels whose step is slower than float32's although this model's GEMMs
-    run faster in 16 bits here (``native_speedup``: the plan's figure, float32's GEMM time over native 16-bit's):
-    what a short step on a GPU shows, where each op's launch, not its arithmetic, sets the time."""
-    lines = []
+def slower_line(comparison: Comparison, native_speedup: dict[str, float]) -> str | None:
+    """A line naming the 16-bit runs with native kernels whose step is slower than float32's although this model's
+    GEMMs run faster in 16 bits here (``native_speedup``: the plan's figure, float32's GEMM time over native
+    16-bit's), and why: what a short step on a GPU shows, where each op's launch, not its arithmetic, sets the
+    time. None where there is no such run."""
+    slower, speedups = [], {}
     for run in comparison.runs[1:]:
         speedup, ratio = native_speedup.get(run.precision), comparison.ratio(run, "ms_per_step")
-        if run.precision not in ("fp16", "bf16") or run.float32_compute or not speedup or speedup <= 1 \
-                or ratio is None or ratio <= 1:
-            continue
-        lines.append(f"{run.label}: {ratio:.2f}x float32's step, though this model's GEMMs run {speedup:.3g}x faster "
-                     f"in native {run.precision} here: its time is not its arithmetic's but its per-op work (casts and "
-                     "element-wise ops, and on a GPU each kernel's launch), which mixed precision adds to; a larger "
-                     "batch or model shows the arithmetic's gain.")
-    return lines
+        if run.precision in ("fp16", "bf16") and not run.float32_compute and speedup and speedup > 1 \
+                and ratio is not None and ratio > 1:
+            slower.append(f"{run.label} {ratio:.2f}x")
+            speedups[run.precision] = f"{run.precision} {speedup:.3g}x"
+    if not slower:
+        return None
+    return (f"Slower than float32 (step time: {', '.join(slower)}) though this model's GEMMs run faster in 16 bits here "
+            f"({', '.join(speedups.values())}): a step this short is set by its per-op work (casts and element-wise "
+            "ops, and on a GPU each kernel's launch), which mixed precision adds to, not by its arithmetic; a larger "
+            "batch or model shows the arithmetic's gain.")
 
 
 def _slug(label: str) -> str:
