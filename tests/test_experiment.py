@@ -548,7 +548,6 @@ def test_epochs_and_steps_together_are_refused() -> None:  # the CLI's parser re
         settings.plan(model="mlp", epochs=1, steps=3)
 
 
-
 def test_an_out_under_a_file_is_refused_before_the_plan_times_anything(tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """Was: `--out results.json/run` passed the flag checks, the plan timed its steps, and only then did creating the
