@@ -472,8 +472,9 @@ def integrations_table(results: dict[str, Any]) -> str:
 
 
 def compile_table(results: dict[str, Any]) -> str:
+    only = "" if len(results["models"]) == 3 else " --only " + " ".join(results["models"])  # a run of some models
     rows = [
-        f"`python benchmarks/bench_compile.py`, {results['created']}, on {machine_line(results['machine'])}. "
+        f"`python benchmarks/bench_compile.py{only}`, {results['created']}, on {machine_line(results['machine'])}. "
         f"One training step (forward, backward, AdamW) per variant, eager and through torch.compile "
         f"({results['backend']}); medians of up to {results['repeats']} steps, variants timed in alternation (a "
         f"variant leaves the rotation after {results['budget_s']:.0f} s of timed steps). 16-bit variants: "
