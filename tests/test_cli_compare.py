@@ -256,18 +256,30 @@ def test_foreign_mnist_files_are_named_even_with_steps(shape: tuple[int, int], t
 def test_sigterm_stops_compare_in_one_line_and_keeps_the_steps_taken(tmp_path: Path) -> None:
     import signal
     import subprocess
-    import time
+    import threading
 
     process = subprocess.Popen(
-        [sys.executable, "-m", "ampkit.cli.main", "compare", *C, "--steps", "5000", "--out", str(tmp_path / "run")],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "ampkit.cli.main", "compare", *(a for a in C if a != "--quiet"), "--steps", "5000",
+         "--out", str(tmp_path / "run")],  # its progress lines say when the runs have stepped
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
-    deadline = time.time() + 60
-    while time.time() < deadline and not (tmp_path / "run").exists():  # reserved just before training starts
-        time.sleep(0.2)
-    time.sleep(8)  # the runs start and take their first steps
+    lines: list[str] = []
+    stepped = threading.Event()  # a progress line with a step taken: the runs have started (a fixed 8 s wait was
+    # too short on a busy machine, where a CUDA build of torch took longer to import in each run)
+
+    def read() -> None:
+        for line in process.stderr:  # type: ignore[union-attr]
+            lines.append(line)
+            if re.search(r"fp32 step [1-9]", line):
+                stepped.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    assert stepped.wait(timeout=240), "".join(lines)[-2000:]
     process.send_signal(signal.SIGTERM)
-    _, err = process.communicate(timeout=60)
+    process.wait(timeout=60)
+    reader.join(timeout=60)
+    err = "".join(lines)
     assert process.returncode == 143, err[-2000:]
     assert err.strip().splitlines()[-1] == "ampkit compare: terminated; results already written are kept."
     kept = json.loads((tmp_path / "run" / "results.json").read_text())  # the steps taken, not thrown away
