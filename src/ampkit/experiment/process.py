@@ -49,7 +49,11 @@ _WARNING_LINE = re.compile(r"^\S.*:\d+: (\w+): ")
 def warning_key(warning: warnings.WarningMessage) -> str:
     """What ``new_warnings`` knows a warning by, for one this process printed itself: its category and the first line
     of its message (where it was raised differs between the host and a run)."""
-    return f"{warning.category.__name__}: {str(warning.message).splitlines()[0] if str(warning.message) else ''}"
+    return _key(warning.category.__name__, str(warning.message))
+
+
+def _key(category: str, message: str) -> str:
+    return f"{category}: {(message.splitlines() or [''])[0]}"
 
 
 def new_warnings(text: str, shown: set[str]) -> str:
@@ -66,7 +70,7 @@ def new_warnings(text: str, shown: set[str]) -> str:
     fresh = []
     for block in blocks:
         first = _WARNING_LINE.match(block)
-        key = f"{first.group(1)}: {(block[first.end():].splitlines() or [''])[0]}" if first else block
+        key = _key(first.group(1), block[first.end():]) if first else block
         if key not in shown:
             shown.add(key)
             fresh.append(block)

@@ -106,7 +106,8 @@ def guard_lines(comparison: Comparison) -> list[str]:
             for run in comparison.runs if run.guard is not None for e in run.guard["events"]]
 
 
-# GEMMs this much faster in 16 bits make a slower step a surprise worth a line (an H200: 13x); a CPU's 1.1x does not
+# GEMMs this much faster in 16 bits make a slower step a surprise worth a line (a GPU's tensor cores); a CPU's
+# native bf16, a little faster than float32, does not
 CLEARLY_FASTER = 1.5
 
 
