@@ -57,16 +57,22 @@ def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_without_the_fused_unscale_gradients_are_unscaled_alike_and_it_is_said(monkeypatch: pytest.MonkeyPatch,
                                                                                fresh_warnings: None) -> None:
-    def run() -> tuple[float, list[list[float]]]:
-        grads = [torch.tensor([4.0, -2.0]), torch.tensor([1.0, float("inf")]), torch.tensor([0.5])]
+    values = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 1000
+
+    def run(inv_scale: float) -> tuple[float, list[list[float]]]:
+        grads = [torch.tensor([4.0, -2.0]), torch.tensor([1.0, float("inf")]), torch.tensor([0.5]),
+                 *(values.to(dtype) for dtype in (torch.float16, torch.bfloat16, torch.float64))]
         found = torch.zeros(1)
-        _torch.amp_unscale_(grads, found, torch.full((1,), 0.25))
+        _torch.amp_unscale_(grads, found, torch.full((1,), inv_scale))
         return found.item(), [g.tolist() for g in grads]
 
-    fused = run()
+    # Bit for bit with torch's fused kernel, 16-bit gradients too: the scales of dynamic scaling (2**-25 is 0 in
+    # fp16, so the inverse scale must not be rounded to the gradient's dtype) and a static one that is no power of 2.
+    inverse_scales = (0.25, 2.0**-25, 1 / 1000)
+    fused = [run(inv_scale) for inv_scale in inverse_scales]
     monkeypatch.delattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
     with pytest.warns(_torch.TorchVersionWarning, match="lacks torch._amp_foreach_non_finite_check_and_unscale_"):
-        assert run() == fused
+        assert [run(inv_scale) for inv_scale in inverse_scales] == fused
     clean = [torch.tensor([2.0])]
     found = torch.zeros(1)
     _torch.amp_unscale_(clean, found, torch.full((1,), 0.5))

@@ -181,9 +181,10 @@ def amp_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale
         fused(tensors, found_inf, inv_scale)
         return
     fallback_once("torch._amp_foreach_non_finite_check_and_unscale_", "gradients are unscaled one tensor at a time")
-    for t in tensors:  # the same arithmetic: multiply by the inverse scale, flag any inf/NaN
+    for t in tensors:  # torch's arithmetic: flag any inf/NaN; multiply by the float32 inverse scale in float32 (float64
+        # for float64), round once to the gradient's dtype (the scale rounded to 16 bits first: 2**-25 is 0 in fp16)
         found_inf.add_((~torch.isfinite(t)).any().to(found_inf.dtype)).clamp_(max=1.0)
-        t.mul_(inv_scale.to(t.dtype))
+        t.copy_(t.to(torch.promote_types(t.dtype, torch.float32)) * inv_scale)
 
 
 def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
