@@ -424,3 +424,29 @@ def test_progress_is_plain_lines_where_the_output_is_no_terminal(tmp_path: Path,
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("ampkit compare [")]
     assert lines and all(re.match(r"ampkit compare \[\d+ s\]: fp32 step \d/3 loss \d", line) for line in lines)
     assert "step 3/3" in lines[-1] and lines[-1].count("step 3/3") == len(lines[-1].split("; "))
+
+
+def test_the_plan_says_the_kernels_speeds_once_not_again_in_warnings(fake_machine, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                                    capsys: pytest.CaptureFixture[str],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default comparison on an AVX2 CPU said the measured bf16 speeds three times before training: a warning from
+    the float32-compute region the estimate steps, one from its native probe's, and the plan's own line."""
+    from ampkit.hardware import flags
+    from ampkit.precision import state
+
+    fake_machine({"matmul": 0.02, "conv": 0.03})  # native bf16 slow: float32-compute runs and a native probe
+    monkeypatch.setattr(state, "_warned", set())  # the regions warn once a process: as in a fresh one
+    assert main(["compare", "--model", "mlp", "--precision", "bf16", "--opt-level", "O1", "--steps", "2",
+                 "--batch-size", "8", "--quiet", "--out", str(tmp_path / "run")]) == 0
+    captured = capsys.readouterr()
+    said = " ".join((captured.out + captured.err).split())
+    assert "bf16 O1 native probe" in said and said.count("float32's speed") == 1, said
+    assert "native bf16 kernels here run at conv 0.03x, matmul 0.02x float32's speed" in said
+    assert f": {flags.native_support('cpu', torch.bfloat16)}." in said  # why, as the warning said it
+    assert "fp32-compute runs keep tensors in 16 bits and compute GEMMs and convolutions in float32." in said
+    assert "warning:" not in captured.err, captured.err
+    # Native runs alone: the warning's advice is news there, and stays
+    monkeypatch.setattr(state, "_warned", set())
+    assert main(["compare", "--model", "mlp", "--precision", "bf16", "--opt-level", "O1", "--compute", "native",
+                 "--steps", "2", "--batch-size", "8", "--quiet", "--out", str(tmp_path / "native")]) == 0
+    assert "warning: native bfloat16 kernels run matmul at 0.02x" in capsys.readouterr().err

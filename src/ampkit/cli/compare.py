@@ -24,9 +24,8 @@ from ampkit.experiment.models import MODELS
 from ampkit.experiment.process import RunFailed, warning_key
 from ampkit.experiment.settings import IMAGE_DEFAULTS, MODEL_DEFAULTS, plan
 from ampkit.files import atomic_write
-from ampkit.hardware import throughput
-from ampkit.modes import COMPUTE_MODES
-from ampkit.modes import MIXED_LEVELS
+from ampkit.hardware import flags, throughput
+from ampkit.modes import COMPUTE_MODES, MIXED_LEVELS, ComputeModeWarning
 from ampkit.optim.pure16 import UPDATES
 from ampkit.optim.states import STATES
 from ampkit.precision.decide import GEMM_OPS
@@ -119,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
         cost = estimate(configs, lambda line: print(f"ampkit compare: {line}", file=sys.stderr, flush=True))
         out = reserve_out_dir(args.out)  # before training: a bad location fails now
     for warning in caught:
-        print(f"warning: {warning.message}", file=sys.stderr)
+        if not issubclass(warning.category, _in_the_plan(configs)):
+            print(f"warning: {warning.message}", file=sys.stderr)
     console = Console(stderr=args.json)
     print_plan(console, configs, cost)
     planned = time.perf_counter()  # what the estimate is of: the runs, from here
@@ -210,6 +210,13 @@ class PlainProgress:
             print(f"ampkit compare [{now - self.start:.0f} s]: {runs}", file=sys.stderr, flush=True)
 
 
+def _in_the_plan(configs: list[RunConfig]) -> tuple[type[Warning], ...]:
+    """The warnings that the regions of the estimate's steps raise and ``print_plan`` says already: what float32
+    compute does, and, where float32-compute runs stand beside the native ones, the native kernels' measured speeds
+    and why (without them the warning's advice, ``--compute auto``, is news)."""
+    return (ComputeModeWarning, *((flags.SlowPrecisionWarning,) if any(c.float32_compute for c in configs) else ()))
+
+
 def print_plan(console: Console, configs: list[RunConfig], estimate: Estimate) -> None:
     """The runs about to start, why their compute mode is what it is, and the time they will take."""
     first = configs[0]
@@ -224,7 +231,8 @@ def print_plan(console: Console, configs: list[RunConfig], estimate: Estimate) -
         dtype = low_dtype(precision, first.device)
         line = ", ".join(f"{c} {measured.speedup(c, dtype):.3g}x" for c in GEMM_OPS)
         console.print(f"  native {precision} kernels here run at {line} float32's speed "
-                      f"(this model: {speedup:.3g}x), measured on {measured.device_name}.")
+                      f"(this model: {speedup:.3g}x), measured on {measured.device_name}: "
+                      f"{flags.native_support(first.device, dtype)}.")
     if any(c.float32_compute for c in configs):
         console.print("  fp32-compute runs keep tensors in 16 bits and compute GEMMs and convolutions in float32.")
     if any(c.compiled for c in configs):
