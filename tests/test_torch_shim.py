@@ -66,8 +66,8 @@ def test_without_the_fused_unscale_gradients_are_unscaled_alike_and_it_is_said(m
         _torch.amp_unscale_(grads, found, torch.full((1,), inv_scale))
         return found.item(), [g.tolist() for g in grads]
 
-    # Bit for bit with torch's fused kernel, 16-bit gradients too: the scales of dynamic scaling (2**-25 is 0 in
-    # fp16, so the inverse scale must not be rounded to the gradient's dtype) and a static one that is no power of 2.
+    # Bit for bit with torch's fused kernel, 16-bit gradients too: a large loss scale's inverse (2**-25 is 0 in fp16,
+    # so it must not be rounded to the gradient's dtype) and a static scale's that is no power of 2.
     inverse_scales = (0.25, 2.0**-25, 1 / 1000)
     fused = [run(inv_scale) for inv_scale in inverse_scales]
     monkeypatch.delattr(torch, "_amp_foreach_non_finite_check_and_unscale_")
