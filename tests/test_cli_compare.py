@@ -450,3 +450,23 @@ def test_the_plan_says_the_kernels_speeds_once_not_again_in_warnings(fake_machin
     assert main(["compare", "--model", "mlp", "--precision", "bf16", "--opt-level", "O1", "--compute", "native",
                  "--steps", "2", "--batch-size", "8", "--quiet", "--out", str(tmp_path / "native")]) == 0
     assert "warning: native bfloat16 kernels run matmul at 0.02x" in capsys.readouterr().err
+
+
+def test_the_plan_names_the_dtype_whose_kernels_it_measured_once(fake_machine) -> None:  # type: ignore[no-untyped-def]
+    """An FP8 setting's model runs in bf16 on a CPU: the plan said "native fp8 kernels here run at" bf16's speeds,
+    and the same line again for bf16."""
+    import io
+
+    from rich.console import Console
+
+    from ampkit.experiment.cost import Estimate
+    from ampkit.experiment.settings import plan
+
+    fake_machine({"matmul": 0.5, "conv": 0.25})
+    configs = plan(model="mlp", precisions=["bf16", "fp8"], steps=2, computes=["native"], probe=False)
+    assert {c.precision for c in configs} == {"fp32", "bf16", "fp8"}
+    out = io.StringIO()
+    compare_cmd.print_plan(Console(file=out, width=400), configs,
+                           Estimate(0.01, 0.005, 0.1, [0.01] * len(configs), {"bf16": 0.4, "fp8": 0.4}))
+    lines = [line for line in out.getvalue().splitlines() if "kernels here run at" in line]
+    assert len(lines) == 1 and "native bf16 kernels here run at conv 0.25x, matmul 0.5x" in lines[0], out.getvalue()

@@ -10,6 +10,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -210,6 +211,9 @@ class PlainProgress:
             print(f"ampkit compare [{now - self.start:.0f} s]: {runs}", file=sys.stderr, flush=True)
 
 
+_SHORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 def _in_the_plan(configs: list[RunConfig]) -> tuple[type[Warning], ...]:
     """The warnings that the regions of the estimate's steps raise and ``print_plan`` says already: what float32
     compute does, and, where float32-compute runs stand beside the native ones, the native kernels' measured speeds
@@ -227,10 +231,14 @@ def print_plan(console: Console, configs: list[RunConfig], estimate: Estimate) -
         f"(a float32 step measured here: {estimate.float32_step_s * 1e3:.0f} ms)."
     )
     measured = throughput.measure(first.device)
+    said: set[torch.dtype] = set()
     for precision, speedup in sorted(estimate.native_speedup.items()):
-        dtype = low_dtype(precision, first.device)
+        dtype = low_dtype(precision, first.device)  # an FP8 or block-scaled setting's: the rest of its model's
+        if dtype in said:
+            continue
+        said.add(dtype)
         line = ", ".join(f"{c} {measured.speedup(c, dtype):.3g}x" for c in GEMM_OPS)
-        console.print(f"  native {precision} kernels here run at {line} float32's speed "
+        console.print(f"  native {_SHORT_NAMES[dtype]} kernels here run at {line} float32's speed "
                       f"(this model: {speedup:.3g}x), measured on {measured.device_name}: "
                       f"{flags.native_support(first.device, dtype)}.")
     if any(c.float32_compute for c in configs):
