@@ -196,3 +196,22 @@ def test_inspect_reads_whole_at_80_columns_and_advises_no_padding_without_a_gpu(
     if not torch.cuda.is_available():
         words = " ".join(out.split())
         assert "this machine has none, so nothing to change here" in words and "-> pad to" not in words
+
+
+def test_a_warning_is_a_line_of_the_commands_own(fake_machine, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ampkit inspect` printed Python's form: ``/path/bin/ampkit:8: ComputeModeWarning: ...`` and
+    ``sys.exit(main())`` under it."""
+    import warnings
+
+    from ampkit.precision import state
+
+    fake_machine({"matmul": 0.02, "conv": 0.03})  # bf16 slow here: the region computes in float32, and says so
+    monkeypatch.setattr(state, "_warned", set())  # the regions warn once a process: as in a fresh one
+    shown = warnings.showwarning
+    assert main(["inspect", "--model", "mlp", "--batch-size", "8", "--out", str(tmp_path), "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "warning: ampkit computes conv and matmul in float32 on bfloat16 values" in err, err
+    assert "ComputeModeWarning" not in err and "sys.exit" not in err
+    assert warnings.showwarning is shown  # put back after the command

@@ -7,7 +7,9 @@ import importlib
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from ampkit.cli.flags import as_flags
 
@@ -44,6 +46,13 @@ def _on_sigterm(signum: int, frame: object) -> None:
     raise _Terminated
 
 
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: Any = None,
+                  line: str | None = None) -> None:
+    """A warning as a command's line (``warning: ...``, as ``compare`` prints its runs'), not Python's
+    ``/path/bin/ampkit:8: ComputeModeWarning: ...`` with ``sys.exit(main())`` under it."""
+    print(f"warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the subcommand; returns the exit code (2 for bad input,
     130 on Ctrl-C, 143 on SIGTERM)."""
@@ -53,7 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
-        return int(args.run(args))
+        with warnings.catch_warnings():  # put back as they were after the command
+            warnings.showwarning = _show_warning
+            return int(args.run(args))
     except _Terminated:
         print(f"ampkit {args.command}: terminated; results already written are kept.", file=sys.stderr)
         return 143
