@@ -15,6 +15,7 @@ import torch
 _Backward = TypeVar("_Backward", bound=Callable[..., Any])
 
 LOW_DTYPES = (torch.float16, torch.bfloat16)
+SHORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # as the command line names them
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "float16": torch.float16,

@@ -26,7 +26,7 @@ from ampkit.experiment.process import RunFailed, warning_key
 from ampkit.experiment.settings import IMAGE_DEFAULTS, MODEL_DEFAULTS, plan
 from ampkit.files import atomic_write
 from ampkit.hardware import flags, throughput
-from ampkit.modes import COMPUTE_MODES, MIXED_LEVELS, ComputeModeWarning
+from ampkit.modes import COMPUTE_MODES, MIXED_LEVELS, SHORT_NAMES, ComputeModeWarning
 from ampkit.optim.pure16 import UPDATES
 from ampkit.optim.states import STATES
 from ampkit.precision.decide import GEMM_OPS
@@ -211,9 +211,6 @@ class PlainProgress:
             print(f"ampkit compare [{now - self.start:.0f} s]: {runs}", file=sys.stderr, flush=True)
 
 
-_SHORT_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
 def _in_the_plan(configs: list[RunConfig]) -> tuple[type[Warning], ...]:
     """The warnings that the regions of the estimate's steps raise and ``print_plan`` says already: what float32
     compute does, and, where float32-compute runs stand beside the native ones, the native kernels' measured speeds
@@ -238,7 +235,7 @@ def print_plan(console: Console, configs: list[RunConfig], estimate: Estimate) -
             continue
         said.add(dtype)
         line = ", ".join(f"{c} {measured.speedup(c, dtype):.3g}x" for c in GEMM_OPS)
-        console.print(f"  native {_SHORT_NAMES[dtype]} kernels here run at {line} float32's speed "
+        console.print(f"  native {SHORT_NAMES[dtype]} kernels here run at {line} float32's speed "
                       f"(this model: {speedup:.3g}x), measured on {measured.device_name}: "
                       f"{flags.native_support(first.device, dtype)}.")
     if any(c.float32_compute for c in configs):

@@ -30,7 +30,7 @@ from ampkit.formats.block_linear import eligible_block_scaled
 from ampkit.formats.fp8 import eligible
 from ampkit.hardware.advice import recommend_dtype, slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
-from ampkit.modes import COMPUTE_MODES, MIXED_LEVELS, OPT_LEVELS
+from ampkit.modes import COMPUTE_MODES, MIXED_LEVELS, OPT_LEVELS, SHORT_NAMES
 from ampkit.optim.pure16 import UPDATES
 from ampkit.optim.states import LOW_BIT, STATES, check_format
 from ampkit.planning.precision_plan import PrecisionPlan, fingerprint
@@ -315,7 +315,7 @@ def _grad_accum(accumulate: str | None, precision: str, device: torch.device) ->
     """A run's ``grad_accum``: ``"fp32"``, or None for its weights' own dtype (refused if it is another)."""
     if accumulate in (None, "fp32"):
         return accumulate
-    own = {torch.bfloat16: "bf16", torch.float16: "fp16"}[low_dtype(precision, device)]
+    own = SHORT_NAMES[low_dtype(precision, device)]
     if accumulate != own:
         raise ValueError(f"grad_accums=[{accumulate!r}] with precision {precision!r}, whose 16-bit weights are {own}: "
                          f"gradients accumulate in fp32 or in the weights' dtype ({own}).")
