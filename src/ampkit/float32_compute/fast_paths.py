@@ -151,11 +151,19 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: tor
                enable_gqa: bool = False) -> Any:
     # The case the flash kernel serves on the CPU, as torch itself would pick it for these 16-bit
     # inputs; masks (converted by torch before the kernel), dropout (its random draws) and
-    # grouped-query attention take the generic path.
+    # grouped-query attention take the generic path, as do leading dims that broadcast.
     if (attn_mask is not None or dropout_p or enable_gqa or not q.is_cpu or not _same_low_dtype(q, k, v)
-            or _torch.fused_sdp_choice(q, k, v, is_causal, scale) != _FLASH):
+            or not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
         return NotImplemented
-    return _Attention.apply(q, k, v, is_causal, scale)
+    # The kernel takes (batch, heads, tokens, width) only, and from torch 2.14.1 on torch picks it for 3-D inputs
+    # too (2.13 picked MATH there; ampkit then passed them on as they came, and raised): any shape sdpa accepts,
+    # (tokens, width), (batch, tokens, width) or more leading dims, is asked about and run as a batch of one-head
+    # attentions, a view where the strides allow, the same arithmetic per (batch, head).
+    q4, k4, v4 = (t if t.dim() == 4 else t.reshape(-1, 1, *t.shape[-2:]) for t in (q, k, v))
+    if _torch.fused_sdp_choice(q4, k4, v4, is_causal, scale) != _FLASH:
+        return NotImplemented
+    out = _Attention.apply(q4, k4, v4, is_causal, scale)
+    return out if q.dim() == 4 else out.reshape(*q.shape[:-1], v.shape[-1])
 
 
 FAST: dict[Any, Callable[..., Any]] = {

@@ -118,11 +118,24 @@ def caster(device_type: str, dtype: torch.dtype) -> Callable[[torch.Tensor], tor
     return cast
 
 
+def _composite(overload: _torch.OpOverload) -> bool:
+    """Whether torch defines ``overload`` by other ops (a CompositeImplicitAutograd kernel). A TorchScript-only
+    overload (einsum.sublist), which the dispatcher does not know, is not."""
+    try:
+        return overload.has_kernel_for_dispatch_key("CompositeImplicitAutograd")
+    except RuntimeError:
+        return False
+
+
 def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Callable[..., Any]:
     banned_message = op_lists.BANNED[device_type].get(op)
     casters = {dtype: caster(device_type, dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)}
     torch_default = torch_category(device_type, op)
     torch_default = DENY if torch_default == "banned" else torch_default
+    # An op in no list that torch defines by other ops (einsum, chain_matmul, lstm_cell on the CPU) is not cast by
+    # torch.autocast: its parts are (einsum's bmm). Run whole in float32, it would compute and return float32 on a
+    # float32 model's inputs; decomposed here, each part is cast and computed as the policy says.
+    composite = _composite(overload)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         region = current_region(device_type)  # None below a plain torch.autocast that changed the dtype
@@ -131,6 +144,8 @@ def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Call
             in_float32 = op in region.float32_ops
         else:  # a thread using plain torch.autocast, or a region that treats this op as torch does
             category, in_float32 = torch_default, False
+        if category is None and composite:
+            return overload.decompose(*args, **kwargs)
         if category == ALLOW:
             cast: Callable[[torch.Tensor], torch.Tensor] | None = casters[torch.get_autocast_dtype(device_type)]
         elif category == DENY:
