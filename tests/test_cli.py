@@ -31,7 +31,10 @@ def test_ops_rejects_unknown_choices(capsys: pytest.CaptureFixture[str]) -> None
 
 
 def test_console_script_is_installed() -> None:
-    script = shutil.which("ampkit") or str(Path(sys.executable).parent / "ampkit")
+    # This interpreter's console script first: a venv run by its path without being activated has another on PATH.
+    beside = Path(sys.executable).parent / "ampkit"
+    script = str(beside) if beside.exists() else shutil.which("ampkit")
+    assert script is not None, "no ampkit console script beside this python or on PATH"
     done = subprocess.run([script, "ops"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "conv2d" in done.stdout

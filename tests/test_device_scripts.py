@@ -27,8 +27,10 @@ def test_the_device_steps_are_listed_with_budgets_inside_seven_minutes() -> None
 
 
 def test_at_least_25_gpu_tests_are_collected() -> None:
-    done = subprocess.run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "--collect-only"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    # This interpreter's pytest, not the first on PATH: a venv run by its path without being activated
+    # (.venv/bin/python -m pytest) has another python first there, maybe one without torch.
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "--collect-only"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     found = re.search(r"(\d+)/\d+ tests collected", done.stdout)
     assert found and int(found.group(1)) >= 25, done.stdout[-500:]
 
