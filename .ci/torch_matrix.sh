@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # The suite on the other torch releases ampkit supports: for each release after the first in pyproject.toml's
 # [tool.ampkit] tested-torch, a plain venv with that torch from the registry (a CUDA build; it runs on a CPU), then
-# the README's test command in it, verbatim but for the slow tier (-m "not slow": the README's own run of the whole
-# suite on the first release is what CI's time allows on 2 cores; AMPKIT_MATRIX_SLOW=1 runs it here too). It keeps
-# the torch it finds, as it does for a user who has one. A release the registry does not serve is a SKIPPED line,
-# never a silent pass; any other failure fails the run.
-# The oldest release also runs the compiled slow tier (tests/test_compiling.py -m slow: inductor, whose privates
-# differ most from the first release's; 2.11's inductor failed every compile under an edited policy, which only
-# that tier saw) and the offline device rehearsal (tests/test_device_scripts.py: in a plain venv, what a user has,
-# it once saw the base interpreter's packages instead of the venv's, and a setuptools that could not build).
+# the README's test command in it, verbatim but for the tier (the README's own run of the whole suite on the first
+# release is what CI's time allows on 2 cores once; AMPKIT_MATRIX_SLOW=1 runs the whole suite on every release). It
+# keeps the torch it finds, as it does for a user who has one. A release the registry does not serve is a SKIPPED
+# line, never a silent pass; any other failure fails the run. The tiers, by release:
+# - the newest and the oldest: the fast tier (-m "not slow"), where torch's privates and defaults move first;
+# - the oldest also the compiled slow tier (tests/test_compiling.py -m slow: inductor, whose privates differ most from
+#   the first release's; 2.11's inductor failed every compile under an edited policy, which only that tier saw) and
+#   the offline device rehearsal (tests/test_device_scripts.py: in a plain venv, what a user has, it once saw the
+#   base interpreter's packages instead of the venv's, and a setuptools that could not build);
+# - a release between them: the loans tier (LOANS below), the tests of each torch private ampkit calls, of torch's
+#   autocast lists and of the call shapes users write, so that every tested release runs every call form ampkit
+#   makes through a private (the fast tier on four releases would not fit CI's 90 minutes).
+# This machine's pip configuration caps torch at the releases on its disk (a constraints file); a user's has no
+# such cap, so the venvs here are installed with an empty constraints file (PIP_CONSTRAINT=/dev/null), as a user's.
 # AMPKIT_TORCH_VERSIONS="2.14.1 2.11.0" picks releases by hand; --list prints the releases and stops.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,11 +23,21 @@ import tomllib
 print(" ".join(tomllib.load(open("pyproject.toml", "rb"))["tool"]["ampkit"]["tested-torch"][1:]))')}
 if [ "${1:-}" = --list ]; then echo "$versions"; exit 0; fi
 readme_test=$(grep -m1 -F "python -m pytest -q" README.md)
-[ "${AMPKIT_MATRIX_SLOW:-0}" = 1 ] || readme_test="$readme_test -m 'not slow'"
+fast_test="$readme_test -m 'not slow'"
+[ "${AMPKIT_MATRIX_SLOW:-0}" = 1 ] && fast_test=$readme_test
+# The loans tier: the shim's own tests, the call shapes, torch's autocast lists, and the modules whose features call
+# each private (float32 compute's dispatch modes and attention kernels, the Autocast-key kernels' schemas,
+# checkpointing's entry points, the compiled features, the fused unscale and copies, tensor attributes).
+LOANS="tests/test_torch_shim.py tests/test_call_shapes.py tests/test_torch_autocast_lists.py tests/test_op_lists.py
+  tests/test_compute.py tests/test_checkpointing.py tests/test_compiling.py tests/test_autocast.py tests/test_scaler.py
+  tests/test_master.py"
+loans_test="$readme_test -m 'not slow' $(echo $LOANS)"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 served=$(python -m pip index versions torch 2>/dev/null | sed -n 's/^Available versions: //p' | tr -d ' ')
 oldest=$(printf '%s\n' $versions | sort -V | head -n1)
+newest=$(printf '%s\n' $versions | sort -V | tail -n1)
+export PIP_CONSTRAINT=/dev/null
 failed=()
 for version in $versions; do
   start=$SECONDS
@@ -29,14 +45,18 @@ for version in $versions; do
     echo "SKIPPED torch $version: the package registry does not serve it (the newest it serves: ${served%%,*})"
     continue
   fi
-  echo "=== torch $version: a fresh venv, then the README's test command"
+  tier=fast test=$fast_test
+  if [ "$version" != "$oldest" ] && [ "$version" != "$newest" ] && [ "${AMPKIT_MATRIX_SLOW:-0}" != 1 ]; then
+    tier=loans test=$loans_test
+  fi
+  echo "=== torch $version: a fresh venv, then the README's test command, the $tier tier"
   python -m venv "$work/$version"
   if ! "$work/$version/bin/python" -m pip install -q "torch==$version"; then
     failed+=("$version (its install)")
     continue
   fi
-  if (source "$work/$version/bin/activate" && cd "$PWD" && eval "$readme_test"); then
-    echo "torch $version: the README's test command passed in $((SECONDS - start)) s"
+  if (source "$work/$version/bin/activate" && cd "$PWD" && eval "$test"); then
+    echo "torch $version: the README's test command, the $tier tier, passed in $((SECONDS - start)) s"
   else
     failed+=("$version")
   fi

@@ -563,6 +563,20 @@ def gradients_section(results: dict[str, Any], relative: str) -> str:
     return "\n".join(rows)
 
 
+def attention_route_table(results: dict[str, Any]) -> str:
+    """Float32 compute's attention through CPU's private flash kernel against the public routes (issue 69)."""
+    rows = [f"`python benchmarks/bench_attention_route.py`, {results['created']}, on "
+            f"{machine_line(results['machine'])}: one causal attention in {results['dtype'].removeprefix('torch.')}, "
+            f"forward and backward, medians of {results['repeats']} alternated rounds; bytes saved for backward "
+            "beyond q, k and v themselves.", "",
+            "| size | route | ms | vs the private kernel | saved for backward |", "|---|---|---|---|---|"]
+    for size, routes in results["routes"].items():
+        for name, row in routes.items():
+            rows.append(f"| {size} | {name} | {row['ms']:.2f} | {row['ratio_to_private']:.3f}x "
+                        f"| {row['saved_bytes'] / 2**20:.2f} MiB |")
+    return "\n".join(rows)
+
+
 def gpt_head_section(results: dict[str, Any]) -> str:
     """The ablation of what bf16 O1/O2 keep in float32 on the GPT."""
     settings = results["settings"]
@@ -791,13 +805,20 @@ def torch_versions_blocks() -> dict[str, str]:
     def listed(names: list[str]) -> str:
         return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names)
 
-    others = listed([v for v in ordered if v != versions[0]])
+    others = [v for v in ordered if v != versions[0]]
+    oldest, newest = others[0], others[-1]
+    between = [v for v in others if v not in (oldest, newest)]
     tested = (f"Every CI run tests torch {listed(ordered)} (`.ci/run`): {versions[0]}, the CPU wheel the commands "
-              f"above install where no torch is, then {others} from the package registry (CUDA builds, which run on "
-              "a CPU too), each in a venv of its own, with the same test command less the slow tier (`-m \"not slow\"`: the three "
-              f"whole suites would not fit CI's 90 minutes on 2 cores), and on {ordered[0]}, the oldest, the slow tier's "
-              "compiled tests and the offline device rehearsal too (what a user's plain venv sees); a release the "
-              "registry does not serve is a SKIPPED line there, never a silent pass.")
+              f"above install where no torch is, with the whole suite; then {listed(others)} from the package "
+              "registry (CUDA builds, which run on a CPU too), each in a venv of its own, with the same test command "
+              f"by tiers (.ci/torch_matrix.sh): the newest, {newest}, and the oldest, {oldest}, the fast tier "
+              f"(`-m \"not slow\"`), and {oldest} the slow tier's compiled tests and the offline device rehearsal too "
+              "(what a user's plain venv sees)")
+    if between:
+        tested += (f"; {listed(between)}, between them, the loans tier: the tests of every torch private ampkit "
+                   "calls, in each call form it makes, of torch's autocast lists and of the call shapes users write "
+                   "(the whole suite on every release would not fit CI's 90 minutes on 2 cores)")
+    tested += ". A release the registry does not serve is a SKIPPED line there, never a silent pass."
     suite = RESULTS / "test-suite.json"
     if suite.exists():  # benchmarks/bench_test_suite.py
         record = json.loads(suite.read_text())
@@ -883,6 +904,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     if moments:
         sections += [f"{level} Pure bf16: its moments stochastically rounded or rounded to nearest (an ablation)", "",
                      bf16_moments_section(moments), ""]
+    route = load(directory, "attention-route.json")
+    if route:
+        sections += [f"{level} Float32 compute's attention: the private kernel against the public routes", "",
+                     attention_route_table(route), ""]
     head = load(directory, "gpt-head.json")
     if head:
         sections += [f"{level} GPT: what bf16 keeps in float32 (an ablation)", "", gpt_head_section(head), ""]

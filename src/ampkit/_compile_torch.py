@@ -102,7 +102,7 @@ def mark(namespace: Any, name: str, decorator: Callable[[Callable[..., Any]], Ca
 
 
 def compiled_original(module: nn.Module) -> nn.Module:
-    """The module a ``torch.compile(module)`` wrapper holds (``OptimizedModule._orig_mod``, 2.0-2.14.1), else
+    """The module a ``torch.compile(module)`` wrapper holds (``OptimizedModule._orig_mod``, 2.0-2.15.0), else
     ``module`` itself: module names are the model's own."""
     if _DYNAMO not in sys.modules:
         return module  # no torch.compile wrapper without dynamo
@@ -121,7 +121,7 @@ def inline_only(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _translator() -> Any:
     """dynamo's translator of the frame it compiles in this thread, else None (``InstructionTranslator.current_tx``,
-    2.1-2.14.1)."""
+    2.1-2.15.0)."""
     translator = getattr(_module("torch._dynamo.symbolic_convert"), "InstructionTranslator", None)
     return translator.current_tx() if translator is not None and is_compiling() else None
 
@@ -133,7 +133,7 @@ def _tracer() -> Any:
 
 def trace_ends_in_a_graph() -> bool:
     """Whether dynamo's cleanup hooks run because its graph is complete (``OutputGraph.compile_and_call_fx_graph``
-    calls them, 2.1-2.14.1), not because the trace stopped part-way."""
+    calls them, 2.1-2.15.0), not because the trace stopped part-way."""
     frame = sys._getframe()
     while frame is not None and frame.f_code.co_name != "compile_and_call_fx_graph":
         frame = frame.f_back  # type: ignore[assignment]
@@ -142,14 +142,14 @@ def trace_ends_in_a_graph() -> bool:
 
 def on_trace_end(fn: Callable[[], None]) -> None:
     """Call ``fn`` when dynamo's trace in progress ends, finished or stopped part-way (``OutputGraph.
-    add_cleanup_hook``, 2.1-2.14.1, dynamo's own way to close its context managers); outside a trace, never."""
+    add_cleanup_hook``, 2.1-2.15.0, dynamo's own way to close its context managers); outside a trace, never."""
     if (tracer := _tracer()) is not None:
         tracer.add_cleanup_hook(fn)
 
 
 def graph_op_with_side_effects(fn: Callable[..., None]) -> Callable[..., None]:
     """``fn`` as a node of dynamo's graph, kept though nothing uses its result (``torch.fx.node.has_side_effect``,
-    2.1-2.14.1), marked when dynamo is imported. Missing: ``can_trace_module_regions()`` says False, and the
+    2.1-2.15.0), marked when dynamo is imported. Missing: ``can_trace_module_regions()`` says False, and the
     function is never traced."""
 
     def apply() -> None:
@@ -164,7 +164,7 @@ def graph_op_with_side_effects(fn: Callable[..., None]) -> Callable[..., None]:
 
 def trace_backward_without_autocast() -> None:
     """AOTAutograd traces the backward of the graph dynamo is building with autocast off, until the trace ends
-    (``torch._functorch.config.backward_pass_autocast``, 2.5-2.14.1; its default traces it under the forward's)."""
+    (``torch._functorch.config.backward_pass_autocast``, 2.5-2.15.0; its default traces it under the forward's)."""
     config: Any = _module("torch._functorch.config")
     if _tracer() is None or not hasattr(config, "backward_pass_autocast"):
         return

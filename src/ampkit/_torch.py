@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
-CHECKED = ("2.11.0", "2.13.0", "2.14.1")  # the torch releases every private below was checked on (CI tests each)
+# The torch releases every private below was checked on (CI tests each).
+CHECKED = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
 _CHECKED_ON = f"torch {', '.join(CHECKED[:-1])} and {CHECKED[-1]}"
 
 
@@ -78,7 +79,7 @@ class _Absent(types.ModuleType):
 # The tensor-tree helpers and the dispatch-mode machinery: torch.utils._pytree and
 # torch.utils._python_dispatch are private modules that torch's own public APIs
 # (torch.compile, torch.func) are built on; TorchDispatchMode is documented, its
-# module is not (2.4-2.14.1). Without them float32 compute's generic path and
+# module is not (2.4-2.15.0). Without them float32 compute's generic path and
 # find_nonfinite refuse at their first call, naming the module.
 pytree: Any = _module("torch.utils._pytree") or _Absent("torch.utils._pytree")
 _dispatch = _module("torch.utils._python_dispatch") or _Absent("torch.utils._python_dispatch")
@@ -96,12 +97,12 @@ OpOverload: TypeAlias = Any
 
 
 def disable_current_modes() -> contextlib.AbstractContextManager[Any]:
-    """Run the enclosed code below every active TorchDispatchMode (torch 2.4-2.14.1)."""
+    """Run the enclosed code below every active TorchDispatchMode (torch 2.4-2.15.0)."""
     return _dispatch._disable_current_modes()
 
 
 def is_mutable(overload: Any) -> bool:
-    """Whether an op overload writes to an argument (``out=``, in-place): ``OpOverload._schema`` (2.4-2.14.1)."""
+    """Whether an op overload writes to an argument (``out=``, in-place): ``OpOverload._schema`` (2.4-2.15.0)."""
     return bool(overload._schema.is_mutable)
 
 
@@ -111,8 +112,8 @@ _GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_with
 
 def checkpoint_entry_points() -> tuple[Any, Any] | None:
     """torch.utils.checkpoint's two places where a segment's function is handed over, its first argument in
-    each: the reentrant ``CheckpointFunction`` (2.4-2.14.1) and the non-reentrant generator torch calls
-    (``_checkpoint_without_reentrant_generator``, 2.4-2.14.1; its ``_impl``, 2.14-2.14.1). None where either is
+    each: the reentrant ``CheckpointFunction`` (2.4-2.15.0) and the non-reentrant generator torch calls
+    (``_checkpoint_without_reentrant_generator``, 2.4-2.15.0; its ``_impl``, 2.14-2.15.0). None where either is
     missing: then ampkit warns once that checkpointed segments inside an edited region recompute without its
     policy (``precision/checkpointing.py``)."""
     from torch.utils import checkpoint as cp
@@ -135,7 +136,7 @@ def is_compiling() -> bool:
     """Whether torch.compile is at work in the calling thread: dynamo's trace or AOTAutograd's. Not
     ``torch.compiler.is_compiling()``: from 2.13 on it is one flag for the process, true in every thread while one
     compiles. dynamo's trace folds ``is_dynamo_compiling()``; AOTAutograd's runs in the thread's tracing context
-    (``torch._guards.TracingContext.try_get``, 2.11-2.14.1, thread-local)."""
+    (``torch._guards.TracingContext.try_get``, 2.11-2.15.0, thread-local)."""
     if torch.compiler.is_dynamo_compiling():
         return True
     context = _tracing_context()
@@ -149,8 +150,9 @@ def _tracing_context() -> Any:
 
 def fused_sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
                      scale: float | None) -> int | None:
-    """The attention backend torch picks for these inputs (``torch._fused_sdp_choice``, 2.4-2.14.1); None where
-    missing, and attention takes float32 compute's generic path."""
+    """The attention backend torch picks for these inputs (``torch._fused_sdp_choice``, 2.4-2.15.0); None where
+    missing, and attention takes float32 compute's generic path. It answers for the shapes it is asked about:
+    from 2.14.1 on FLASH for 3-D inputs too (torch's own attention views them as 4-D), where 2.13 answered MATH."""
     if (choice := getattr(torch, "_fused_sdp_choice", None)) is None:
         return None
     if is_compiling():
@@ -164,18 +166,19 @@ def fused_sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
 
 
 def flash_attention_cpu(*args: Any, **kwargs: Any) -> Any:
-    """``aten._scaled_dot_product_flash_attention_for_cpu`` (2.4-2.14.1)."""
+    """``aten._scaled_dot_product_flash_attention_for_cpu`` (2.4-2.15.0): (batch, heads, tokens, width) inputs
+    only, in every release CI tests."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)
 
 
 def flash_attention_cpu_backward(*args: Any, **kwargs: Any) -> Any:
-    """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` (2.4-2.14.1)."""
+    """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` (2.4-2.15.0)."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
 
 
 def amp_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
     """``torch._amp_foreach_non_finite_check_and_unscale_``: GradScaler's fused unscale and inf/NaN check
-    (2.4-2.14.1)."""
+    (2.4-2.15.0)."""
     fused = _lookup("torch._amp_foreach_non_finite_check_and_unscale_")
     if fused is not None:
         fused(tensors, found_inf, inv_scale)
@@ -188,7 +191,7 @@ def amp_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale
 
 
 def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """``torch._foreach_copy_``: one fused, converting copy of many tensors (2.4-2.14.1)."""
+    """``torch._foreach_copy_``: one fused, converting copy of many tensors (2.4-2.15.0)."""
     fused = _lookup("torch._foreach_copy_")
     if fused is None:
         fallback_once("torch._foreach_copy_", "tensors are copied one at a time")

@@ -10,17 +10,17 @@ from __future__ import annotations
 import torch
 
 def view_base(t: torch.Tensor) -> torch.Tensor | None:
-    """The tensor ``t`` is a view of, else None (``Tensor._base``, 2.4-2.14.1)."""
+    """The tensor ``t`` is a view of, else None (``Tensor._base``, 2.4-2.15.0)."""
     return t._base
 
 
 def version(t: torch.Tensor) -> int:
-    """How many in-place writes ``t``'s storage has had (``Tensor._version``, 2.4-2.14.1): a memo keyed by it is
+    """How many in-place writes ``t``'s storage has had (``Tensor._version``, 2.4-2.15.0): a memo keyed by it is
     stale once the tensor is written."""
     return t._version
 
 
 def sparse_values(t: torch.Tensor) -> torch.Tensor:
-    """A sparse COO tensor's stored values themselves, not a copy (``Tensor._values()``, 2.4-2.14.1; the public
+    """A sparse COO tensor's stored values themselves, not a copy (``Tensor._values()``, 2.4-2.15.0; the public
     ``values()`` needs a coalesced tensor, and ``coalesce()`` copies)."""
     return t._values()

@@ -5,6 +5,13 @@ dispatch mode, a nested graph, its replay); these compute the same kernels on th
 values for a fraction of that: linear, convolutions and CPU flash attention. Inside a selectively
 recomputed block, and while torch.compile traces, each forward runs as one custom op (``single_ops.py``),
 the same expression.
+
+Attention calls CPU's flash kernel and its backward by their private names (``_torch.flash_attention_cpu``), a
+loan kept by measurement (``benchmarks/bench_attention_route.py``, BENCHMARKS.md): the public
+``F.scaled_dot_product_attention`` runs the same kernel on float32 copies, but its backward is reachable only
+through autograd, which then saves the float32 copies of q, k, v and the output (several times the bytes this
+path saves, undoing what float32 compute keeps 16-bit), or, saving the 16-bit tensors, runs the forward again in
+the backward (a quarter more time at a 512-token attention, more than the 5% issue 69 allows).
 """
 
 from __future__ import annotations
