@@ -111,8 +111,17 @@ def test_library_errors_name_parameters_and_the_cli_shows_its_flags(capsys: pyte
 @pytest.mark.parametrize("batch", ["0", "-1", "100000"])
 def test_inspect_batch_sizes_are_checked(batch: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # 0 used 32, -1 used train_x[:-1], a huge value claimed a batch it did not use
-    assert main(["inspect", "--model", "mlp", "--batch-size", batch, "--out", str(tmp_path)]) == 2
+    assert main(["inspect", "--model", "mlp", "--batch-size", batch, "--out", str(tmp_path / "out")]) == 2
     assert f"--batch-size {batch} is invalid: use 1 to 1437" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # a refused command leaves no folder (it left an empty one)
+
+
+def test_a_refused_inspect_leaves_no_folder_in_the_default_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["inspect", "--model", "hf:unknown"]) == 2
+    assert "Unknown transformers architecture 'hf:unknown'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # was: ampkit-runs/inspect-<time>/, empty
 
 
 def test_inspect_memory_estimate_counts_the_batch_not_the_dataset(tmp_path: Path,

@@ -53,8 +53,8 @@ def _accumulated(grad_dtype: str | None, level: str = "O2") -> tuple[nn.Module, 
 
 def test_64_micro_batches_at_o2_sum_as_float32_accumulation_does() -> None:
     """The issue's test: 64 micro-batches of small gradients at O2. With grad_dtype=float32 the accumulated
-    gradient is float32 accumulation of the micro-batches' bfloat16 gradients, bit for bit; bfloat16
-    accumulation (the default) is off by far more than float32 rounding."""
+    gradient is float32 accumulation of the micro-batches' bfloat16 gradients, bit for bit (O2's default since
+    issue 64); bfloat16 accumulation (grad_dtype=torch.bfloat16) is off by far more than float32 rounding."""
     batches = _micro_batches()
     model = _model()
     model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2",
@@ -66,7 +66,7 @@ def test_64_micro_batches_at_o2_sum_as_float32_accumulation_does() -> None:
         assert p.dtype == torch.bfloat16 and p.grad.dtype == torch.float32
         assert torch.equal(p.grad, expected)
     plain = _model()
-    plain, _ = ampkit.initialize(plain, None, "O2", torch.bfloat16, compute="native")
+    plain, _ = ampkit.initialize(plain, None, "O2", torch.bfloat16, compute="native", grad_dtype=torch.bfloat16)
     for x in batches:
         _loss(plain, x).backward()
     errors = [((p.grad.float() - e).norm() / e.norm()).item() for p, e in zip(plain.parameters(), reference)]
@@ -166,7 +166,7 @@ def test_the_state_says_how_gradients_accumulated_and_a_different_resume_warns()
     optimizer.step()
     state = optimizer.state_dict()
     assert state["grad_dtype"] == "float32"
-    other_model, other = _accumulated(None)
+    other_model, other = _accumulated("bf16")
     assert other.state_dict()["grad_dtype"] == "weights"
     with pytest.warns(UserWarning, match=r"accumulated gradients in 'float32', this one in 'weights'"):
         other.load_state_dict(state)
@@ -220,9 +220,9 @@ def test_compare_plans_a_run_per_gradient_accumulation_at_o2_and_o3() -> None:
 
     configs = settings.plan(model="mlp", precisions=["bf16"], opt_levels=["O1", "O2", "O3"], grad_accums=["fp32", "bf16"],
                             computes=["native"], steps=4, batch_size=8, micro_batches=4)
-    assert [c.label for c in configs] == ["fp32", "bf16 O1", "bf16 O2 fp32-grads", "bf16 O2", "bf16 O3 fp32-grads",
-                                          "bf16 O3"]
-    assert [c.grad_accum for c in configs] == [None, None, "fp32", None, "fp32", None]
+    assert [c.label for c in configs] == ["fp32", "bf16 O1", "bf16 O2 fp32-grads", "bf16 O2 bf16-grads",
+                                          "bf16 O3 fp32-grads", "bf16 O3 bf16-grads"]
+    assert [c.grad_accum for c in configs] == [None, None, "fp32", "bf16", "fp32", "bf16"]
     assert {c.micro_batches for c in configs} == {4}
 
 
@@ -244,8 +244,8 @@ def test_bad_accumulation_options_are_refused_before_any_run(options: dict, mess
 
 def test_micro_batches_train_float32_as_the_whole_batch_does_and_o2_keeps_18_bytes_a_parameter() -> None:
     """4 micro-batches of 2 take the step one batch of 8 takes (up to float32 rounding: the sums differ in order);
-    O2 with float32 accumulation holds 18 bytes per parameter (16-bit weights, float32 gradients, masters, two
-    moments) where the default holds 20."""
+    O2 with float32 accumulation (its default) holds 18 bytes per parameter (16-bit weights, float32 gradients,
+    masters, two moments) where 16-bit gradients and their float32 copies hold 20."""
     from ampkit.experiment.config import RunConfig
     from ampkit.experiment.training import execute
 
@@ -255,8 +255,10 @@ def test_micro_batches_train_float32_as_the_whole_batch_does_and_o2_keeps_18_byt
     assert micro.losses == pytest.approx(whole.losses, rel=1e-5)
     assert micro.saved_for_backward_bytes < whole.saved_for_backward_bytes  # a micro-batch's activations at once
     o2 = dict(common, precision="bf16", opt_level="O2", compute="native", micro_batches=4)
-    per_parameter = {accumulate: execute(RunConfig(**o2, grad_accum=accumulate)) for accumulate in ("fp32", None)}
-    assert {a: round(r.state_bytes / r.parameters, 2) for a, r in per_parameter.items()} == {"fp32": 18.0, None: 20.0}
+    per_parameter = {accumulate: execute(RunConfig(**o2, grad_accum=accumulate))
+                     for accumulate in ("fp32", None, "bf16")}
+    assert {a: round(r.state_bytes / r.parameters, 2)
+            for a, r in per_parameter.items()} == {"fp32": 18.0, None: 18.0, "bf16": 20.0}
 
 
 @pytest.mark.slow  # a first inductor compile

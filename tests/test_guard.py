@@ -204,7 +204,7 @@ def test_bad_guard_settings_are_refused(options: dict, match: str) -> None:
 def test_an_optimizer_of_another_model_is_refused() -> None:
     model, _ = _setup()
     other, other_optimizer = _setup()
-    with pytest.raises(ValueError, match=r"The optimizer steps tensors that are not this model's parameters"):
+    with pytest.raises(ValueError, match=r"The optimizer steps 4 tensor\(s\) that are not parameters of this model"):
         ampkit.Guard(model, other_optimizer)
 
 

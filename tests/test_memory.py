@@ -27,8 +27,10 @@ def test_o2_adds_masters_and_keeps_norms_in_fp32() -> None:
     n_linear, n_norm = 110, 20
     assert est.mixed.weights == 2 * n_linear + 4 * n_norm
     assert est.mixed.master_weights == 4 * n_linear  # the float32 norm is its own master
-    assert est.mixed.gradients == 2 * n_linear + 4 * n_norm + 4 * n_linear  # and float32 copies of the 16-bit ones
+    assert est.mixed.gradients == 4 * (n_linear + n_norm)  # float32 gradients, the masters' own
     assert est.mixed.optimizer_states == 2 * 4 * (n_linear + n_norm)  # AdamW's two float32 moments
+    sixteen = estimate_memory(model, torch.randn(2, 10), "O2", optimizer="adamw", grad_dtype=torch.bfloat16)
+    assert sixteen.mixed.gradients == 2 * n_linear + 4 * n_norm + 4 * n_linear  # 16-bit ones and float32 copies
 
 
 def test_activations_agree_with_a_measured_compare_step() -> None:
@@ -50,10 +52,12 @@ def test_bad_arguments() -> None:
 
 
 @pytest.mark.parametrize("level, update, grad_dtype, bytes_per_parameter", [
-    ("O1", "plain", None, 16), ("O2", "plain", None, 20), ("O3", "plain", None, 8), ("O3", "kahan", None, 10),
+    ("O1", "plain", None, 16), ("O2", "plain", None, 18), ("O3", "plain", None, 8), ("O3", "kahan", None, 10),
     ("O3", "stochastic", None, 8),
-    # float32 gradients: at O2 the masters' own (2 + 4 + 4 + 8), at O3 2 bytes more than 16-bit ones
-    ("O2", "plain", "fp32", 18), ("O3", "plain", "fp32", 10), ("O3", "stochastic", "fp32", 10),
+    # O2's default is float32 gradients, the masters' own (2 + 4 + 4 + 8); 16-bit ones and their float32 copies
+    # take 2 bytes more; at O3 float32 gradients are 2 bytes more than 16-bit ones
+    ("O2", "plain", "bf16", 20), ("O2", "plain", "fp32", 18), ("O3", "plain", "fp32", 10),
+    ("O3", "stochastic", "fp32", 10),
 ])
 def test_estimate_matches_the_tensors_after_a_step(level: str, update: str, grad_dtype: str | None,
                                                    bytes_per_parameter: int) -> None:

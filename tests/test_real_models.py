@@ -473,6 +473,10 @@ def test_sizes_are_set_in_the_name_and_travel_with_it(tmp_path) -> None:  # type
                           r"'n_heads'\], e\.g\. hf:llama,d_model=128"),
     ("hf:llama,n_layers=0", r"n_layers='0' in 'hf:llama,n_layers=0' is invalid: a positive integer"),
     ("hf:llama,d_model=30,n_heads=4", r"d_model=30 in .* is not a multiple of n_heads=4"),
+    ("hf:llama,d_model=64,d_model=32", r"d_model is given twice in 'hf:llama,d_model=64,d_model=32': give each size "
+                                       r"once"),  # the last one won
+    ("hf:llama,d_model=12,n_heads=4", r"give heads of 3 features: llama's rotary embeddings turn pairs of them, so a "
+                                      r"head needs an even width"),  # failed deep inside the model
     ("hf:mamba,d_model=32", r"Unknown transformers architecture 'hf:mamba'. Choose one of \['hf:llama'"),
 ])
 def test_a_wrong_size_is_refused_naming_the_choices(spec: str, message: str, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -237,6 +237,11 @@ def load_checkpoint(path: str | Path, **objects: _Stateful) -> dict[str, Any]:
     for name, obj in objects.items():
         if name in state.get("formats", {}) and isinstance(obj, torch.optim.Optimizer):  # older files do not say
             check_same_format(state["formats"][name], obj, f"Checkpoint {path}: {name!r}")
+        if (isinstance(obj, torch.optim.Optimizer) and not hasattr(obj, "master_params")
+                and isinstance(saved[name], dict) and "master_params" in saved[name]):
+            # An O2 run's optimizer resumed by a float32 one: its inner optimizer's state, kept over the masters in
+            # the model's order (the masters' values are the O2 model's state dict's, which the model loads).
+            saved = {**saved, name: saved[name]["optimizer"]}
     before = {name: snapshot(obj.state_dict()) for name, obj in objects.items()}  # torchao's states have no deepcopy
     restored: list[str] = []
     try:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
+from torch import nn
 
 _Backward = TypeVar("_Backward", bound=Callable[..., Any])
 
@@ -126,3 +127,29 @@ def without_autocast(backward: _Backward) -> _Backward:
             return backward(ctx, *grads)
 
     return run  # type: ignore[return-value]
+
+
+def check_model_and_optimizer(model: object, optimizer: object, needed_by: str | None = None) -> None:
+    """Refuse a model that is no nn.Module, an optimizer that is no torch.optim.Optimizer, and one that
+    steps tensors other than the model's parameters (it would train nothing of this model): ValueError. None is
+    no optimizer (inference), refused where ``needed_by`` names what needs one."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model={type(model).__name__} is not an nn.Module: pass the model itself.")
+    if optimizer is None and needed_by is not None:
+        raise ValueError(f"optimizer=None: {needed_by} needs the model's optimizer, e.g. "
+                         "torch.optim.AdamW(model.parameters()) (the one ampkit.initialize returned, if it ran).")
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ValueError(f"optimizer={optimizer!r} is a {type(optimizer).__name__}, not a torch.optim.Optimizer: build "
+                         "one on the model's parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3), or pass "
+                         "None for inference.")
+    own = {id(p) for p in model.parameters()}
+    # A MasterWeightOptimizer's groups hold the masters: the model's weights it steps are its model_params.
+    stepped = getattr(optimizer, "model_params", None) or [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = [p for p in stepped if id(p) not in own]
+    if foreign:
+        raise ValueError(f"The optimizer steps {len(foreign)} tensor(s) that are not parameters of this model (shapes "
+                         f"{[tuple(p.shape) for p in foreign[:3]]}): build it on this model's parameters, "
+                         "model.parameters(), after any change to the model (after ampkit.initialize, pass the model "
+                         "and the optimizer it returned).")

@@ -62,8 +62,8 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
     parser.add_argument("--update", nargs="+", choices=UPDATES,
                         help="how O3 runs update their 16-bit weights: plain (default), kahan, stochastic")
     parser.add_argument("--grad-accum", nargs="+", choices=GRAD_ACCUMS,
-                        help="what the O2/O3 runs' 16-bit weights' gradients accumulate in: fp32, or their own "
-                             "dtype (bf16 or fp16: the default); several add a run each")
+                        help="what the O2/O3 runs' 16-bit weights' gradients accumulate in: fp32 (O2's default), "
+                             "or their own dtype (bf16 or fp16: O3's default); several add a run each")
     parser.add_argument("--states", nargs="+", choices=STATES,
                         help="the format of AdamW's moments in the mixed runs: fp32 (default), bf16 (the second "
                              "moment stochastically rounded), 8bit, 4bit, fp8 (torchao's low-bit AdamW); several add a run each")

@@ -67,7 +67,6 @@ def run(args: argparse.Namespace) -> int:
     histogram = out / "grad_histogram.png"
     if histogram.exists():
         raise ValueError(f"{histogram} exists; ampkit never overwrites results. Pass another --out.")
-    writable_directory(out)  # before the work: an --out that cannot be written fails now, not at the end
     dataset = data_mod.load(data_name)
     torch.manual_seed(0)
     model = build(args.model, **dataset.model_kwargs(CONTEXT))
@@ -84,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
     with torch.no_grad():  # the model's output, checked as compare checks it (a tuple, a wrong shape: one line)
         check_output(args.model, model(x), dataset.num_classes, tuple(y.shape))
+    # Before the work, after every check of the model and batch: a refused command leaves no folder behind.
+    writable_directory(out)
     report = inspect_numerics(model, x, y, fp8=Fp8Recipe() if args.fp8 else None,
                               block_scaled=BlockScaledRecipe(args.block_scaled) if args.block_scaled else None)
     memory = estimate_memory(model, x, args.opt_level)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ampkit.float32_compute.weights import is_weight_copy, weight_storages
-from ampkit.modes import MIXED_LEVELS, OPT_LEVELS, OptLevel, resolve_dtype
+from ampkit.modes import MIXED_LEVELS, OPT_LEVELS, OptLevel, check_model_and_optimizer, resolve_dtype
 from ampkit.shards import local_shard
 
 # Optimizer states per parameter, in the dtype of the parameters the optimizer updates.
@@ -148,7 +148,8 @@ def estimate_memory(
         plan: a ``RecomputePlan`` (``ampkit.plan_recompute``) made for this setting: the mixed activations
             are its planned saved-for-backward bytes (measured on the model as it trains, with its inputs).
         grad_dtype: ``initialize``'s: ``torch.float32`` counts float32 gradients of the 16-bit weights (at O2
-            the masters' own: no copy), None the weights' dtype.
+            the masters' own: no copy), the 16-bit dtype the weights' own and their float32 copies; None, as
+            ``initialize``, float32 at O2 and the weights' dtype at O3.
         states: ``initialize``'s format of AdamW's moments (``ampkit.optim.states``): None (the optimizer's
             own), ``"fp32"``, ``"bf16"``, ``"8bit"``, ``"4bit"`` or ``"fp8"``, counted per tensor as kept (a
             low-bit moment's codes, its float32 block scales and lookup table; a tensor torchao leaves
@@ -184,9 +185,11 @@ def estimate_memory(
         raise ValueError(f"plan={type(plan).__name__} is not a RecomputePlan: pass what ampkit.plan_recompute returns.")
     if sharding not in SHARDINGS:
         raise ValueError(f"Unknown sharding {sharding!r}. Choose one of {list(SHARDINGS)}.")
-    if accumulate is not None and sharding == "fsdp":
-        raise ValueError(f"grad_dtype={grad_dtype!r} with sharding='fsdp': fully_shard's gradients accumulate in its "
-                         "reduce_dtype (float32 by default), which this estimate counts; drop grad_dtype.")
+    if sharding == "fsdp":
+        if grad_dtype is not None and accumulate is not None:
+            raise ValueError(f"grad_dtype={grad_dtype!r} with sharding='fsdp': fully_shard's gradients accumulate in "
+                             "its reduce_dtype (float32 by default), which this estimate counts; drop grad_dtype.")
+        accumulate = None  # fully_shard's own
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1 \
             or (sharding == "none" and world_size != 1):
         raise ValueError(f"world_size={world_size!r} is invalid: an integer >= 1, with sharding='fsdp' (without "
@@ -298,7 +301,11 @@ def measured_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
     Returns:
         The bytes those tensors hold now (measure after a step, when the states exist).
+
+    Raises:
+        ValueError: a model that is no nn.Module, an optimizer that is none or steps other tensors.
     """
+    check_model_and_optimizer(model, optimizer, needed_by="measured_state_bytes")
     seen: dict[int, int] = {}
 
     def add(t: Any) -> None:

@@ -73,7 +73,7 @@ class RunConfig:
     # Each step's batch is split into this many micro-batches, a backward each, their gradients accumulated into
     # one optimizer step (the loss of each weighted by its share of the batch).
     micro_batches: int = 1
-    grad_accum: str | None = None  # O2/O3: "fp32" accumulates the 16-bit weights' gradients in float32; None: theirs
+    grad_accum: str | None = None  # O2/O3: "fp32", or the weights' "bf16" / "fp16"; None: initialize's default
     states: str | None = None  # AdamW's moments (ampkit.optim.states): bf16, 8bit, 4bit, fp8; None: as torch keeps them
     # A saved-for-backward budget ("0.5" of the run's own, or bytes: "64MiB"): the run trains with a recompute
     # plan for it (ampkit.plan_recompute, made on its first batch); None: no plan.
@@ -124,8 +124,8 @@ class RunConfig:
             label += f" {self.loss_scale}-scaling" if self.loss_scale != "none" else " no-scaling"
         if self.update != "plain":
             label += f" {self.update}"
-        if self.grad_accum == "fp32":
-            label += " fp32-grads"
+        if self.grad_accum is not None:
+            label += f" {self.grad_accum}-grads"
         if self.states is not None:
             label += f" {self.states}-states"
         if self.precision_plan is not None:

@@ -28,6 +28,7 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
     "bert": ("BertConfig", "BertLMHeadModel", {"is_decoder": True}),
 }
+ROTARY = ("llama", "qwen2", "qwen3")  # the families whose attention rotates pairs of a head's features (RoPE)
 # --model's help for these models
 HELP = (f"{PREFIX}<{'|'.join(ARCHITECTURES)}>" + "".join(f"[,{name}={value}]" for name, value in SIZES.items())
         + " (transformers)")
@@ -59,16 +60,25 @@ def parse(spec: str) -> tuple[str, dict[str, int]]:
                          f"{[PREFIX + a for a in ARCHITECTURES]}.")
     sizes = dict(SIZES)
     example = f"{PREFIX}{architecture},d_model=128,n_layers=4,n_heads=4"
+    given: set[str] = set()
     for option in options:
         name, _, value = option.partition("=")
         if name not in SIZES:
             raise ValueError(f"Unknown size {name!r} in {spec!r}. Choose from {list(SIZES)}, e.g. {example}.")
+        if name in given:
+            raise ValueError(f"{name} is given twice in {spec!r}: give each size once, e.g. {example}.")
+        given.add(name)
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"{name}={value!r} in {spec!r} is invalid: a positive integer, e.g. {example}.")
         sizes[name] = int(value)
     if sizes["d_model"] % sizes["n_heads"]:
         raise ValueError(f"d_model={sizes['d_model']} in {spec!r} is not a multiple of n_heads={sizes['n_heads']}: "
                          f"each head takes d_model / n_heads features, e.g. {example}.")
+    head = sizes["d_model"] // sizes["n_heads"]
+    if architecture in ROTARY and head % 2:
+        raise ValueError(f"d_model={sizes['d_model']} and n_heads={sizes['n_heads']} in {spec!r} give heads of "
+                         f"{head} features: {architecture}'s rotary embeddings turn pairs of them, so a head needs an "
+                         f"even width, e.g. {example}.")
     return architecture, sizes
 
 

@@ -133,8 +133,9 @@ def plan(
     training (GPT-2's ~2**19 tokens a step against the GPT workload's 2**11), where float16
     without loss scaling flushes gradients to zero. Reported losses are undivided.
 
-    ``grad_accums`` (``fp32``, or the run's 16-bit dtype, ``bf16`` or ``fp16``: the default) multiply the O2 and
-    O3 settings: what their 16-bit weights' gradients accumulate in (``initialize``'s ``grad_dtype``).
+    ``grad_accums`` (``fp32``, or the run's 16-bit dtype, ``bf16`` or ``fp16``) multiply the O2 and O3 settings:
+    what their 16-bit weights' gradients accumulate in (``initialize``'s ``grad_dtype``; without them, its default:
+    float32 at O2, the weights' dtype at O3).
     ``micro_batches`` (default 1) splits every step's batch into that many micro-batches, a backward each, their
     gradients accumulated into one step (it must divide the batch size).
     ``states`` (``fp32``: the default, ``bf16``, ``8bit``, ``4bit``, ``fp8``) multiply the mixed settings: the
@@ -312,14 +313,15 @@ def plan(
 
 
 def _grad_accum(accumulate: str | None, precision: str, device: torch.device) -> str | None:
-    """A run's ``grad_accum``: ``"fp32"``, or None for its weights' own dtype (refused if it is another)."""
+    """A run's ``grad_accum``: ``"fp32"``, the weights' own 16-bit name (refused if it is another), or None
+    (``initialize``'s default: float32 at O2, the weights' dtype at O3)."""
     if accumulate in (None, "fp32"):
         return accumulate
     own = SHORT_NAMES[low_dtype(precision, device)]
     if accumulate != own:
         raise ValueError(f"grad_accums=[{accumulate!r}] with precision {precision!r}, whose 16-bit weights are {own}: "
                          f"gradients accumulate in fp32 or in the weights' dtype ({own}).")
-    return None
+    return accumulate
 
 
 def _states(state: str | None, precision: str, level: str, update: str, device: torch.device) -> str | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 from typing import Any
 
 import torch
@@ -252,10 +253,13 @@ class Fp8Linear(nn.Linear):
         self.scale[role] = scale_from_amax(history_amax(self.amax_history[role], self.recipe.amax_compute_algo),
                                            self.recipe.dtype(role), self.recipe.margin, self.scale[role])
 
-    def get_extra_state(self) -> dict[str, Any]:
-        return {"version": STATE_VERSION, "recipe": dataclasses.asdict(self.recipe)}
+    def get_extra_state(self) -> torch.Tensor:
+        """The version and the recipe, as the bytes of their JSON in a uint8 tensor: a state dict of tensors only
+        is what safetensors (transformers' ``save_pretrained``) writes; a dict there failed the save."""
+        text = json.dumps({"version": STATE_VERSION, "recipe": dataclasses.asdict(self.recipe)})
+        return torch.tensor(list(text.encode()), dtype=torch.uint8)
 
-    def set_extra_state(self, state: dict[str, Any]) -> None:
+    def set_extra_state(self, state: torch.Tensor | dict[str, Any]) -> None:
         _check_state(state, self.recipe)
 
     def extra_repr(self) -> str:
@@ -263,7 +267,13 @@ class Fp8Linear(nn.Linear):
 
 
 def _check_state(state: Any, recipe: Fp8Recipe) -> None:
-    """Refuse an FP8 layer's saved state of another version or recipe (RuntimeError)."""
+    """Refuse an FP8 layer's saved state of another version or recipe (RuntimeError). The state is
+    ``get_extra_state``'s tensor, or the dict earlier versions saved."""
+    if isinstance(state, torch.Tensor) and state.dtype == torch.uint8 and state.dim() == 1:
+        try:
+            state = json.loads(bytes(state.tolist()).decode())
+        except ValueError:
+            pass  # refused below, shown as it came
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         raise RuntimeError(f"Cannot load Fp8Linear state {state!r}: this ampkit reads version {STATE_VERSION}.")
     saved = Fp8Recipe(**state["recipe"])

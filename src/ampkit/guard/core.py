@@ -41,6 +41,7 @@ from torch import nn
 
 from ampkit.files import atomic_write
 from ampkit.guard import layers, ranks
+from ampkit.modes import check_model_and_optimizer
 from ampkit.optim.states import snapshot
 from ampkit.shards import is_sharded, shard_group
 
@@ -125,6 +126,7 @@ class Guard:
                  window: int = 50, keep_every: int = 50, max_skips: int = 5, sample_every: int = 10,
                  saturation: float = 0.01, underflow: float = 0.05, near_overflow: float = 0.5,
                  process_group: Any = None, checkpoint: str | Path | None = None) -> None:
+        check_model_and_optimizer(model, optimizer, needed_by="Guard")
         if action not in ACTIONS:
             raise ValueError(f"Unknown action {action!r}. Choose one of {list(ACTIONS)}: 'skip' drops a bad step, "
                              "'restore' puts back the last good state the guard kept, then drops it, 'raise' raises the "
@@ -158,11 +160,6 @@ class Guard:
         if process_group is not None and not dist.is_initialized():
             raise ValueError("process_group is given but torch.distributed is not initialized: call "
                              "torch.distributed.init_process_group first, or pass process_group=None.")
-        own = {id(p) for p in model.parameters()}  # an O2 optimizer's masters stand for its model's parameters
-        stepped = getattr(optimizer, "model_params", None) or [p for g in optimizer.param_groups for p in g["params"]]
-        if any(id(p) not in own for p in stepped):
-            raise ValueError("The optimizer steps tensors that are not this model's parameters (or their masters): "
-                             "pass the model and the optimizer initialize returned.")
         sixteen = layers.sixteen_bit_weights(model) if action == "raise" else []
         if sixteen:
             raise ValueError(f"action='raise' cannot raise a 16-bit layer of this model to float32: its weights are "

@@ -35,6 +35,7 @@ from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import resolve_dtype
 from ampkit.optim.kept import cast_output_to_float32
 from ampkit.optim.levels import check_settings, initialize
+from ampkit.optim.master import MasterWeightOptimizer
 from ampkit.precision.policy import Policy
 from ampkit.scaling.scaler import DynamicLossScaler, StaticLossScaler, check_scaler
 
@@ -101,7 +102,11 @@ def prepare(
     if fp8 is not None:
         group = torch.distributed.group.WORLD if accelerator.num_processes > 1 else None
         convert_to_fp8(model, fp8, process_group=group)
-    model, optimizer = initialize(model, optimizer, opt_level, dtype, compute=compute, policy=policy)
+    # DDP's reducer takes gradients in the weights' dtype only: under it O2's are 16-bit, each copied into its float32
+    # master by the scaler's unscale_, which clip_grad_norm_ then clips (_clip_grad_norm_).
+    ddp = accelerator.num_processes > 1 and accelerator.distributed_type.name.startswith("MULTI_")
+    model, optimizer = initialize(model, optimizer, opt_level, dtype, compute=compute, policy=policy,
+                                  grad_dtype=dtype if ddp and level.masters else None)
     if level.policy_region:  # as Accelerate's own mixed precision does: the loss is computed in float32
         model.register_forward_hook(cast_output_to_float32)
     items[models[0]] = model
@@ -143,17 +148,37 @@ def install_scaler(accelerator: Accelerator, scaler: DynamicLossScaler | StaticL
     # Before accelerator.prepare: each AcceleratedOptimizer takes the accelerator's scaler when built.
     accelerator.scaler = scaler
     accelerator.unscale_gradients = types.MethodType(_unscale_gradients, accelerator)  # type: ignore[method-assign]
+    accelerator.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, accelerator)  # type: ignore[method-assign]
 
 
-def _unscale_gradients(self: Accelerator, optimizer: Any = None) -> None:
-    """``accelerator.unscale_gradients`` through ampkit's scaler (``clip_grad_norm_`` calls it)."""
-    if not self.scaler.enabled:
-        return
+def _optimizers(self: Accelerator, optimizer: Any = None) -> list[torch.optim.Optimizer]:
+    """The torch optimizers under ``optimizer`` (one or a list; None: every prepared one)."""
     if optimizer is None:
         optimizer = self._optimizers
     elif not isinstance(optimizer, (tuple, list)):
         optimizer = [optimizer]
+    found = []
     for opt in optimizer:
         while isinstance(opt, AcceleratedOptimizer):
             opt = opt.optimizer
-        self.scaler.unscale_(opt)
+        found.append(opt)
+    return found
+
+
+def _unscale_gradients(self: Accelerator, optimizer: Any = None) -> None:
+    """``accelerator.unscale_gradients`` through ampkit's scaler (``clip_grad_norm_`` calls it)."""
+    for opt in _optimizers(self, optimizer):
+        if self.scaler.enabled:
+            self.scaler.unscale_(opt)
+        elif isinstance(opt, MasterWeightOptimizer):
+            opt.prepare_grads_()  # 16-bit gradients (under DDP) reach the masters, which clipping then clips
+
+
+def _clip_grad_norm_(self: Accelerator, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+    """``accelerator.clip_grad_norm_`` on what the step uses: at O2 each weight's float32 master (the model's
+    gradient is the master's own, or under DDP copied into it by the unscale)."""
+    masters = [opt for opt in _optimizers(self) if isinstance(opt, MasterWeightOptimizer)]
+    params = list(parameters) if masters else parameters
+    for opt in masters:
+        params = [opt.master_of(p) if opt.master_of(p) is not None else p for p in params]
+    return Accelerator.clip_grad_norm_(self, params, max_norm, norm_type)

@@ -31,7 +31,9 @@ from ampkit.distributed import HookState, check_compression, compression_hook
 from ampkit.formats.fp8 import Fp8Recipe, convert_to_fp8
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import LOW_DTYPES, resolve_dtype
+from ampkit.optim.grads import accumulate_in, resolve_grad_dtype
 from ampkit.optim.levels import MasterWeightOptimizer, cast_model_, check_settings, forward_context
+from ampkit.optim.master import follow_model
 from ampkit.precision.policy import Policy
 from ampkit.scaling.scaler import DynamicLossScaler, StaticLossScaler, check_scaler
 
@@ -163,12 +165,19 @@ class AmpkitPrecision(_AmpkitCore, Precision):
             if self.level.masters:
                 self._exact = {id(p): p.detach().clone() for p in module.parameters()}
             cast_model_(module, self.level, self.dtype)
+            accumulate = resolve_grad_dtype(None, self.level, self.dtype)  # O2: float32, each master's own
+            if accumulate is not None:
+                accumulate_in(module.parameters(), accumulate)
         return module
 
     def connect(self, model: nn.Module, optimizers: list[Any], lr_schedulers: list[Any]) -> tuple[nn.Module, list[Any], list[Any]]:
         """Wrap optimizers in master weights (O2), make step schedulers skip-aware, register the DDP hook."""
         if self.level.masters:
-            optimizers = [self._with_masters(opt) for opt in optimizers]
+            optimizers = [self._with_masters(opt, model) for opt in optimizers]
+            if isinstance(model, nn.parallel.DistributedDataParallel):
+                # DDP's reducer takes gradients in the weights' dtype only: 16-bit ones, which the scaler's unscale_
+                # copies into the masters before Lightning clips them (main_params: the masters).
+                accumulate_in(model.parameters(), None)
         for config in lr_schedulers:
             if config.interval == "step" and not isinstance(config.scheduler, _SkipAwareScheduler):
                 config.scheduler = _SkipAwareScheduler(config.scheduler, self)
@@ -180,7 +189,7 @@ class AmpkitPrecision(_AmpkitCore, Precision):
                 model.register_comm_hook(self.hook_state, compression_hook(self.compression, self.predivide_factor))
         return model, optimizers, lr_schedulers
 
-    def _with_masters(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    def _with_masters(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> torch.optim.Optimizer:
         if isinstance(optimizer, MasterWeightOptimizer):
             return optimizer
         wrapped = MasterWeightOptimizer(optimizer)
@@ -188,6 +197,7 @@ class AmpkitPrecision(_AmpkitCore, Precision):
             for param, master in zip(wrapped.model_params, wrapped.master_params):
                 if id(param) in self._exact:
                     master.copy_(self._exact[id(param)])
+        follow_model(wrapped, model)  # checkpoints hold the masters as the model's weights, as initialize's O2
         return wrapped
 
     # -- the training step ---------------------------------------------------------------

@@ -13,9 +13,11 @@ just before the step, and restored after it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 from ampkit.modes import _DTYPE_NAMES, OptLevel, opt_level as level_named
 
@@ -27,13 +29,19 @@ def resolve_grad_dtype(grad_dtype: torch.dtype | str | None, opt_level: str | Op
                        dtype: torch.dtype) -> torch.dtype | None:
     """The dtype a model's gradients accumulate in: ``torch.float32``, or None for the weights' own dtype.
 
+    None (the default) is float32 where the level keeps float32 masters (O2): the model's gradient is then the
+    master's own, one tensor with one owner, so what a float32 loop does to ``model.parameters()``' gradients
+    (clipping them, a scaler's ``unscale_``, logging their norm) is what the step uses (docs/training.md, "The
+    contract"). It is also 2 bytes per parameter fewer than a 16-bit gradient and its float32 copy. At O3, whose
+    optimizer steps the 16-bit weights themselves, None is the weights' own dtype.
+
     Raises:
         ValueError: a name or dtype other than float32 and ``dtype``; float32 accumulation at O0 and O1, whose
             weights and gradients are float32 already, is accepted (it changes nothing).
     """
     level = level_named(opt_level)
     if grad_dtype is None:
-        return None
+        return torch.float32 if level.masters else None
     resolved = GRAD_DTYPE_NAMES.get(grad_dtype.lower()) if isinstance(grad_dtype, str) else grad_dtype
     if resolved == dtype and level.weights_16bit:
         return None  # the weights' own dtype: what torch does by default
@@ -44,15 +52,16 @@ def resolve_grad_dtype(grad_dtype: torch.dtype | str | None, opt_level: str | Op
                      f"{dtype if level.weights_16bit else 'float32'}).")
 
 
-def accumulate_in(params: Iterable[torch.Tensor], grad_dtype: torch.dtype) -> None:
+def accumulate_in(params: Iterable[torch.Tensor], grad_dtype: torch.dtype | None) -> None:
     """Make each floating, trained leaf in ``params`` whose dtype is not ``grad_dtype`` accumulate its
-    gradient in ``grad_dtype`` (``Tensor.grad_dtype``); a gradient already there is converted."""
+    gradient in ``grad_dtype`` (``Tensor.grad_dtype``; None: its own dtype again); a gradient already there is
+    converted."""
     for param in params:
         if param.requires_grad and param.is_floating_point() and param.dtype != grad_dtype:
             grad, param.grad = param.grad, None  # torch refuses a gradient of another dtype than grad_dtype
             param.grad_dtype = grad_dtype
             if grad is not None:
-                param.grad = grad.to(grad_dtype)
+                param.grad = grad.to(grad_dtype or param.dtype)
 
 
 def step_in_own_dtype(optimizer: torch.optim.Optimizer) -> None:
@@ -78,3 +87,32 @@ def step_in_own_dtype(optimizer: torch.optim.Optimizer) -> None:
 
     optimizer.register_step_pre_hook(before)
     optimizer.register_step_post_hook(after)
+
+
+def refuse_ddp_at_first_forward(model: nn.Module, dtype: torch.dtype) -> None:
+    """Refuse, at ``model``'s first forward, torch's DistributedDataParallel around it (ValueError naming the fix):
+    DDP's reducer copies each gradient into buckets of its weight's dtype and fails in the first backward on a
+    float32 gradient of a 16-bit weight (``Expected BFloat16, got Float``). DDP gives no sign of itself on the
+    module; its ``forward`` is found among the callers' frames (``inspect``, once: the check goes after a forward
+    that passed)."""
+
+    def check(module: nn.Module, args: object) -> None:
+        if torch.compiler.is_compiling():
+            return  # dynamo cannot trace the frames; a compiled model's first eager call has made the check
+        frame = inspect.currentframe()
+        for _ in range(12):  # DDP.forward, _run_ddp_forward, Module.__call__: a few frames up
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                break
+            caller = frame.f_locals.get("self")
+            if isinstance(caller, nn.parallel.DistributedDataParallel) and caller.module is module:
+                name = str(dtype).removeprefix("torch.")
+                raise ValueError(
+                    f"torch's DistributedDataParallel reduces gradients in the weights' dtype ({name}), and O2 "
+                    "accumulates this model's gradients in float32 (one gradient, its master's own). Pass "
+                    f"ampkit.initialize(..., grad_dtype=torch.{name}) under DDP (clip through the loss scaler: "
+                    "scaler.clip_grad_norm_(optimizer, max_norm)), or train without DDP's reducer: "
+                    "ampkit.distributed.DistributedOptimizer, or ampkit.distributed.fully_shard.")
+        handle.remove()
+
+    handle = model.register_forward_pre_hook(check)

@@ -17,7 +17,7 @@ from torch import nn
 
 from ampkit.formats.torchao import check_fp8_gathers
 from ampkit.hardware.advice import recommend_dtype
-from ampkit.modes import OptLevel, check_compute, opt_level as level_named, resolve_dtype
+from ampkit.modes import OptLevel, check_compute, check_model_and_optimizer, opt_level as level_named, resolve_dtype
 from ampkit.optim import grads, pure16
 from ampkit.optim.kept import (
     Float32Losses,
@@ -29,7 +29,7 @@ from ampkit.optim.kept import (
     losses_in_float32,
     needs_input_casts,
 )
-from ampkit.optim.master import MasterWeightOptimizer
+from ampkit.optim.master import MasterWeightOptimizer, follow_model
 from ampkit.optim.states import check_states, for_level
 from ampkit.precision.decide import float32_ops
 from ampkit.precision.policy import Policy
@@ -139,31 +139,15 @@ def initialize(
         cast_model_(model, level, dtype, tuple(keep_float32))
     if optimizer is not None and level.pure16:
         optimizer = for_level(optimizer, states, update, float32_weights=False)
+    if isinstance(optimizer, MasterWeightOptimizer):
+        follow_model(optimizer, model)
     if accumulate is not None:
         grads.accumulate_in(model.parameters(), accumulate)
+        grads.refuse_ddp_at_first_forward(model, dtype)
         if level.pure16 and optimizer is not None:
             grads.step_in_own_dtype(optimizer)
     wrap_forward(model, *forward_wrappers(level, device.type, dtype, compute, policy))
     return model, optimizer
-
-
-def check_model_and_optimizer(model: object, optimizer: object) -> None:
-    """Refuse a model that is no nn.Module, an optimizer that is no torch.optim.Optimizer, and one that
-    steps tensors other than the model's parameters (it would train nothing of this model): ValueError."""
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model={type(model).__name__} is not an nn.Module: pass the model itself.")
-    if optimizer is None:
-        return
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer={optimizer!r} is a {type(optimizer).__name__}, not a torch.optim.Optimizer: build "
-                         "one on the model's parameters, e.g. torch.optim.AdamW(model.parameters(), lr=1e-3), or pass "
-                         "None for inference.")
-    own = {id(p) for p in model.parameters()}
-    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
-    if foreign:
-        raise ValueError(f"The optimizer steps {len(foreign)} tensor(s) that are not parameters of this model (shapes "
-                         f"{[tuple(p.shape) for p in foreign[:3]]}): build it on this model's parameters, "
-                         "model.parameters(), after any change to the model.")
 
 
 def check_settings(opt_level: str | OptLevel, compute: str, policy: Policy | None, update: str = "plain") -> OptLevel:

@@ -4,6 +4,16 @@ A 16-bit weight cannot take an update smaller than half its spacing: bfloat16
 has 8 significant bits, so ``1.0 + 1e-3`` rounds back to ``1.0``. Keeping a
 float32 copy of every weight for the optimizer (Micikevicius et al., 2018,
 "Mixed Precision Training") keeps those updates.
+
+What a float32 loop does to the model and its optimizer must still mean what it means (docs/training.md, "The
+contract"): the optimizer the user built is the inner one, its groups now over the masters (a scheduler built on
+it before ``initialize`` drives them); at O2 each weight's gradient is float32 and is its master's own
+(``optim/grads.py``), so clipping ``model.parameters()`` clips what the step uses; and ``follow_model`` makes
+the model's state dict the masters' (``model.state_dict()`` holds the trained float32 values, and
+``model.load_state_dict`` of a float32 checkpoint sets the masters exactly, so a float32 run resumes at O2 from
+its trained weights). The other direction measured (float32 parameters with 16-bit copies for compute, as FSDP2's
+``MixedPrecisionPolicy`` keeps shards) would change O2's weights, checkpoints and every integration at once; this
+one keeps them and closes each way a float32 loop could reach a stale copy.
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ import torch
 from torch import nn
 
 from ampkit import _torch
-from ampkit.optim.states import check_same_format, states_format
+from ampkit.optim.states import check_same_format, loaded_in_format, states_format
 
 STATE_VERSION = 1
 
@@ -31,6 +41,68 @@ def _on_gradient(owner: weakref.ref, index: int, param: torch.Tensor) -> None:
         master = optimizer.master_params[index]
         if param.grad is not None and param.grad.dtype == master.dtype and param.grad.device == master.device:
             master.grad = param.grad
+
+
+def _master_state_dict(owner: weakref.ref, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                       local_metadata: Any) -> None:
+    """``module.state_dict()``'s entries for its own 16-bit weights replaced by their float32 masters (detached, as
+    torch's own entries are; ``keep_vars=True`` entries, the Parameters themselves, are left)."""
+    optimizer = owner()
+    if optimizer is None:
+        return
+    for name, param in module.named_parameters(recurse=False):
+        master, key = optimizer.master_of(param), prefix + name
+        if master is not None and key in state_dict and not isinstance(state_dict[key], nn.Parameter):
+            state_dict[key] = master.detach()
+
+
+def _capture_loaded(captured: dict[str, torch.Tensor], module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                    *_: Any) -> None:
+    """Before ``module.load_state_dict`` rounds them into 16-bit weights: the values it loads for the module's own
+    weights, by their names in the module."""
+    captured.clear()
+    for name, _ in module.named_parameters(recurse=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(value, torch.Tensor):
+            captured[name] = value
+
+
+def _masters_from_loaded(owner: weakref.ref, captured: dict[str, torch.Tensor], module: nn.Module,
+                         incompatible_keys: Any) -> None:
+    """After ``module.load_state_dict``: each master of a weight it loaded takes the loaded value, exactly where it
+    was float32 (a float32 checkpoint, or an O2 model's own state dict, which holds the masters); a 16-bit value
+    (an older O2 state dict) is taken only where the master does not round to it already, so that loading the
+    model before or after the optimizer's state (which holds the exact masters) keeps them exact."""
+    optimizer, loaded = owner(), dict(captured)
+    captured.clear()
+    if optimizer is None:
+        return
+    with torch.no_grad():
+        for name, param in module.named_parameters(recurse=False):
+            master, value = optimizer.master_of(param), loaded.get(name)
+            if master is None or value is None or value.shape != master.shape:
+                continue
+            if value.dtype != torch.float32:
+                if torch.equal(master.to(param.dtype), param):
+                    continue
+                value = param
+            master.copy_(value)
+
+
+def follow_model(optimizer: MasterWeightOptimizer, model: nn.Module) -> None:
+    """Make ``model``'s state dict its masters': ``model.state_dict()`` gives each 16-bit weight's float32 master
+    (torch.save, ``save_pretrained`` and a framework's checkpoint keep the trained float32 values), and
+    ``model.load_state_dict`` sets the masters of what it loads (a float32 checkpoint resumes exactly). Through
+    torch's public module state-dict hooks on each module with a weight of ``optimizer``'s; they hold the optimizer
+    weakly, and do nothing once it is gone."""
+    owner = weakref.ref(optimizer)
+    for module in model.modules():
+        if not any(optimizer.master_of(p) is not None for p in module.parameters(recurse=False)):
+            continue
+        captured: dict[str, torch.Tensor] = {}
+        module.register_state_dict_post_hook(functools.partial(_master_state_dict, owner))
+        module.register_load_state_dict_pre_hook(functools.partial(_capture_loaded, captured))
+        module.register_load_state_dict_post_hook(functools.partial(_masters_from_loaded, owner, captured))
 
 
 class MasterWeightOptimizer(torch.optim.Optimizer):
@@ -68,6 +140,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 masters.append(param.detach().clone().float().requires_grad_(param.requires_grad))
             group["params"] = masters
         self.master_params: list[torch.Tensor] = [m for g in optimizer.param_groups for m in g["params"]]
+        self._index = {id(p): i for i, p in enumerate(self.model_params)}
         self._grads_synced = False
         self._shared = False  # whether the float32 parameters are their own masters yet (_share_float32_masters)
         # what a step writes back: each weight and its master (a float32 weight that is its own master needs none)
@@ -101,6 +174,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if name == "optimizer":
             raise AttributeError(name)
         return getattr(self.optimizer, name)
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        """The float32 master of the model's parameter ``param``; None where ``param`` is not one of the model's
+        weights this optimizer steps, or is its own master (a float32 weight, from the first step on)."""
+        index = self._index.get(id(param))
+        if index is None or self.model_params[index] is not param or self.master_params[index] is param:
+            return None
+        return self.master_params[index]
 
     def prepare_grads_(self) -> None:
         """Copy the model's 16-bit gradients into the masters' float32 ``.grad`` (a float32 gradient of the
@@ -217,6 +298,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     f"Not an optimizer state dict: keys {sorted(state_dict)}; expected 'version', 'optimizer' "
                     "and 'master_params' (MasterWeightOptimizer) or 'state' and 'param_groups' (torch.optim)."
                 )
+            loaded_in_format(self.optimizer, state_dict)
             self.optimizer.load_state_dict(state_dict)
             return
         missing = sorted({"version", "optimizer", "master_params"} - set(state_dict))

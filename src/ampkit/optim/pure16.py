@@ -177,8 +177,9 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
         return generator.manual_seed(((self.seed * 1_000_003 + index) * 1_000_033 + count) % 2**63)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``. The states keep their saved dtype: torch.optim casts them to their
-        parameter's, which would round float32 moments of 16-bit weights, or widen bfloat16 moments of float32
+        """Resume from ``state_dict()``. The states keep their saved dtype, the moments ``state_dtype`` where it is
+        set (a plain AdamW's float32 moments loaded into bf16 ones are rounded to nearest): torch.optim casts them to
+        their parameter's, which would round float32 moments of 16-bit weights, or widen bfloat16 moments of float32
         masters."""
         super().load_state_dict(state_dict)
         # the saved groups name each parameter (an index, or a name in torch.distributed.checkpoint's dicts)
@@ -187,7 +188,11 @@ class StochasticRoundingOptimizer(torch.optim.Optimizer):
         for name, saved in state_dict["state"].items():
             for key, value in saved.items():
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    self.state[params[name]][key] = value.to(device=params[name].device, copy=True)
+                    dtype = self.state_dtype if self.state_dtype is not None and key in _MOMENTS else value.dtype
+                    self.state[params[name]][key] = value.to(device=params[name].device, dtype=dtype, copy=True)
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")  # the states state_dtype keeps
 
 
 def _store(target: torch.Tensor, values: torch.Tensor, generator: torch.Generator | None, nearest: bool = False) -> None:

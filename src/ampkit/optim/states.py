@@ -117,8 +117,10 @@ def _adamw_groups(optimizer: torch.optim.Optimizer, states: str) -> list[dict[st
             raise ValueError(f"states={states!r} on torch.optim.Adam with weight_decay={group['weight_decay']}: "
                              "Adam's weight decay is an L2 term in the gradient, which the formats' AdamW has not. "
                              "Use torch.optim.AdamW (decoupled decay), or weight_decay=0.")
-        groups.append({"params": list(group["params"]), "lr": float(group["lr"]), "betas": tuple(group["betas"]),
-                       "eps": group["eps"], "weight_decay": group["weight_decay"]})
+        # Every key but AdamW's own options stays (a group's name, a scheduler's initial_lr, the user's own).
+        kept = {key: value for key, value in group.items() if key not in optimizer.defaults}
+        groups.append({**kept, "params": list(group["params"]), "lr": float(group["lr"]),
+                       "betas": tuple(group["betas"]), "eps": group["eps"], "weight_decay": group["weight_decay"]})
     return groups
 
 
@@ -141,15 +143,23 @@ def with_states(optimizer: torch.optim.Optimizer, states: str | None, update: st
                                                                     and update != "stochastic"):
         return optimizer  # float32 moments as given; or 16-bit weights whose optimizer keeps their dtype
     groups = _adamw_groups(optimizer, states)
+    converted: torch.optim.Optimizer
     if states in ("fp32", "bf16"):
         state_dtype = torch.float32 if states == "fp32" else torch.bfloat16
-        return StochasticRoundingOptimizer(groups, "adamw", lr=groups[0]["lr"], state_dtype=state_dtype)
-    import torchao.optim
+        converted = StochasticRoundingOptimizer(groups, "adamw", lr=groups[0]["lr"], state_dtype=state_dtype)
+    else:
+        import torchao.optim
 
-    name, block_size, _ = LOW_BIT[states]
-    low_bit: torch.optim.Optimizer = getattr(torchao.optim, name)(
-        groups, lr=groups[0]["lr"], block_size=block_size, bf16_stochastic_round=update == "stochastic")
-    return low_bit
+        name, block_size, _ = LOW_BIT[states]
+        converted = getattr(torchao.optim, name)(
+            groups, lr=groups[0]["lr"], block_size=block_size, bf16_stochastic_round=update == "stochastic")
+    # The user's optimizer and this one share their groups: a scheduler built on it before initialize (as
+    # examples/train.py does) sets the learning rate this one steps with. (torch's scheduler then warns once that
+    # it stepped before the optimizer: it watches the user's optimizer's step, which is no longer called.)
+    optimizer.param_groups = converted.param_groups
+    converted.register_load_state_dict_pre_hook(loaded_in_format)
+    converted.register_load_state_dict_post_hook(_requantize)
+    return converted
 
 
 def for_level(optimizer: torch.optim.Optimizer, states: str | None, update: str = "plain",
@@ -186,6 +196,60 @@ def check_same_format(saved: str, optimizer: torch.optim.Optimizer, what: str) -
         raise RuntimeError(f"{what} kept AdamW's moments as {saved!r}, this one keeps them as {current!r}: its moments "
                            f"cannot be read. Pass ampkit.initialize (or prepare_optimizer) states={saved!r} to resume "
                            "it ('as given': no states=).")
+
+
+def _moments_format(state_dict: dict[str, Any]) -> str | None:
+    """The format an optimizer state dict's AdamW moments are in, as ``states_format`` names it (``"fp32"`` for
+    plain float32 moments, ``"bf16"`` for bfloat16 ones); None where it holds no moment (nothing stepped)."""
+    for per_param in state_dict.get("state", {}).values():
+        moment = per_param.get("exp_avg_sq") if isinstance(per_param, dict) else None
+        if isinstance(moment, torch.Tensor):
+            kind = type(local_shard(moment)).__name__
+            quantized = {"OptimState8bit": "8bit", "OptimState4bit": "4bit", "OptimStateFp8": "fp8"}
+            if is_quantized(moment) and kind in quantized:
+                return quantized[kind]
+            return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(moment.dtype, str(moment.dtype))
+    return None
+
+
+def loaded_in_format(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    """Refuse, naming both formats, a state dict whose AdamW moments ``optimizer`` cannot take (RuntimeError):
+    torch would read a low-bit optimizer's codes as moments, or a low-bit optimizer keep float32 moments and save
+    them under its own name. float32 and bfloat16 moments are taken by ampkit's optimizer (cast to its
+    ``state_dtype``), by torch's (cast to the parameters' dtype) and by a low-bit optimizer whose quantized states
+    exist for every moment (they are quantized into them: ``_requantize``, as a sharded checkpoint's values are).
+    A ``load_state_dict`` pre-hook of the optimizers ``with_states`` builds, and the check of a
+    MasterWeightOptimizer's plain state dicts."""
+    saved, current = _moments_format(state_dict), states_format(optimizer)
+    if saved is None or saved == current or saved in ("fp32", "bf16") and current not in LOW_BIT:
+        return
+    if saved in ("fp32", "bf16") and current in LOW_BIT:
+        held = {(id(p), key): value for p, per_param in optimizer.state.items() for key, value in per_param.items()
+                if is_quantized(value)}
+        wanted = sum(1 for per_param in state_dict["state"].values() for key, value in per_param.items()
+                     if key in ("exp_avg", "exp_avg_sq") and isinstance(value, torch.Tensor) and value.numel()
+                     >= QUANTIZED_MIN_NUMEL)
+        if len(held) >= wanted:
+            optimizer._ampkit_quantized = held  # type: ignore[attr-defined]  # for _requantize, after the load
+            return
+    raise RuntimeError(f"The state dict keeps AdamW's moments as {saved!r}, this optimizer as {current!r}: they cannot "
+                       f"be converted. Build the optimizer with states={saved!r} (ampkit.initialize) to resume it, "
+                       "or start this format's moments afresh.")
+
+
+def _requantize(optimizer: torch.optim.Optimizer) -> None:
+    """After a low-bit optimizer loaded float moments (``loaded_in_format`` let them in): each goes back into the
+    quantized state it replaced (torchao's ``copy_`` quantizes)."""
+    held = getattr(optimizer, "_ampkit_quantized", None)
+    if not held:
+        return
+    del optimizer._ampkit_quantized  # type: ignore[attr-defined]
+    for param, per_param in optimizer.state.items():
+        for key, value in list(per_param.items()):
+            quantized = held.get((id(param), key))
+            if quantized is not None and not is_quantized(value):
+                quantized.copy_(value)
+                per_param[key] = quantized
 
 
 def state_bytes(numels: Iterable[int], states: str, param_bytes: int) -> int:

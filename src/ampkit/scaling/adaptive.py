@@ -261,8 +261,7 @@ class AdaptiveLossScaler(DynamicLossScaler):
     def _unscale_grads(self, params: Any) -> torch.Tensor:
         groups: defaultdict[int, list[torch.Tensor]] = defaultdict(list)
         for p in params:
-            if p.grad is not None and id(p) not in self._unscaled_ids:
-                self._unscaled_ids.add(id(p))
+            if self._first_unscale(p):
                 if p.grad.is_sparse and p.grad.dtype == torch.float16:
                     p.grad = p.grad.coalesce()
                 groups[self._group_of.get(self._master_of.get(id(p), id(p)), _GLOBAL)].append(p.grad)

@@ -33,8 +33,6 @@ _HISTORY_LEN = 1000
 
 
 
-
-
 class NonFiniteError(RuntimeError):
     """Training cannot continue: steps keep overflowing at the smallest scale."""
 
@@ -308,7 +306,7 @@ class DynamicLossScaler:
         self._stages: dict[int, _Stage] = {}
         self._found: dict[int, torch.Tensor] = {}
         self._loose_found: list[torch.Tensor] = []
-        self._unscaled_ids: set[int] = set()
+        self._unscaled: dict[int, torch.Tensor] = {}
         self._iteration_overflow = False
         self._scaled = False
         self._last_loss = None
@@ -323,11 +321,19 @@ class DynamicLossScaler:
         1.0 keeps it."""
         return self._state.scale <= self.rule.min_scale or self.rule.backoff_factor == 1.0
 
+    def _first_unscale(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s gradient is still to be unscaled this iteration (it then counts as done). Known by the
+        gradient tensor, not the parameter: at O2 a weight's gradient is its master's own, and unscaling the model's
+        parameters and then the optimizer's must divide it once."""
+        if param.grad is None or id(param.grad) in self._unscaled:
+            return False
+        self._unscaled[id(param.grad)] = param.grad  # held, so that its id is not reused this iteration
+        return True
+
     def _unscale_grads(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
         grads = []
         for p in params:
-            if p.grad is not None and id(p) not in self._unscaled_ids:
-                self._unscaled_ids.add(id(p))
+            if self._first_unscale(p):
                 if p.grad.is_sparse and p.grad.dtype == torch.float16:
                     # Duplicates add up on coalescing and may overflow only then (GradScaler coalesces too).
                     p.grad = p.grad.coalesce()
@@ -374,17 +380,9 @@ class StaticLossScaler(DynamicLossScaler):
     def __init__(
         self, scale: float, max_min_scale_overflows: int = 10, enabled: bool = True, process_group: Any = None
     ) -> None:
-        super().__init__(
-            init_scale=scale,
-            growth_factor=1.0,
-            backoff_factor=1.0,
-            growth_interval=2**31 - 1,
-            min_scale=scale,
-            max_scale=scale,
-            max_min_scale_overflows=max_min_scale_overflows,
-            enabled=enabled,
-            process_group=process_group,
-        )
+        super().__init__(init_scale=scale, growth_factor=1.0, backoff_factor=1.0, growth_interval=2**31 - 1,
+                         min_scale=scale, max_scale=scale, max_min_scale_overflows=max_min_scale_overflows,
+                         enabled=enabled, process_group=process_group)
 
 
 def check_scaler(scaler: object) -> None:

@@ -1,0 +1,171 @@
+"""The training loop's contract (``test_training_contract.py``) where a framework runs the loop: transformers'
+Trainer (with ``install_scaler``), Accelerate (``ampkit.integrations.accelerate.prepare``), Lightning
+(``AmpkitPrecision``) and Fabric (``AmpkitFabricPrecision``), each clipping as its users ask it to
+(``max_grad_norm``, ``accelerator.clip_grad_norm_``, ``gradient_clip_val``, ``fabric.clip_gradients``). Each runs
+one clipped step beside the same framework in float32: the norm it reports (where it reports one) and the update
+must be float32's within the format's rounding. Issue 64 found at O2: the Trainer logged 9.2e4 (fp16) and clipped
+nothing the step used, Accelerate reported 4.6e4 and updated 0.70 for 0.01, Lightning and Fabric updated 0.70.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import ampkit
+from test_training_contract import DTYPES, TOLERANCE, X, Y, _distance, _model, _weights
+
+CLIP, LR = 0.05, 20.0  # the float32 gradients' norm is about 0.32: the clip bites, the update is 1.0
+FRAMEWORK_LEVELS = ["O1", "O2", "O3"]
+CASES = [pytest.param(level, dtype, id=f"{level}-{dtype}") for level in FRAMEWORK_LEVELS for dtype in DTYPES]
+
+
+def _check(level: str | None, dtype: str, run: Any) -> None:
+    """``run(level, dtype)`` returns (the model after one clipped step, the norm reported or None)."""
+    before = _weights(_model())
+    reference, true_norm = run(None, dtype)
+    mixed, reported = run(level, dtype)
+    if true_norm is not None:
+        assert reported == pytest.approx(true_norm, rel=TOLERANCE[dtype])
+    float32_update = _distance(_weights(reference), before)
+    assert float32_update == pytest.approx(LR * CLIP, rel=1e-3)
+    assert _distance(_weights(mixed), _weights(reference)) < TOLERANCE[dtype] * float32_update
+
+
+class _Net(nn.Module):
+    """The contract's MLP as transformers' Trainer wants a model: keyword inputs, a dict with the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.net(x)
+        return {"loss": F.cross_entropy(logits.float(), labels), "logits": logits}
+
+
+class _Batch(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return len(Y)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": X[i], "labels": Y[i]}
+
+
+def _trainer(level: str | None, dtype: str, tmp_path: Any) -> tuple[nn.Module, float]:
+    transformers = pytest.importorskip("transformers")
+    from ampkit.integrations.accelerate import install_scaler
+
+    model = _Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if level is not None:
+            model, optimizer = ampkit.initialize(model, optimizer, level, DTYPES[dtype], compute="native")
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=64,
+                                              max_grad_norm=CLIP, learning_rate=LR, use_cpu=True, report_to=[],
+                                              logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=_Batch(), optimizers=(optimizer, None))
+        if level is not None and dtype == "fp16":
+            install_scaler(trainer.accelerator, ampkit.DynamicLossScaler())
+        trainer.train()
+    logged = next(entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry)
+    return model.net, float(logged)
+
+
+@pytest.mark.parametrize("level, dtype", CASES)
+def test_the_trainers_max_grad_norm_clips_what_the_step_uses(level: str, dtype: str, tmp_path: Any) -> None:
+    _check(level, dtype, lambda lv, dt: _trainer(lv, dt, tmp_path / str(lv)))
+
+
+def _accelerate(level: str | None, dtype: str) -> tuple[nn.Module, float]:
+    accelerate = pytest.importorskip("accelerate")
+    from ampkit.integrations.accelerate import prepare
+
+    accelerator = accelerate.Accelerator(cpu=True)
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if level is None:
+            model, optimizer = accelerator.prepare(model, optimizer)
+        else:
+            model, optimizer = prepare(accelerator, model, optimizer, opt_level=level, dtype=DTYPES[dtype],
+                                       compute="native")
+    accelerator.backward(F.cross_entropy(model(X).float(), Y))
+    norm = float(accelerator.clip_grad_norm_(model.parameters(), CLIP))
+    optimizer.step()
+    return model, norm
+
+
+@pytest.mark.parametrize("level, dtype", CASES)
+def test_accelerates_clip_grad_norm_clips_what_the_step_uses(level: str, dtype: str) -> None:
+    _check(level, dtype, _accelerate)
+
+
+def _lightning(level: str | None, dtype: str) -> tuple[nn.Module, None]:
+    L = pytest.importorskip("lightning")
+    from ampkit.integrations.lightning import AmpkitPrecision
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            x, y = batch
+            return F.cross_entropy(self(x).float(), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    module = Module()
+    precision: dict[str, Any] = (
+        {"precision": "32-true"} if level is None
+        else {"plugins": [AmpkitPrecision(level, DTYPES[dtype], compute="native", device="cpu")]})
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, gradient_clip_val=CLIP, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **precision)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=64))
+    return module.net, None  # Lightning reports no norm
+
+
+@pytest.mark.parametrize("level, dtype", CASES)
+def test_lightnings_gradient_clip_val_clips_what_the_step_uses(level: str, dtype: str) -> None:
+    _check(level, dtype, _lightning)
+
+
+def _fabric(level: str | None, dtype: str) -> tuple[nn.Module, float]:
+    L = pytest.importorskip("lightning")
+    from ampkit.integrations.lightning import AmpkitFabricPrecision
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if level is None:
+            fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+        else:
+            fabric = L.Fabric(accelerator="cpu", devices=1,
+                              plugins=[AmpkitFabricPrecision(level, DTYPES[dtype], compute="native", device="cpu")])
+            if level == "O2":  # the plugin's documented order: Fabric gives it no hook to make the masters
+                model, optimizer = ampkit.initialize(model, optimizer, "O2", DTYPES[dtype], compute="native")
+        wrapped, optimizer = fabric.setup(model, optimizer)
+        fabric.backward(F.cross_entropy(wrapped(X).float(), Y))
+        norm = float(fabric.clip_gradients(wrapped, optimizer, max_norm=CLIP))
+        optimizer.step()
+    return model, norm
+
+
+@pytest.mark.parametrize("level, dtype", CASES)
+def test_fabrics_clip_gradients_clips_what_the_step_uses(level: str, dtype: str) -> None:
+    _check(level, dtype, _fabric)
