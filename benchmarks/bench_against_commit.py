@@ -11,10 +11,12 @@ The first step's loss of each is recorded too: the same code path gives the same
 
     python benchmarks/bench_against_commit.py [COMMIT]   # default 4e13802^, the tree issue 38 was filed against
                                                            # writes benchmarks/results/against-commit.json
+    python benchmarks/bench_against_commit.py 5d87706 --opt-level O2   # issue 64: O2's step before its contract
 """
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
@@ -41,13 +43,18 @@ if sys.argv[1] == "resnet18":
 else:
     tokens = torch.randint(0, 256, (8, 257))
     model, x, y = GPT(context=256, d_model=384, n_layers=4, n_heads=6), tokens[:, :-1], tokens[:, 1:]
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-policy = ampkit.Policy.default("cpu", torch.bfloat16)
+level = sys.argv[2]
+if level == "policy":
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    region = lambda: ampkit.autocast(ampkit.Policy.default("cpu", torch.bfloat16))
+else:  # an opt level's whole training step: initialize's model and optimizer
+    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-4), level, torch.bfloat16)
+    region = torch.enable_grad
 print(ampkit.__file__, flush=True)
 for line in sys.stdin:
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
-    with ampkit.autocast(policy):
+    with region():
         logits = model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
     loss.backward()
@@ -63,10 +70,10 @@ def _unpack(commit: str, into: Path) -> Path:
     return into / "src"
 
 
-def _worker(src: Path, model: str) -> subprocess.Popen[str]:
+def _worker(src: Path, model: str, level: str) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(src), "PYTHONWARNINGS": "ignore"}
-    worker = subprocess.Popen([sys.executable, "-c", WORKER, model], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True, env=env, cwd=tempfile.gettempdir())
+    worker = subprocess.Popen([sys.executable, "-c", WORKER, model, level], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir())
     assert worker.stdout is not None
     imported = worker.stdout.readline().strip()
     if not imported.startswith(str(src)):  # an installed ampkit would shadow the code to be timed
@@ -86,8 +93,8 @@ def _step(worker: subprocess.Popen[str]) -> tuple[float, float]:
     return float(seconds), float(loss)
 
 
-def measure(model: str, sources: dict[str, Path]) -> dict[str, object]:
-    workers = {name: _worker(src, model) for name, src in sources.items()}
+def measure(model: str, sources: dict[str, Path], level: str = "policy") -> dict[str, object]:
+    workers = {name: _worker(src, model, level) for name, src in sources.items()}
     try:
         first_loss = {name: _step(worker)[1] for name, worker in workers.items()}  # the warm-up step
         times: dict[str, list[float]] = {name: [] for name in workers}
@@ -108,7 +115,13 @@ def measure(model: str, sources: dict[str, Path]) -> dict[str, object]:
 
 
 def main() -> None:
-    commit = sys.argv[1] if len(sys.argv) > 1 else BASE
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("commit", nargs="?", default=BASE)
+    parser.add_argument("--opt-level", default="policy", choices=["policy", "O1", "O2", "O3"],
+                        help="policy (default): the default policy's region around an SGD step; an opt level: "
+                             "initialize's model and AdamW at it, the whole step (writes against-commit-<level>.json)")
+    args = parser.parse_args()
+    commit = args.commit
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True).stdout.strip()
 
@@ -117,11 +130,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         sources = {"before": _unpack(commit, Path(folder)), "this tree": ROOT / "src"}
         started = time.perf_counter()
-        found = {model: measure(model, sources) for model in MODELS}
+        found = {model: measure(model, sources, args.opt_level) for model in MODELS}
     for model, result in found.items():
         print(f"{model}: {json.dumps(result)}")
-    path = save("against-commit", {"commit": resolved, "tree": tree, "rounds": ROUNDS, "models": found,
-                                   "wall_s": round(time.perf_counter() - started)})
+    name = "against-commit" if args.opt_level == "policy" else f"against-commit-{args.opt_level.lower()}"
+    path = save(name, {"commit": resolved, "tree": tree, "rounds": ROUNDS, "models": found, "opt_level":
+                       args.opt_level, "wall_s": round(time.perf_counter() - started)})
     print(f"wrote {path}")
 
 

@@ -300,9 +300,14 @@ def against_commit_table(results: dict[str, Any]) -> str:
                 else f"{found['first_loss']['before']:.6g} / {found['first_loss']['this tree']:.6g}")
         rows.append(f"| {model} | {ms['before']:.1f} | {ms['this tree']:.1f} | **{found['ratio']:.3f}x** | {spread} "
                     f"| {loss} |")
-    return (f"`python benchmarks/bench_against_commit.py {results['commit']}`, {results['created']}, on "
-            f"{machine_line(results['machine'])}. One training step under `ampkit.autocast(Policy.default(\"cpu\", "
-            "torch.bfloat16))` (compute auto: float32 compute on bfloat16 values where native bf16 is slower), the "
+    level = results.get("opt_level", "policy")
+    step = ("One training step under `ampkit.autocast(Policy.default(\"cpu\", torch.bfloat16))` (compute auto: "
+            "float32 compute on bfloat16 values where native bf16 is slower)" if level == "policy" else
+            f"One training step at {level} (`ampkit.initialize(model, AdamW, \"{level}\", torch.bfloat16)`, compute "
+            "auto)")
+    command = results["commit"] + ("" if level == "policy" else f" --opt-level {level}")
+    return (f"`python benchmarks/bench_against_commit.py {command}`, {results['created']}, on "
+            f"{machine_line(results['machine'])}. {step}, the "
             f"earlier commit's code and this tree's ({results['tree']}) in two processes stepped in alternation, "
             f"{results['rounds']} "
             "rounds after a warm-up step; medians.\n\n" + "\n".join(rows))
@@ -965,6 +970,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     if against:
         sections += [f"{level} ampkit's default policy against an earlier commit's (issue 38: no slower)", "",
                      against_commit_table(against), ""]
+    against_o2 = load(directory, "against-commit-o2.json")
+    if against_o2:
+        sections += [f"{level} O2's step against the commit before its contract (issue 64: no slower)", "",
+                     against_commit_table(against_o2), ""]
     native_fp8 = load(directory, "fp8-cuda.json")
     if native_fp8:
         sections += [f"{level} FP8: native matmuls against emulation", "", native_fp8_paragraph(native_fp8), ""]
