@@ -230,11 +230,12 @@ def test_a_float32_optimizer_state_loaded_into_bf16_moments_is_converted() -> No
 
 def test_moments_a_low_bit_optimizer_cannot_take_are_refused_naming_both_formats() -> None:
     pytest.importorskip("torchao")
-    model = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))  # tensors torchao quantizes (4096 values and up)
+    # tensors torchao quantizes (4096 values and up), after a norm whose small moments it keeps unquantized
+    model = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128), nn.Linear(128, 64))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters()), "O1", states="8bit")
-    plain = torch.optim.AdamW(nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64)).parameters())
+    plain = torch.optim.AdamW(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128), nn.Linear(128, 64)).parameters())
     for p in (p for g in plain.param_groups for p in g["params"]):
         p.grad = torch.ones_like(p)
     plain.step()

@@ -200,16 +200,17 @@ def check_same_format(saved: str, optimizer: torch.optim.Optimizer, what: str) -
 
 def _moments_format(state_dict: dict[str, Any]) -> str | None:
     """The format an optimizer state dict's AdamW moments are in, as ``states_format`` names it (``"fp32"`` for
-    plain float32 moments, ``"bf16"`` for bfloat16 ones); None where it holds no moment (nothing stepped)."""
-    for per_param in state_dict.get("state", {}).values():
-        moment = per_param.get("exp_avg_sq") if isinstance(per_param, dict) else None
-        if isinstance(moment, torch.Tensor):
-            kind = type(local_shard(moment)).__name__
-            quantized = {"OptimState8bit": "8bit", "OptimState4bit": "4bit", "OptimStateFp8": "fp8"}
-            if is_quantized(moment) and kind in quantized:
-                return quantized[kind]
-            return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(moment.dtype, str(moment.dtype))
-    return None
+    plain float32 moments, ``"bf16"`` for bfloat16 ones); None where it holds no moment (nothing stepped). A
+    low-bit optimizer leaves small tensors' moments unquantized: any quantized moment names the format."""
+    quantized = {"OptimState8bit": "8bit", "OptimState4bit": "4bit", "OptimStateFp8": "fp8"}
+    moments = [per_param["exp_avg_sq"] for per_param in state_dict.get("state", {}).values()
+               if isinstance(per_param, dict) and isinstance(per_param.get("exp_avg_sq"), torch.Tensor)]
+    for moment in moments:
+        if is_quantized(moment) and type(local_shard(moment)).__name__ in quantized:
+            return quantized[type(local_shard(moment)).__name__]
+    if not moments:
+        return None
+    return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(moments[0].dtype, str(moments[0].dtype))
 
 
 def loaded_in_format(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
