@@ -642,7 +642,7 @@ PLAN_CASES = {
     "a plan whose layer lacks its format": (lambda tmp: _edited(tmp, lambda d: d["layers"][0].pop("format")),
                                             r"is damaged"),
     "a plan naming a format ampkit lacks": (lambda tmp: _edited(tmp, lambda d: d["layers"][0].update(format="fp2")),
-                                            r"lowers 0 to 'fp2', which is no format ampkit converts to"),
+                                            r"0's format 'fp2' is none a linear is lowered to"),  # at load now
     "a plan naming a layer the model lacks": (lambda tmp: _edited(tmp, lambda d: d["layers"][0].update(name="9")),
                                               r"names 9, which Sequential does not have"),
     "a plan of another model": (lambda tmp: _edited(tmp, lambda d: d.update(fingerprint="0" * 16)),
@@ -811,3 +811,175 @@ def test_a_compiled_o2_model_with_8bit_moments_trains_as_the_eager_one(eager_tor
         _step(eager, eager_optimizer, step)
     for a, b in zip(model.parameters(), eager.parameters()):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+
+
+# -- Issue 65: what a sweep by other hands still found --------------------------------------------------------
+
+@pytest.mark.parametrize("level, options", [
+    ("O3", {"reshard_after_forward": 2}),  # the sweep's two cases: the shards were DTensors after the refusal
+    ("O2", {"keep_float32": [nn.LayerNorm], "reshard_after_forward": 3}),
+    ("O1", {"reshard_after_forward": 2}),  # and two more of the same kind
+    ("O2", {"blocks": [nn.Linear], "reshard_after_forward": 4}),
+])
+def test_a_reshard_size_torch_refuses_part_way_is_refused_first_and_the_model_is_unchanged(
+        level: str, options: dict, one_rank: None) -> None:
+    from ampkit.distributed import fully_shard
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8))
+    before = {n: (type(p), p.dtype, p.detach().clone()) for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"reshard_after_forward=\d is no group size to reshard to: a factor of the 1 "
+                                         r"shards, one of \[1\]"):
+        fully_shard(model, opt_level=level, dtype=torch.bfloat16, **options)
+    assert {n: (type(p), p.dtype) for n, p in model.named_parameters()} == {n: b[:2] for n, b in before.items()}
+    assert all(torch.equal(p, before[n][2]) for n, p in model.named_parameters())
+    assert getattr(model, "_ampkit_opt_level", None) is None
+
+
+@pytest.mark.parametrize("point", SHARDED_POINTS)
+def test_the_save_after_one_killed_at_any_step_publishes_and_leaves_nothing_hidden(point: str, tmp_path: Path) -> None:
+    """Killed between its renames, a save left the previous checkpoint as a hidden sibling (and the new one beside
+    it); the next save wrote its own and kept both for good. Now it puts the newest back first, then supersedes it:
+    one folder, the latest save's."""
+    path = tmp_path / "run"
+    torch.manual_seed(1)
+    save_sharded_checkpoint(path, nn.Linear(8, 8), extra={"step": 1})
+    done = subprocess.run([sys.executable, "-c", _KILLER, "sharded", point, str(path)],
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == -9, (done.returncode, done.stderr[-2000:])
+    torch.manual_seed(3)
+    latest = nn.Linear(8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        save_sharded_checkpoint(path, latest, extra={"step": 3})
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    loaded = nn.Linear(8, 8)
+    assert load_sharded_checkpoint(path, loaded) == {"step": 3} and _same(_weights(loaded), _weights(latest))
+
+
+def test_a_sharded_checkpoints_extra_comes_back_as_save_checkpoints_does(tmp_path: Path) -> None:
+    """A tensor failed the save (JSON); tuples came back as lists and int keys as strings, silently."""
+    extra = {"best": torch.tensor([0.5, 0.25]), "shape": (2, 3), 7: "seven", "nested": {"pair": (1, "a")},
+             "step": 10, "none": None}
+    model = nn.Linear(4, 4)
+    save_sharded_checkpoint(tmp_path / "run", model, extra=extra)
+    ampkit.save_checkpoint(tmp_path / "last.pt", model=model, extra=extra)
+    for back in (load_sharded_checkpoint(tmp_path / "run", model), ampkit.load_checkpoint(tmp_path / "last.pt",
+                                                                                          model=model)):
+        assert back.keys() == extra.keys() and torch.equal(back["best"], extra["best"])
+        assert {k: v for k, v in back.items() if k != "best"} == {k: v for k, v in extra.items() if k != "best"}
+        assert type(back["shape"]) is tuple and type(back["nested"]["pair"]) is tuple
+
+
+def test_an_extra_value_that_would_not_load_back_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    model = nn.Linear(4, 4)
+    save_sharded_checkpoint(tmp_path / "run", model, extra={"step": 1})
+    listing = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    for bad in ({"fn": lambda: 1}, {"model": model}):
+        with pytest.raises(ValueError, match=r"extra\['(fn|model)'\]"):
+            save_sharded_checkpoint(tmp_path / "run", model, extra=bad)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == listing
+    assert load_sharded_checkpoint(tmp_path / "run", model) == {"step": 1}
+
+
+def _plan_file(tmp_path: Path, edit: Callable[[dict], None]) -> Path:
+    model, _ = _model()
+    batches = [(torch.randn(4, 64), torch.randint(0, 64, (4,))) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = ampkit.tune(model, batches, formats=("fp8", "bf16"), include=["0", "2"])
+    data = plan.to_dict()
+    edit(data)
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda d: d["layers"].append(dict(d["layers"][0], format="fp8")), r"0 is listed twice: a plan gives each linear "
+                                                                       r"one format"),  # the first was ignored
+    (lambda d: d.__setitem__("base", "fp32"), r"base 'fp32' is not a 16-bit format"),  # ran mislabelled settings
+    (lambda d: d["layers"][0].__setitem__("format", "int4"), r"0's format 'int4' is none a linear is lowered to: "
+                                                             r"choose one of \['fp8'"),  # was about mixed dtypes
+    (lambda d: d.__setitem__("objective", "speed"), r"objective 'speed' is not 'time' or 'memory'"),
+    (lambda d: d["layers"][1].__setitem__("format", "FP8"), r"2's format 'FP8' is none a linear is lowered to"),
+])
+def test_a_plan_edited_by_hand_is_refused_at_load_naming_the_entry(edit: Callable[[dict], None], match: str,
+                                                                   tmp_path: Path) -> None:
+    path = _plan_file(tmp_path, edit)
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=match):
+        ampkit.PrecisionPlan.load(path)
+    assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("target", ["1", ""])
+def test_a_plan_lowering_what_is_no_linear_says_only_linears_are_lowered(target: str, tmp_path: Path) -> None:
+    """A ReLU was "a ReLU already", as if converted; the model itself (name '') the same."""
+    def edit(data: dict) -> None:
+        data["layers"][0] = dict(data["layers"][0], name=target, format="fp8")
+
+    model, _ = _model()
+    kinds = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"a plan lowers linears only \(nn.Linear, transformers' Conv1D\)"):
+        ampkit.PrecisionPlan.load(_plan_file(tmp_path, edit)).apply(model)
+    assert [type(m) for m in model.modules()] == kinds
+
+
+@pytest.mark.parametrize("levels", [["O2"], ["O3"], ["O2", "O3"]])
+def test_compare_refuses_a_plan_with_opt_levels_that_leave_out_the_tuned_runs_o1(levels: list[str],
+                                                                                  tmp_path: Path) -> None:
+    """compare --opt-level O2 --plan p.json ran the tuned setting at O1 without a word."""
+    from ampkit.experiment import settings
+
+    path = tmp_path / "plan.json"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        batches = [(torch.randn(8, 64), torch.randint(0, 10, (8,))) for _ in range(4)]
+        from ampkit.experiment.models import build
+        ampkit.tune(build("mlp", in_features=64, num_classes=10), batches).save(path)
+    with pytest.raises(ValueError, match=r"the tuned run trains at O1 .* Add 'O1' to the opt levels"):
+        settings.plan(model="mlp", precisions=["bf16"], opt_levels=levels, precision_plan=str(path), steps=2)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"formats": None}, r"formats=None: None is not a format"),  # TypeError inside tune.py
+    ({"formats": 8}, r"formats=8: 8 is not a format"),
+    ({"batches": [(torch.randn(0, 64), torch.randint(0, 64, (0,)))] * 3}, r"batches \[0, 1, 2\] hold no samples"),
+    ({"batches": [(torch.randn(4, 64), torch.randint(0, 64, (4,))), (torch.randn(0, 64), torch.randint(0, 64, (0,))),
+                  (torch.randn(4, 64), torch.randint(0, 64, (4,)))]}, r"batches \[1\] hold no samples"),
+])
+def test_tune_refuses_what_it_raised_on_inside(options: dict, match: str) -> None:
+    model, _ = _model()
+    batches = [(torch.randn(4, 64), torch.randint(0, 64, (4,))) for _ in range(4)]
+    with pytest.raises(ValueError, match=match):  # an amax RuntimeError from torch for empty batches
+        ampkit.tune(model, **{"batches": batches, **options})
+
+
+def test_tune_reads_a_generator_of_batches_once_and_measures_on_all_of_them() -> None:
+    model, _ = _model()
+    batches = [(torch.randn(4, 64), torch.randint(0, 64, (4,))) for _ in range(4)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        # objective="memory": the choice rests on bytes, not on timings that differ run to run
+        from_list = ampkit.tune(copy.deepcopy(model), batches, include=["0", "2"], objective="memory")
+        from_generator = ampkit.tune(copy.deepcopy(model), (b for b in batches), include=["0", "2"],
+                                     objective="memory")
+    strip = lambda plan: [(layer.name, layer.format, layer.loss_change) for layer in plan.layers]  # noqa: E731
+    assert strip(from_generator) == strip(from_list)
+
+
+@pytest.mark.parametrize("update", ["kahan", "stochastic"])
+def test_converting_ampkits_own_pure16_optimizer_again_says_it_is_ampkits(update: str, one_rank: None) -> None:
+    """prepare_optimizer(update='kahan') on its own result said "needs SGD or AdamW, got SGD"."""
+    from ampkit.distributed import fully_shard, prepare_optimizer
+
+    model = fully_shard(nn.Sequential(nn.Linear(8, 8)), opt_level="O3", dtype=torch.bfloat16)
+    optimizer = prepare_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1), update=update)
+    with pytest.raises(ValueError, match=rf"update='{update}': the optimizer is already a pure 16-bit one \("):
+        prepare_optimizer(model, optimizer, update=update)
+    plain = nn.Linear(8, 8)
+    _, converted = ampkit.initialize(plain, torch.optim.SGD(plain.parameters(), lr=0.1), "O3", torch.bfloat16,
+                                     update=update)
+    with pytest.raises(ValueError, match=r"is already a pure 16-bit one"):
+        ampkit.optim.pure16.pure16_optimizer(converted, update)

@@ -144,6 +144,7 @@ def fully_shard(
     _check_sharding_arguments(blocks, reshard_after_forward)
     world_size = require_process_group(None)
     mesh = _mesh(mesh, device.type, world_size)
+    _check_reshard_size(reshard_after_forward, mesh.size())
     dtype = (torch.float32 if not level.mixed else resolve_dtype(dtype) if dtype is not None
              else recommend_dtype(device))
     reduce_dtype = _reduce_dtype(reduce_dtype)
@@ -304,6 +305,16 @@ def _check_sharding_arguments(blocks: object, reshard_after_forward: object) -> 
         raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is not a bool: pass True (free the gathered "
                          "weights after each forward, the default), False (keep them until the backward) or, as "
                          "torch's fully_shard takes, a world size to reshard to.")
+
+
+def _check_reshard_size(reshard_after_forward: bool | int, shards: int) -> None:
+    """An int ``reshard_after_forward`` is a group size to reshard to, a factor of the ``shards`` the mesh shards over
+    (torch's rule, which it applies only after sharding the modules before the first one it fails on, and at O3
+    after the cast: refused here first, so that a refused call leaves the model as it was)."""
+    factors = [n for n in range(1, shards + 1) if shards % n == 0]
+    if not isinstance(reshard_after_forward, bool) and reshard_after_forward not in factors:
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r} is no group size to reshard to: a factor "
+                         f"of the {shards} shards, one of {factors} (or True, False).")
 
 
 def _mesh(mesh: Any, device_type: str, world_size: int) -> Any:

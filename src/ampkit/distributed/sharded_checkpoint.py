@@ -15,6 +15,7 @@ its name, where DCP would load it silently. Every failure inside DCP (its ``Chec
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import re
 import shutil
@@ -122,7 +123,8 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
     state[_META] = json.dumps({"version": SHARDED_VERSION, "objects": sorted(objects),
                                "optimizer": optimizer is not None, "world_size": _world_size(),
                                "states": states_format(optimizer) if optimizer is not None else None})
-    state["extra"] = json.dumps(dict(extra or {}))
+    state["extra"] = _packed(dict(extra or {}))
+    _recover(path)  # a save killed between its renames left the previous checkpoint aside: back first
     temporary = path.parent / _rank0_decides(f".{path.name}.partial-{uuid.uuid4().hex[:8]}")
     if _is_rank0():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,12 +144,30 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
             if path.exists():
                 path.rename(old)  # the previous checkpoint stays whole until the new one is in place
             temporary.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
+            # the previous checkpoint, and what a killed save of this path left beside it: its folder moved aside,
+            # its unpublished or half-written new one (ampkit's own names: the new checkpoint supersedes them)
+            for stale in [old, *path.parent.glob(f".{path.name}.old-*"), *path.parent.glob(f".{path.name}.partial-*")]:
+                shutil.rmtree(stale, ignore_errors=True)
     except BaseException:
         if _is_rank0():
             shutil.rmtree(temporary, ignore_errors=True)
         raise
     _barrier()
+
+
+def _packed(extra: dict[str, Any]) -> bytes:
+    """``extra`` as torch.save's bytes, read back by ``_unpacked`` as ``load_checkpoint`` gives it: tuples, int keys
+    and tensors as they were (JSON, before, made tuples lists and keys strings, and refused tensors)."""
+    buffer = io.BytesIO()
+    torch.save(extra, buffer)
+    return buffer.getvalue()
+
+
+def _unpacked(saved: bytes | str) -> dict[str, Any]:
+    """``_packed``'s dict (only plain values and tensors are read: ``weights_only``); an older checkpoint's JSON."""
+    if isinstance(saved, str):
+        return dict(json.loads(saved))
+    return dict(torch.load(io.BytesIO(saved), weights_only=True))
 
 
 def _recover(path: Path) -> None:
@@ -161,6 +181,9 @@ def _recover(path: Path) -> None:
     if complete and _is_rank0():
         newest = max(complete, key=lambda p: (p / ".metadata").stat().st_mtime)
         newest.rename(path)
+        for older in complete:  # the checkpoint the stopped save was replacing: it would have removed it
+            if older != newest:
+                shutil.rmtree(older, ignore_errors=True)
         warnings.warn(f"{path} was missing: a save was stopped between its renames. The newest complete checkpoint, "
                       f"{newest.name}, is back at {path}.", RuntimeWarning, stacklevel=3)
     _barrier()
@@ -209,7 +232,7 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
     if not (path / ".metadata").is_file():
         raise RuntimeError(f"{path} has no .metadata: it is not a complete DCP checkpoint. Resume from another one.")
     _check_files(path, _states(model, None)["model"])
-    meta_box = {_META: "", "extra": ""}
+    meta_box: dict[str, Any] = {_META: "", "extra": b""}
     try:
         dcp.load(meta_box, checkpoint_id=path)
         meta = json.loads(meta_box[_META])
@@ -259,7 +282,7 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         live = _quantized_parts(optimizer)
         for key, saved in state["quantized"].items():
             live[key].copy_(saved)
-    return json.loads(meta_box["extra"])
+    return _unpacked(meta_box["extra"])
 
 
 def _world_size() -> int:

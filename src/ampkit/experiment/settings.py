@@ -228,6 +228,10 @@ def plan(
     if not 0 <= seed < 2**63:
         raise ValueError(f"seed={seed} is out of range: use an integer in [0, 2**63).")
     if precision_plan is not None:
+        if opt_levels is not None and "O1" not in opt_levels:
+            raise ValueError(f"precision_plan with opt_levels={list(opt_levels)!r}: the tuned run trains at O1 (the "
+                             "plan's linears in their formats, the rest under its base's policy, as tune measured "
+                             "it). Add 'O1' to the opt levels (--opt-level O1 ...), or leave them out.")
         tuned = _check_plan(model, data, precision_plan)
         if precisions is None and opt_levels is None:
             precisions, opt_levels = ["fp32", tuned.base, _lowest(tuned)], ["O1"]

@@ -304,9 +304,15 @@ def pure16_groups(optimizer: torch.optim.Optimizer, update: str) -> tuple[str, l
         ImportError: ``"kahan"`` without torch-optimi.
     """
     kind = {torch.optim.SGD: "sgd", torch.optim.AdamW: "adamw"}.get(type(optimizer))  # type: ignore[call-overload]
+    if kind is None and (isinstance(optimizer, StochasticRoundingOptimizer)
+                         or type(optimizer).__module__.startswith("optimi")):
+        raise ValueError(f"update={update!r}: the optimizer is already a pure 16-bit one ({type(optimizer).__module__}."
+                         f"{type(optimizer).__qualname__}, what ampkit builds for update='kahan' or 'stochastic'): "
+                         "convert the torch.optim optimizer once, and use what that returns.")
     if kind is None:
         raise ValueError(f"update={update!r} needs a torch.optim.SGD or torch.optim.AdamW, got "
-                         f"{type(optimizer).__name__}: build one of those (or use update='plain').")
+                         f"{type(optimizer).__module__}.{type(optimizer).__qualname__}: build one of those (or use "
+                         "update='plain').")
     if optimizer.state:
         raise ValueError("The optimizer has already stepped: convert it before training (its state would be lost).")
     unsupported: dict[str, object] = ({"dampening": 0, "nesterov": False, "maximize": False} if kind == "sgd"
@@ -318,7 +324,8 @@ def pure16_groups(optimizer: torch.optim.Optimizer, update: str) -> tuple[str, l
         hyper = ({"lr": lr, "momentum": group["momentum"], "weight_decay": group["weight_decay"]} if kind == "sgd"
                  else {"lr": lr, "betas": tuple(group["betas"]), "eps": group["eps"],
                        "weight_decay": group["weight_decay"]})
-        groups.append({"params": group["params"], **hyper})
+        kept = {key: value for key, value in group.items() if key not in optimizer.defaults}  # a name, initial_lr
+        groups.append({**kept, "params": group["params"], **hyper})
     if update == "kahan":
         try:
             import optimi  # noqa: F401  (torch-optimi: the `pure16` extra)

@@ -159,9 +159,13 @@ class PrecisionPlan:
                                  "plan again with ampkit.tune on this model.") from None
         lowered = {name: (model.get_submodule(name), format) for name, format in self.lowered().items()}
         for name, (current, _) in lowered.items():
-            if type(current) is not nn.Linear and not is_conv1d(current):
+            if type(current) is not nn.Linear and not is_conv1d(current) and isinstance(current, nn.Linear):
                 raise ValueError(f"{name} is a {type(current).__name__} already: apply a plan to the model as "
                                  "built, before convert_to_fp8 or convert_to_block_scaled.")
+            if type(current) is not nn.Linear and not is_conv1d(current):
+                raise ValueError(f"The plan lowers {name}, a {type(current).__name__}: a plan lowers linears only "
+                                 "(nn.Linear, transformers' Conv1D). Name a linear, or make the plan again with "
+                                 "ampkit.tune.")
         for name, (current, format) in lowered.items():
             model.set_submodule(name, lower_linear(current, format))  # type: ignore[arg-type]  # checked above
         return model
@@ -220,4 +224,26 @@ class PrecisionPlan:
                 raise ValueError(f"{path} is damaged: layer {index} has name {layer.name!r}, format {layer.format!r}, "
                                  f"shape {list(layer.shape)!r} (a name, a format and two integers). Make it again "
                                  "with `ampkit tune --out`.")
+        _check_edits(plan, path)
         return plan
+
+
+def _check_edits(plan: PrecisionPlan, path: Path) -> None:
+    """Refuse what a hand edit can make of a plan that ``apply`` or ``compare`` would take wrongly (ValueError naming
+    the entry and the choices): a layer listed twice (the first was ignored), a base that is no 16-bit format (an
+    ``fp32`` base ran mislabelled settings), a format no linear is lowered to, an objective ``tune`` has not."""
+    if plan.base not in BASES:
+        raise ValueError(f"{path}: base {plan.base!r} is not a 16-bit format: the layers a plan does not lower train "
+                         f"in one of {list(BASES)}. Set it back, or make the plan again with `ampkit tune --out`.")
+    if plan.objective not in ("time", "memory"):
+        raise ValueError(f"{path}: objective {plan.objective!r} is not 'time' or 'memory'. Make the plan again with "
+                         "`ampkit tune --out` (its --objective).")
+    seen: set[str] = set()
+    for layer in plan.layers:
+        if layer.name in seen:
+            raise ValueError(f"{path}: {layer.name} is listed twice: a plan gives each linear one format. Keep one "
+                             "entry, or make the plan again with `ampkit tune --out`.")
+        seen.add(layer.name)
+        if layer.format not in BASES and layer.format not in LOWER:
+            raise ValueError(f"{path}: {layer.name}'s format {layer.format!r} is none a linear is lowered to: choose "
+                             f"one of {list(LOWER)}, or the base {plan.base!r} to keep it.")

@@ -26,7 +26,7 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -63,12 +63,14 @@ class _Run:
 def _check(model: nn.Module, batches: Sequence[Any], formats: Sequence[str], tolerance: float, objective: str,
            gradient_tolerance: float) -> tuple[list[str], str]:
     """The lowered formats and the base; ValueError naming the value and the fix for anything else."""
-    formats = list(formats) if not isinstance(formats, str) else [formats]
+    listed = isinstance(formats, (str, Iterable))
+    shown = formats  # None, a number: named as given
+    formats = list(formats) if listed and not isinstance(formats, str) else [formats]  # type: ignore[list-item]
     unknown = [f for f in formats if f not in LOWER and f not in BASES]
     if unknown or not formats:
-        raise ValueError(f"formats={formats!r}: {unknown[0] if unknown else 'nothing'} is not a format; choose "
-                         f"lowered formats from {list(LOWER)} and one 16-bit base from {list(BASES)}, e.g. "
-                         "('fp8', 'bf16').")
+        raise ValueError(f"formats={formats if listed else shown!r}: {unknown[0] if unknown else 'nothing'} is not a "
+                         f"format; choose lowered formats from {list(LOWER)} and one 16-bit base from {list(BASES)}, "
+                         "e.g. ('fp8', 'bf16').")
     bases = [f for f in formats if f in BASES]
     lows = [f for f in formats if f in LOWER]
     if len(bases) != 1 or not lows:
@@ -84,6 +86,10 @@ def _check(model: nn.Module, batches: Sequence[Any], formats: Sequence[str], tol
     if len(batches) < 2 or not all(isinstance(b, (tuple, list)) and len(b) == 2 for b in batches):
         raise ValueError(f"batches: {len(batches)} given; tune needs at least 2 (input, target) pairs: some to "
                          "measure on and one held out to check the combined plan.")
+    empty = [i for i, (x, _) in enumerate(batches) if isinstance(x, torch.Tensor) and x.numel() == 0]
+    if empty:
+        raise ValueError(f"batches {empty[:5]} hold no samples (an input of shape {tuple(batches[empty[0]][0].shape)}):"
+                         " tune measures each layer's input on every batch; pass batches of at least one sample.")
     refuse_converted(model, "tune")  # its converted linears were left out of the plan, silently
     if not linear_layers(model):
         raise ValueError(f"{type(model).__name__} has no nn.Linear or Conv1D layer: tune chooses formats for "
