@@ -176,8 +176,10 @@ def test_compare_guard_shows_the_planted_float16_overflow_in_its_table_and_pictu
     table, in results.json, on the curves and in the run's guard picture, and the run trains on."""
     from ampkit.cli.main import main
 
+    # --compute float32: the same run and label on every CPU (auto computed only convolutions in float32 where this
+    # machine's native fp16 matmuls are faster, and the run was "fp16 O1 fp32-conv")
     args = ["compare", "--model", "gpt-overflow", "--precision", "fp16", "--opt-level", "O1", "--steps", "40",
-            "--batch-size", "8", "--no-probe"]
+            "--batch-size", "8", "--no-probe", "--compute", "float32"]
     assert main([*args, "--out", str(tmp_path / "plain"), "--json"]) == 1  # diverged
     plain = json.loads((tmp_path / "plain" / "results.json").read_text())["runs"][1]
     assert plain["guard"] is None and plain["skipped_steps"] >= 5  # from the overflow to the end

@@ -61,7 +61,7 @@ def _capture_loaded(captured: dict[str, torch.Tensor], module: nn.Module, state_
     """Before ``module.load_state_dict`` rounds them into 16-bit weights: the values it loads for the module's own
     weights, by their names in the module."""
     captured.clear()
-    for name, _ in module.named_parameters(recurse=False):
+    for name in dict(module.named_parameters(recurse=False)):
         value = state_dict.get(prefix + name)
         if isinstance(value, torch.Tensor):
             captured[name] = value

@@ -334,11 +334,12 @@ class DynamicLossScaler:
         grads = []
         for p in params:
             if self._first_unscale(p):
-                if p.grad.is_sparse and p.grad.dtype == torch.float16:
+                grad: torch.Tensor = p.grad  # type: ignore[assignment]  # _first_unscale: not None
+                if grad.is_sparse and grad.dtype == torch.float16:
                     # Duplicates add up on coalescing and may overflow only then (GradScaler coalesces too).
-                    p.grad = p.grad.coalesce()
-                grads.append(p.grad)
-                self._shard_group = self._shard_group or shard_group(p.grad)
+                    grad = p.grad = grad.coalesce()
+                grads.append(grad)
+                self._shard_group = self._shard_group or shard_group(grad)
         found = rules.unscale_and_check_(grads, 1.0 / self._state.scale)
         return total(list(found.values()))
 
