@@ -290,3 +290,20 @@ def test_an_edited_policy_compiles_a_3d_attention_model_in_float32_compute() -> 
     assert got.dtype == want.dtype == DTYPE
     assert torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_a_16_bit_models_policy_keeps_torchs_listed_ops_on_their_fast_paths() -> None:
+    # O2 and O3 run float32 compute under a policy that lists no op (Policy.for_16bit_model): an op torch lists
+    # (linear, conv2d, attention) keeps its own kernel and fast path there, and only an op in none of torch's lists
+    # is decomposed (einsum into bmm). Decomposing every unlisted composite op sent a 16-bit model's linears
+    # through the generic path (a dispatch mode and a nested graph a GEMM: far slower, more saved for backward).
+    policy = ampkit.Policy.for_16bit_model("cpu", DTYPE, "float32")
+    linear, conv = nn.Linear(16, 8).to(DTYPE), nn.Conv2d(4, 6, 3).to(DTYPE)
+    q = torch.randn(2, 2, 8, 16).to(DTYPE).requires_grad_()
+    with ampkit.autocast(policy):
+        names = {"linear": linear(torch.randn(4, 16).to(DTYPE)).grad_fn.name(),
+                 "conv2d": conv(torch.randn(2, 4, 8, 8).to(DTYPE)).grad_fn.name(),
+                 "attention": F.scaled_dot_product_attention(q, q, q, is_causal=True).grad_fn.name(),
+                 "einsum": torch.einsum("bij,bjk->bik", q[0], q[0].transpose(1, 2)).grad_fn.name()}
+    assert names == {"linear": "_LinearBackward", "conv2d": "_ConvolutionBackward",
+                     "attention": "_AttentionBackward", "einsum": "ViewBackward0"}  # einsum's bmm, then its view

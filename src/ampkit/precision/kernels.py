@@ -132,10 +132,12 @@ def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Call
     casters = {dtype: caster(device_type, dtype) for dtype in (torch.float32, torch.float16, torch.bfloat16)}
     torch_default = torch_category(device_type, op)
     torch_default = DENY if torch_default == "banned" else torch_default
-    # An op in no list that torch defines by other ops (einsum, chain_matmul, lstm_cell on the CPU) is not cast by
-    # torch.autocast: its parts are (einsum's bmm). Run whole in float32, it would compute and return float32 on a
-    # float32 model's inputs; decomposed here, each part is cast and computed as the policy says.
-    composite = _composite(overload)
+    # An op in none of torch's lists that torch defines by other ops (einsum, chain_matmul, lstm_cell on the CPU) is
+    # not cast by torch.autocast: its parts are (einsum's bmm). Run whole in float32, it would compute and return
+    # float32 on a float32 model's inputs; decomposed here where the policy lists it nowhere either, each part is
+    # cast and computed as the policy says. (An op torch lists, such as linear, keeps its own kernel and fast path,
+    # also where a 16-bit model's policy lists nothing.)
+    decomposes = torch_default is None and _composite(overload)
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         region = current_region(device_type)  # None below a plain torch.autocast that changed the dtype
@@ -144,7 +146,7 @@ def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Call
             in_float32 = op in region.float32_ops
         else:  # a thread using plain torch.autocast, or a region that treats this op as torch does
             category, in_float32 = torch_default, False
-        if category is None and composite:
+        if category is None and decomposes:
             return overload.decompose(*args, **kwargs)
         if category == ALLOW:
             cast: Callable[[torch.Tensor], torch.Tensor] | None = casters[torch.get_autocast_dtype(device_type)]
