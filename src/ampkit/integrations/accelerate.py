@@ -22,11 +22,14 @@ Requires ``pip install ampkit[accelerate]``; importing ``ampkit`` never imports 
 from __future__ import annotations
 
 import types
+import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import SCALER_NAME
 from torch import nn
 
 from ampkit.distributed import HookState, check_compression, compression_hook
@@ -149,6 +152,23 @@ def install_scaler(accelerator: Accelerator, scaler: DynamicLossScaler | StaticL
     accelerator.scaler = scaler
     accelerator.unscale_gradients = types.MethodType(_unscale_gradients, accelerator)  # type: ignore[method-assign]
     accelerator.clip_grad_norm_ = types.MethodType(_clip_grad_norm_, accelerator)  # type: ignore[method-assign]
+    accelerator.load_state = types.MethodType(_load_state, accelerator)  # type: ignore[method-assign]
+
+
+def _load_state(self: Accelerator, input_dir: str | None = None, load_kwargs: dict | None = None,
+                **kwargs: Any) -> Any:
+    """``accelerator.load_state`` of a checkpoint that holds no loss scaler (a float32 or bf16 run's): Accelerate
+    read the scaler's file last and failed on it, after the model and optimizer had loaded. There ampkit's scaler
+    keeps its configured start, said once."""
+    if input_dir is None or self.scaler is None or (Path(input_dir).expanduser() / SCALER_NAME).exists():
+        return Accelerator.load_state(self, input_dir, load_kwargs, **kwargs)
+    warnings.warn(f"{input_dir} holds no loss scaler state (a run without one saved it): ampkit's scaler starts as "
+                  "configured.", UserWarning, stacklevel=2)
+    scaler, self.scaler = self.scaler, None
+    try:
+        return Accelerator.load_state(self, input_dir, load_kwargs, **kwargs)
+    finally:
+        self.scaler = scaler
 
 
 def _optimizers(self: Accelerator, optimizer: Any = None) -> list[torch.optim.Optimizer]:
