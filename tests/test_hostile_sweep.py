@@ -938,7 +938,7 @@ def test_compare_refuses_a_plan_with_opt_levels_that_leave_out_the_tuned_runs_o1
         batches = [(torch.randn(8, 64), torch.randint(0, 10, (8,))) for _ in range(4)]
         from ampkit.experiment.models import build
         ampkit.tune(build("mlp", in_features=64, num_classes=10), batches).save(path)
-    with pytest.raises(ValueError, match=r"the tuned run trains at O1 .* Add 'O1' to the opt levels"):
+    with pytest.raises(ValueError, match=r"the tuned run trains at O1, as tune measured it. Add 'O1' to the opt levels"):
         settings.plan(model="mlp", precisions=["bf16"], opt_levels=levels, precision_plan=str(path), steps=2)
 
 

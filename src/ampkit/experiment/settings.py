@@ -228,11 +228,7 @@ def plan(
     if not 0 <= seed < 2**63:
         raise ValueError(f"seed={seed} is out of range: use an integer in [0, 2**63).")
     if precision_plan is not None:
-        if opt_levels is not None and "O1" not in opt_levels:
-            raise ValueError(f"precision_plan with opt_levels={list(opt_levels)!r}: the tuned run trains at O1 (the "
-                             "plan's linears in their formats, the rest under its base's policy, as tune measured "
-                             "it). Add 'O1' to the opt levels (--opt-level O1 ...), or leave them out.")
-        tuned = _check_plan(model, data, precision_plan)
+        tuned = _check_plan(model, data, precision_plan, opt_levels)
         if precisions is None and opt_levels is None:
             precisions, opt_levels = ["fp32", tuned.base, _lowest(tuned)], ["O1"]
     if any(p in FP8_RECIPES for p in precisions or ()):
@@ -374,8 +370,11 @@ def _check_block_scaled(model: str, data: str, precision: str) -> None:
                          "try model='gpt'.")
 
 
-def _check_plan(model: str, data: str, path: str) -> PrecisionPlan:
-    """The plan at ``path``, made for ``model`` (its linears' fingerprint), or a ValueError saying why not."""
+def _check_plan(model: str, data: str, path: str, opt_levels: Sequence[str] | None) -> PrecisionPlan:
+    """The plan at ``path``, made for ``model`` (its linears' fingerprint), O1 in ``opt_levels``; else why not."""
+    if opt_levels is not None and "O1" not in opt_levels:
+        raise ValueError(f"precision_plan with opt_levels={list(opt_levels)!r}: the tuned run trains at O1, as tune "
+                         "measured it. Add 'O1' to the opt levels (--opt-level O1 ...), or leave them out.")
     tuned = PrecisionPlan.load(path)
     built = build(model, **data_mod.load(data).model_kwargs(CONTEXT))
     if fingerprint(built) != tuned.fingerprint:
