@@ -93,3 +93,136 @@ def test_a_native_run_slower_than_float32_though_its_gemms_are_faster_is_explain
     assert report.slower_line(comparison, {"bf16": 0.03, "fp16": 0.6}) is None
     # GEMMs a little faster (a CPU with native bf16, 1.1x): casts outweighing them is no surprise, no line
     assert report.slower_line(comparison, {"bf16": 1.1, "fp16": 1.1}) is None
+
+
+# -- Read at a glance (issue 70): every picture rendered, its texts' boxes checked ---------------------------------
+
+def _overlapping_texts(fig: object) -> list[tuple[str, str]]:
+    """The pairs of texts of ``fig`` whose drawn boxes overlap (tick labels in view, titles, axis labels,
+    annotations, the figure's own texts, legends as one box each), by their text."""
+    from matplotlib.text import Text
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # a canvas again: the figure was closed once saved
+    canvas.draw()
+    renderer = canvas.get_renderer()
+    boxes: list[tuple[str, object]] = []
+    legend_texts: set[int] = set()
+    for ax in fig.axes:  # type: ignore[attr-defined]
+        legend = ax.get_legend()
+        if legend is not None:
+            boxes.append(("legend of " + ax.get_title(), legend.get_window_extent(renderer)))
+            legend_texts |= {id(t) for t in legend.get_texts()}
+        inside = ax.get_window_extent(renderer).expanded(1.6, 1.6)
+        for label in [*ax.get_xticklabels(which="both"), *ax.get_yticklabels(which="both")]:
+            box = label.get_window_extent(renderer)
+            if label.get_visible() and label.get_text() and inside.contains(*box.p0) and inside.contains(*box.p1):
+                boxes.append((label.get_text(), box))
+    for text in fig.findobj(Text):  # type: ignore[attr-defined]
+        if (text.get_visible() and text.get_text().strip() and id(text) not in legend_texts
+                and text not in [t for ax in fig.axes for t in ax.get_xticklabels(which="both")  # type: ignore[attr-defined]
+                                 + ax.get_yticklabels(which="both")]):
+            boxes.append((text.get_text(), text.get_window_extent(renderer)))
+    shrunk = [(name, box.shrunk(0.96, 0.9)) for name, box in boxes]  # touching edges are no overlap
+    return [(a, b) for i, (a, box_a) in enumerate(shrunk) for b, box_b in shrunk[i + 1:] if box_a.overlaps(box_b)]
+
+
+def _with_probe() -> Comparison:
+    """The README's main job as an AVX2 CPU drew it: float32 330 ms, the mixed runs 350-365 ms, a native probe
+    41x float32 (13,650 ms); each run's memory by part, O2's masters making it the largest at batch 64."""
+    mib = 2**20
+    kept = {"weights": 2.6 * mib, "gradients": 2.6 * mib, "masters": 0, "optimizer states": 5.1 * mib}
+    o2 = {"weights": 1.3 * mib, "gradients": 2.6 * mib, "masters": 2.6 * mib, "optimizer states": 5.1 * mib}
+    runs = []
+    for label, ms, parts, saved, probe in (("fp32", 330.0, kept, 0.45, False),
+                                            ("bf16 O1 fp32-compute", 365.0, kept, 0.24, False),
+                                            ("bf16 O2 fp32-compute", 350.0, o2, 0.24, False),
+                                            ("bf16 O1 native probe", 13650.0, {}, 0.24, True)):
+        run = _run(label, [5.0 / (1 + step) ** 0.3 for step in range(50)])
+        run.ms_per_step, run.probe, run.saved_for_backward_bytes = ms, probe, int(saved * mib)
+        run.state_parts = {k: int(v) for k, v in parts.items()}
+        run.state_bytes, run.peak_memory_bytes = sum(run.state_parts.values()), 15 * mib
+        runs.append(run)
+    return Comparison(runs, {"model": "resnet18", "data": "digits", "batch_size": 64}, {"device_name": "AMD EPYC"},
+                      "now")
+
+
+def test_the_step_time_panel_is_scaled_to_the_compared_runs_and_a_probe_runs_off_it_with_its_figure(
+        figures: list, tmp_path: Path) -> None:
+    """On main the probe's 13,650 ms set the axis: the three runs compared were slivers under 3% of it."""
+    report.write_summary(_with_probe(), tmp_path / "summary.png")
+    time_ax = figures[0].axes[0]
+    top = time_ax.get_ylim()[1]
+    heights = [bar.get_height() for bar in time_ax.patches]
+    assert all(h >= 0.5 * top for h in heights[:3])  # float32 and the mixed runs, readable against each other
+    assert heights[3] == pytest.approx(top)  # the probe's bar runs off the axis...
+    assert any("13,650 ms" in t.get_text() and "41.4x" in t.get_text() for t in time_ax.texts)  # ...with its figure
+    assert _overlapping_texts(figures[0]) == []
+
+
+def test_the_memory_panel_stacks_each_runs_parts_and_says_from_which_batch_o2_saves(figures: list,
+                                                                                     tmp_path: Path) -> None:
+    comparison = _with_probe()
+    report.write_summary(comparison, tmp_path / "summary.png")
+    memory_ax = figures[0].axes[1]
+    assert [t.get_text() for t in memory_ax.get_legend().get_texts()] == [
+        "weights", "gradients", "masters", "optimizer states", "saved activations", "the rest"]
+    assert len(memory_ax.patches) == 3 * 6  # three trained runs (not the probe), six parts each
+    # the masters' 2.6 MiB less the 1.3 MiB that halving the weights saved, against 0.21 MiB fewer saved
+    # activations per 64 samples: from batch 397 on
+    assert report.crossover_batches(comparison) == {"bf16 O2 fp32-compute": 397}
+    line = report.crossover_line(comparison)
+    assert line is not None and "from batch 397 bf16 O2 fp32-compute's total falls below float32's" in line
+    assert any("from batch 397" in t.get_text().replace("\n", " ") for t in figures[0].texts)
+
+
+def test_a_loss_over_two_decades_labels_its_log_axis_without_overlaps(figures: list, tmp_path: Path) -> None:
+    """On main every minor tick had a label: 0.9 0.8 0.7 ... and 0.09 0.08 ... printed over each other."""
+    import math
+
+    comparison = _comparison()
+    for index, run in enumerate(comparison.runs):
+        run.losses = [2.4 * math.exp(-step / 9) + 0.02 * (1 + index / 10) for step in range(60)]
+    report.write_curves(comparison, tmp_path / "curves.png")
+    assert _overlapping_texts(figures[0]) == []
+    labels = [t.get_text() for t in figures[0].axes[0].get_yticklabels(which="both") if t.get_text()]
+    assert {"0.1", "1"} <= set(labels)  # the decades still read
+
+
+def test_the_guard_timeline_reads_without_overlaps(figures: list, tmp_path: Path) -> None:
+    from ampkit.guard.plot import plot_timeline
+
+    steps = 40
+    timeline = {"losses": [3.0 / (1 + s) ** 0.5 if s != 12 else None for s in range(steps)], "raised": {},
+                "events": [{"step": 12, "signal": "nonfinite-loss", "layer": "blocks.0.mlp.0"}], "sample_every": 4,
+                "limits": {"saturation": 0.01, "underflow": 0.05, "amax": 65504.0}, "kinds": {},
+                "samples": [{"step": s, "layers": {f"blocks.{i}.mlp.0": {"saturation": 1e-4 * (i + 1) * (s + 1),
+                                                                         "underflow": 1e-3 * (s + 1), "amax": 1.0}
+                                                   for i in range(4)}} for s in range(0, steps, 4)]}
+    plot_timeline(timeline, tmp_path / "guard.png")
+    assert _overlapping_texts(figures[0]) == []
+
+
+def test_the_crossover_batch_is_where_a_measured_o2_run_first_keeps_less_than_float32() -> None:
+    """The batch estimated from two runs at batch 64 (the MLP on the digits), checked by measuring both at it and
+    one sample below: what each keeps between steps and saves for backward, from the tensors."""
+    from ampkit.experiment.config import RunConfig
+    from ampkit.experiment.training import execute
+
+    def totals(batch: int) -> tuple[list[RunResult], list[int]]:
+        runs = [execute(RunConfig(model="mlp", steps=1, batch_size=batch)),
+                execute(RunConfig(model="mlp", steps=1, batch_size=batch, precision="bf16", opt_level="O2",
+                                  compute="native"))]
+        return runs, [run.state_bytes + run.saved_for_backward_bytes for run in runs]
+
+    runs, at_64 = totals(64)
+    assert at_64[1] > at_64[0]  # at this size O2's masters outweigh what its 16-bit activations save
+    comparison = Comparison(runs, {"model": "mlp", "data": "digits", "batch_size": 64}, {"device_name": "a CPU"},
+                            "now")
+    (batch,) = report.crossover_batches(comparison).values()
+    assert batch is not None and 64 < batch < 1437  # the digits' training set
+    fp32, o2 = totals(batch)[1]
+    assert o2 < fp32
+    fp32, o2 = totals(batch - 1)[1]
+    assert o2 >= fp32

@@ -160,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"  guard, {line}", highlight=False)
         if (slower := report.slower_line(result, cost.native_speedup)) is not None:
             console.print(f"  {slower}", highlight=False)
+        if (crossover := report.crossover_line(result)) is not None:
+            console.print(f"  {crossover}", highlight=False)
         again = f"; {result.revised_s:.0f} s from the runs' first steps" if result.revised_s is not None else ""
         console.print(f"Took {time.perf_counter() - planned:.0f} s (estimated {cost.total_s:.0f} s{again}), after "
                       f"{planned - start:.0f} s of planning. Wrote " + ", ".join(str(p) for p in paths))

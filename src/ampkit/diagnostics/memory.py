@@ -300,32 +300,51 @@ def measured_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
         optimizer: its optimizer (a ``MasterWeightOptimizer`` counts its masters).
 
     Returns:
-        The bytes those tensors hold now (measure after a step, when the states exist).
+        The bytes those tensors hold now (measure after a step, when the states exist): the sum of
+        ``measured_state_parts``.
 
     Raises:
         ValueError: a model that is no nn.Module, an optimizer that is none or steps other tensors.
     """
-    check_model_and_optimizer(model, optimizer, needed_by="measured_state_bytes")
-    seen: dict[int, int] = {}
+    return sum(measured_state_parts(model, optimizer).values())
 
-    def add(t: Any) -> None:
+
+STATE_PARTS = ("weights", "gradients", "masters", "optimizer states")
+
+
+def measured_state_parts(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """``measured_state_bytes`` by part (``STATE_PARTS``): the model's weights and buffers, the gradients (the
+    model's and the optimizer's parameters'), the masters (the optimizer's parameters that are no model weight) and
+    the optimizer's states. A storage counts once, in the first part that holds it (at O2 a weight's float32
+    gradient is also its master's: a gradient).
+
+    Raises:
+        ValueError: as ``measured_state_bytes``.
+    """
+    check_model_and_optimizer(model, optimizer, needed_by="measured_state_bytes")
+    seen: set[int] = set()
+    parts = dict.fromkeys(STATE_PARTS, 0)
+
+    def add(t: Any, part: str) -> None:
         if isinstance(t, torch.Tensor):
             t = local_shard(t)  # an FSDP2 tensor: this rank's shard
             if hasattr(t, "__tensor_flatten__"):  # a wrapper subclass (torchao's FP8-gathered weights): its insides
                 for name in t.__tensor_flatten__()[0]:
-                    add(getattr(t, name))
+                    add(getattr(t, name), part)
                 return
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                parts[part] += storage.nbytes()
 
     for tensor in [*model.parameters(), *model.buffers()]:
-        add(tensor)
-        add(tensor.grad)
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            add(p)
-            add(p.grad)
+        add(tensor, "weights")
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    for tensor in [*model.parameters(), *stepped]:
+        add(tensor.grad, "gradients")
+    for p in stepped:
+        add(p, "masters")
     for state in optimizer.state.values():
         for value in state.values():
-            add(value)
-    return sum(seen.values())
+            add(value, "optimizer states")
+    return parts

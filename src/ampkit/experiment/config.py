@@ -163,3 +163,6 @@ class RunResult:
     zero_grad_fraction: float | None = None  # of gradient values exactly zero, mean over sampled steps
     compile_s: float | None = None  # compiled runs: the first step's seconds (tracing and compiling), not in ms_per_step
     guard: dict | None = None  # guarded runs: the guard's timeline (Guard.timeline(): events, losses, samples, raised)
+    # state_bytes by part (diagnostics.memory.STATE_PARTS: weights, gradients, masters, optimizer states); older
+    # records have none
+    state_parts: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -8,10 +8,12 @@ import math
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich import box
 from rich.table import Table
 
+from ampkit.diagnostics.memory import STATE_PARTS
 from ampkit.experiment.comparison import PLAN_FIELDS, Comparison
 from ampkit.experiment.config import WARMUP_STEPS, RunResult
 from ampkit.files import publish_new
@@ -142,7 +144,7 @@ def write_curves(comparison: Comparison, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, LogFormatter
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     shown = [run for run in comparison.runs if not run.probe]  # a probe's few steps say nothing of convergence
@@ -163,9 +165,10 @@ def write_curves(comparison: Comparison, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_yscale("log")
-    plain = FuncFormatter(lambda value, _: f"{value:g}")  # 5, not 5x10^0
-    ax.yaxis.set_major_formatter(plain)
-    ax.yaxis.set_minor_formatter(plain)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 5, not 5x10^0
+    # Minor ticks labelled only where a decade or less is shown, and then 2-5-ish ones (every minor label of a
+    # wider span, 0.9 0.8 0.7 ... 0.09 0.08 ..., printed over each other)
+    ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1.0, 0.4)))
     divisor = comparison.config.get("loss_divisor", 1)
     divided = f" (trained on the loss / {divisor:g})" if divisor != 1 else ""
     ax.set_title(f"{comparison.config['model']} on {comparison.config['data']}: loss per step{divided}")
@@ -176,33 +179,117 @@ def write_curves(comparison: Comparison, path: Path) -> None:
     plt.close(fig)
 
 
-def write_summary(comparison: Comparison, path: Path) -> None:
-    """Time and memory per run as bars, with the float32 baseline marked."""
+# The parts of a run's memory the summary stacks, bottom up: what it keeps between steps (measured from its tensors,
+# diagnostics.memory.STATE_PARTS), its saved activations, and the rest of the measured peak
+PARTS = (*STATE_PARTS, "saved activations", "the rest")
+PART_COLORS = ("#4c72b0", "#dd8452", "#937860", "#8172b3", "#55a868", "#cccccc")
+
+
+def memory_parts(run: RunResult) -> dict[str, float]:
+    """``run``'s memory by part (``PARTS``), in bytes: what it keeps between steps, by part (a record without the
+    parts: their sum, as weights), the activations one step saves for backward, and the rest of what training
+    added (the measured peak less those two; none where they exceed it: the peak is the process's, measured)."""
+    kept = dict(run.state_parts) if run.state_parts else {"weights": run.state_bytes}
+    parts = {name: float(kept.get(name, 0)) for name in STATE_PARTS} | {
+        "saved activations": float(run.saved_for_backward_bytes)}
+    parts["the rest"] = max(float(run.peak_memory_bytes) - sum(parts.values()), 0.0)
+    return parts
+
+
+def crossover_batches(comparison: Comparison) -> dict[str, int | None]:
+    """For each trained mixed run that keeps more between steps than float32 (its masters, say), the batch from
+    which its total, what it keeps and the activations it saves, is below float32's (None: never, its activations
+    being no smaller). What training keeps does not grow with the batch; the saved activations grow in proportion,
+    so the batch is estimated from the two runs' bytes at this one."""
+    base, batch = comparison.baseline, comparison.config.get("batch_size")
+    found: dict[str, int | None] = {}
+    if not base.state_bytes or not batch:
+        return found
+    for run in comparison.runs[1:]:
+        extra = run.state_bytes - base.state_bytes
+        if run.probe or not run.state_bytes or extra <= 0:
+            continue
+        saved_less = (base.saved_for_backward_bytes - run.saved_for_backward_bytes) / batch  # per sample
+        found[run.label] = math.floor(extra / saved_less) + 1 if saved_less > 0 else None
+    return found
+
+
+def crossover_line(comparison: Comparison) -> str | None:
+    """``crossover_batches`` in a sentence, with why: at this batch what training keeps between steps outweighs the
+    activations 16 bits halve. None where no run keeps more than float32."""
+    found = crossover_batches(comparison)
+    if not found:
+        return None
+    base = comparison.baseline
+    batches = ", ".join(f"from batch {n} {label}'s" if n is not None else f"never {label}'s (its activations are no "
+                        "smaller)" for label, n in found.items())
+    return (f"Memory: at batch {comparison.config['batch_size']} what training keeps between steps (weights, "
+            f"gradients, masters, optimizer states: {base.state_bytes / MIB:.1f} MiB in float32) outweighs the saved "
+            f"activations 16 bits halve ({base.saved_for_backward_bytes / MIB:.1f} MiB); only the activations grow "
+            f"with the batch, and {batches} total falls below float32's (estimated from these runs' bytes).")
+
+
+def summary_figure(comparison: Comparison) -> Any:
+    """The summary's figure: step time of the compared runs on an axis scaled to them (a probe's bar, timed only,
+    runs off it with its figure written on it), and each run's memory stacked by part (``memory_parts``), with
+    ``crossover_line`` under it."""
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [run.label for run in comparison.runs]
-    panels = [
-        ("ms per step", [run.ms_per_step for run in comparison.runs]),
-        ("memory added (MiB)", [run.peak_memory_bytes / MIB for run in comparison.runs]),  # the table's name
-        ("saved for backward (MiB)", [run.saved_for_backward_bytes / MIB for run in comparison.runs]),
-    ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(12, 4), dpi=120)
-    for ax, (name, values) in zip(axes, panels):
-        bars = ax.bar(labels, values, color=["#888888"] + ["#3b75af"] * (len(values) - 1))
-        ax.axhline(values[0], color="black", linestyle="--", linewidth=1, label="fp32")
-        for bar, value in zip(bars, values):
-            ratio = value / values[0] if values[0] else math.nan
-            ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
-                        fontsize=8)
-        ax.set_title(name)
-        ax.tick_params(axis="x", labelrotation=25, labelsize=7)
-    axes[0].legend(loc="lower left")
+    runs, labels = comparison.runs, [re.sub(r" (fp32-|native|compiled|probe|\S+-states)", r"\n\1", run.label)
+                                     for run in comparison.runs]
+    fig, (time_ax, memory_ax) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=120)
+    times = [run.ms_per_step for run in runs]
+    top = 1.3 * max(t for t, run in zip(times, runs) if not run.probe)
+    colors = ["#888888"] + ["#3b75af"] * (len(runs) - 1)
+    bars = time_ax.bar(labels, [min(t, top) for t in times], color=colors,
+                       hatch=[("//" if run.probe else "") for run in runs])
+    time_ax.axhline(times[0], color="black", linestyle="--", linewidth=1, label="fp32")
+    for bar, run, value in zip(bars, runs, times):
+        clipped = value > top
+        text = (f"{value:,.0f} ms\n{value / times[0]:.1f}x, off the axis" if clipped
+                else f"{value / times[0]:.2f}x")
+        time_ax.annotate(text, (bar.get_x() + bar.get_width() / 2, min(value, top)), ha="center",
+                         va="top" if clipped else "bottom", fontsize=7, xytext=(0, -3 if clipped else 1),
+                         textcoords="offset points", color="white" if clipped else "black")
+    time_ax.set_ylim(0, top)
+    time_ax.set_title("ms per step" + (" (a hatched probe runs off the axis)" if any(t > top for t in times) else ""))
+    time_ax.legend(loc="upper left", fontsize=8)
+    trained = [index for index, run in enumerate(runs) if not run.probe]  # a probe's memory says nothing
+    bottom = [0.0] * len(trained)
+    parts = [memory_parts(runs[index]) for index in trained]
+    for name, color in zip(PARTS, PART_COLORS):
+        heights = [p[name] / MIB for p in parts]
+        if any(heights):
+            memory_ax.bar([labels[index] for index in trained], heights, bottom=bottom, color=color, label=name)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    memory_ax.axhline(bottom[0], color="black", linestyle="--", linewidth=1)
+    for index, total in enumerate(bottom):
+        memory_ax.annotate(f"{total / bottom[0]:.2f}x" if bottom[0] else "", (index, total), ha="center",
+                           va="bottom", fontsize=7)
+    memory_ax.set_ylim(0, 1.45 * max(bottom))  # room for the legend above the bars
+    memory_ax.set_title("memory added (MiB)")
+    memory_ax.legend(loc="upper left", fontsize=7, ncol=3)
+    for ax in (time_ax, memory_ax):
+        ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"{comparison.config['model']} on {comparison.config['data']}, {comparison.machine['device_name']}",
                  fontsize=9)
-    fig.tight_layout()
+    line = crossover_line(comparison)
+    fig.tight_layout(rect=(0, 0.12 if line else 0, 1, 1))
+    if line:
+        fig.text(0.01, 0.01, textwrap.fill(line, 170), fontsize=7, va="bottom")
+    return fig
+
+
+def write_summary(comparison: Comparison, path: Path) -> None:
+    """Time and memory per run as bars, with the float32 baseline marked (``summary_figure``)."""
+    import matplotlib.pyplot as plt
+
+    fig = summary_figure(comparison)
     fig.savefig(path, format="png")
     plt.close(fig)
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampkit.diagnostics.memory import measured_state_bytes, saved_bytes_of_step
+from ampkit.diagnostics.memory import measured_state_parts, saved_bytes_of_step
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import (
     CONTEXT,
@@ -143,6 +143,7 @@ def execute(
                 f" (all {skipped} steps were skipped: every scaled gradient overflowed)" if skipped == len(times) else "")
     median_s = statistics.median(times[PROBE_WARMUP_STEPS if config.probe else WARMUP_STEPS :] or times)
     stats = scaler.stats
+    parts = measured_state_parts(model, optimizer)
     return RunResult(
         label=config.label,
         precision=config.precision,
@@ -161,7 +162,8 @@ def execute(
         losses=losses,
         wall_s=time.perf_counter() - start,
         diverged=diverged,
-        state_bytes=measured_state_bytes(model, optimizer),
+        state_bytes=sum(parts.values()),
+        state_parts=parts,
         parameters=sum(p.numel() for p in model.parameters()),
         zero_grad_fraction=statistics.fmean(zeros) if zeros else None,
         compile_s=times[0] if config.compiled and times else None,

@@ -51,6 +51,9 @@ def plot_timeline(timeline: dict[str, Any], path: Path, title: str = "") -> None
     if nearest:
         below.legend(fontsize=7)
     below.grid(alpha=0.3)
-    fig.tight_layout()
+    from matplotlib.ticker import FuncFormatter
+
+    below.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))  # 0.01, not 10^-2
+    fig.tight_layout(h_pad=2.0)  # the panels' edge ticks (the loss's lowest, the figures' highest) apart
     fig.savefig(path, format="png")
     plt.close(fig)
