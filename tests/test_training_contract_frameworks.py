@@ -108,7 +108,9 @@ def test_accelerates_clip_grad_norm_clips_what_the_step_uses(level: str, dtype: 
     _check(level, dtype, _accelerate)
 
 
-def _lightning(level: str | None, dtype: str) -> tuple[nn.Module, None]:
+def _lightning_fit(level: str | None, dtype: str, configure: Any, load: Any = None, **options: Any) -> tuple[Any, Any]:
+    """A LightningModule around the contract's MLP, fitted by a Trainer with ``options`` at ``level`` (None:
+    float32), its optimizers from ``configure(module)``; the module and the Trainer."""
     L = pytest.importorskip("lightning")
     from ampkit.integrations.lightning import AmpkitPrecision
 
@@ -124,18 +126,25 @@ def _lightning(level: str | None, dtype: str) -> tuple[nn.Module, None]:
             x, y = batch
             return F.cross_entropy(self(x).float(), y)
 
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=LR)
+        def configure_optimizers(self) -> Any:
+            return configure(self)
 
     module = Module()
     precision: dict[str, Any] = (
         {"precision": "32-true"} if level is None
         else {"plugins": [AmpkitPrecision(level, DTYPES[dtype], compute="native", device="cpu")]})
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, gradient_clip_val=CLIP, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **precision)
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, **precision, **options)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=64))
+        trainer.fit(module, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=64),
+                    ckpt_path=str(load) if load is not None else None)
+    return module, trainer
+
+
+def _lightning(level: str | None, dtype: str) -> tuple[nn.Module, None]:
+    module, _ = _lightning_fit(level, dtype, lambda m: torch.optim.SGD(m.parameters(), lr=LR), max_steps=1,
+                               gradient_clip_val=CLIP)
     return module.net, None  # Lightning reports no norm
 
 
@@ -144,22 +153,27 @@ def test_lightnings_gradient_clip_val_clips_what_the_step_uses(level: str, dtype
     _check(level, dtype, _lightning)
 
 
-def _fabric(level: str | None, dtype: str) -> tuple[nn.Module, float]:
+def _fabric_setup(level: str | None, dtype: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, ...]:
+    """A Fabric at ``level`` (None: float32) and ``model`` and ``optimizer`` set up by it (at O2 initialized first,
+    the plugin's documented order: Fabric gives it no hook to make the masters): (fabric, model, optimizer)."""
     L = pytest.importorskip("lightning")
     from ampkit.integrations.lightning import AmpkitFabricPrecision
 
+    if level is None:
+        fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
+    else:
+        fabric = L.Fabric(accelerator="cpu", devices=1,
+                          plugins=[AmpkitFabricPrecision(level, DTYPES[dtype], compute="native", device="cpu")])
+        if level == "O2":
+            model, optimizer = ampkit.initialize(model, optimizer, "O2", DTYPES[dtype], compute="native")
+    return (fabric, *fabric.setup(model, optimizer))
+
+
+def _fabric(level: str | None, dtype: str) -> tuple[nn.Module, float]:
     model = _model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if level is None:
-            fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
-        else:
-            fabric = L.Fabric(accelerator="cpu", devices=1,
-                              plugins=[AmpkitFabricPrecision(level, DTYPES[dtype], compute="native", device="cpu")])
-            if level == "O2":  # the plugin's documented order: Fabric gives it no hook to make the masters
-                model, optimizer = ampkit.initialize(model, optimizer, "O2", DTYPES[dtype], compute="native")
-        wrapped, optimizer = fabric.setup(model, optimizer)
+        fabric, wrapped, optimizer = _fabric_setup(level, dtype, model, torch.optim.SGD(model.parameters(), lr=LR))
         fabric.backward(F.cross_entropy(wrapped(X).float(), Y))
         norm = float(fabric.clip_gradients(wrapped, optimizer, max_norm=CLIP))
         optimizer.step()
@@ -246,21 +260,11 @@ def _trainer_run(level: str | None, dtype: str, steps: int, folder: Any,
 
 def _fabric_run(level: str | None, dtype: str, steps: int, save: Any = None, load: Any = None
                 ) -> tuple[dict[str, torch.Tensor], float]:
-    L = pytest.importorskip("lightning")
-    from ampkit.integrations.lightning import AmpkitFabricPrecision
-
     model = _model()
     optimizer, scheduler = _scheduled(model)  # built before initialize
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        if level is None:
-            fabric = L.Fabric(accelerator="cpu", devices=1, precision="32-true")
-        else:
-            fabric = L.Fabric(accelerator="cpu", devices=1,
-                              plugins=[AmpkitFabricPrecision(level, DTYPES[dtype], compute="native", device="cpu")])
-            if level == "O2":
-                model, optimizer = ampkit.initialize(model, optimizer, "O2", DTYPES[dtype], compute="native")
-        wrapped, optimizer = fabric.setup(model, optimizer)
+        fabric, wrapped, optimizer = _fabric_setup(level, dtype, model, optimizer)
         if load is not None:
             fabric.load(load, {"model": wrapped, "optimizer": optimizer, "scheduler": scheduler})
         for _ in range(steps):
@@ -275,37 +279,13 @@ def _fabric_run(level: str | None, dtype: str, steps: int, save: Any = None, loa
 
 def _lightning_run(level: str | None, dtype: str, steps: int, save: Any = None, load: Any = None
                    ) -> tuple[dict[str, torch.Tensor], float]:
-    L = pytest.importorskip("lightning")
-    from ampkit.integrations.lightning import AmpkitPrecision
+    def configure(module: nn.Module) -> Any:
+        optimizer, scheduler = _scheduled(module)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    class Module(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = _model()
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.net(x)
-
-        def training_step(self, batch: Any, index: int) -> torch.Tensor:
-            x, y = batch
-            return F.cross_entropy(self(x).float(), y)
-
-        def configure_optimizers(self) -> Any:
-            optimizer, scheduler = _scheduled(self)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-    module = Module()
-    precision: dict[str, Any] = (
-        {"precision": "32-true"} if level is None
-        else {"plugins": [AmpkitPrecision(level, DTYPES[dtype], compute="native", device="cpu")]})
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, **precision)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X, Y), batch_size=64)
-        trainer.fit(module, data, ckpt_path=str(load) if load is not None else None)
-        if save is not None:
-            trainer.save_checkpoint(save)
+    module, trainer = _lightning_fit(level, dtype, configure, load=load, max_steps=steps)
+    if save is not None:
+        trainer.save_checkpoint(save)
     return _weights(module.net), trainer.lr_scheduler_configs[0].scheduler.get_last_lr()[0]
 
 
