@@ -214,9 +214,9 @@ def test_estimate_scales_a_measured_float32_step(fake_machine, monkeypatch) -> N
     assert estimate.total_s == pytest.approx(estimate.startup_s + sum(estimate.run_s))
     # the probe: its own native steps, timed here (not the 20x the measured kernels predict), no evaluation
     assert set(estimate.setting_step_s) == {"bf16 O1 auto plain", "bf16 O2 auto plain", "bf16 O1 native plain"}
-    # each run's first step as much slower as float32's warm-up step here
+    # each run's first step as much slower as float32's warm-up step here (none, where it was not slower: a CPU and
+    # torch whose first step costs no more, as torch 2.11's CUDA build on an AVX-512 CPU measured)
     first = max(estimate.first_step_s - estimate.float32_step_s, 0.0)
-    assert first > 0
     native = estimate.setting_step_s["bf16 O1 native plain"]
     assert probe == pytest.approx((settings.PROBE_STEPS + first / estimate.float32_step_s) * native)
     # its 4 steps, then evaluation: the test set (360 digits, batch 8) and precise BN's batches, each a timed forward
@@ -444,8 +444,10 @@ def test_fp8_settings_train_the_mlp_with_fp8_linears(precision: str) -> None:
     configs = settings.plan(model="mlp", precisions=[precision], opt_levels=["O2"], steps=2, batch_size=8,
                               probe=False)
     name = {"fp8": "fp8-delayed-hybrid", "fp8-current": "fp8-current-hybrid"}[precision]
-    assert [c.label for c in configs] == ["fp32", f"{name} O2 fp32-compute" if configs[1].float32_compute
-                                          else f"{name} O2"]
+    # compute auto: float32 for the op classes whose 16-bit kernels this machine measured slower (both, one, none)
+    classes = configs[1].float32_compute
+    option = "" if not classes else " fp32-compute" if len(classes) == 2 else f" fp32-{classes[0]}"
+    assert [c.label for c in configs] == ["fp32", f"{name} O2{option}"]
     result = execute(configs[1])
     assert result.precision == precision and all(math.isfinite(loss) for loss in result.losses)
 
