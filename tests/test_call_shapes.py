@@ -301,9 +301,10 @@ def test_a_16_bit_models_policy_keeps_torchs_listed_ops_on_their_fast_paths() ->
     linear, conv = nn.Linear(16, 8).to(DTYPE), nn.Conv2d(4, 6, 3).to(DTYPE)
     q = torch.randn(2, 2, 8, 16).to(DTYPE).requires_grad_()
     with ampkit.autocast(policy):
-        names = {"linear": linear(torch.randn(4, 16).to(DTYPE)).grad_fn.name(),
-                 "conv2d": conv(torch.randn(2, 4, 8, 8).to(DTYPE)).grad_fn.name(),
-                 "attention": F.scaled_dot_product_attention(q, q, q, is_causal=True).grad_fn.name(),
-                 "einsum": torch.einsum("bij,bjk->bik", q[0], q[0].transpose(1, 2)).grad_fn.name()}
+        outs = {"linear": linear(torch.randn(4, 16).to(DTYPE)), "conv2d": conv(torch.randn(2, 4, 8, 8).to(DTYPE)),
+                "attention": F.scaled_dot_product_attention(q, q, q, is_causal=True),
+                "einsum": torch.einsum("bij,bjk->bik", q[0], q[0].transpose(1, 2))}
+    # read while the outputs live (torch 2.11 invalidates a Function's node once its output is freed)
+    names = {op: out.grad_fn.name() for op, out in outs.items()}
     assert names == {"linear": "_LinearBackward", "conv2d": "_ConvolutionBackward",
                      "attention": "_AttentionBackward", "einsum": "ViewBackward0"}  # einsum's bmm, then its view
