@@ -226,3 +226,15 @@ def test_the_crossover_batch_is_where_a_measured_o2_run_first_keeps_less_than_fl
     assert o2 < fp32
     fp32, o2 = totals(batch - 1)[1]
     assert o2 >= fp32
+
+
+def test_inspects_histogram_reads_without_overlaps(figures: list, tmp_path: Path) -> None:
+    import torch
+    from torch import nn
+
+    from ampkit.diagnostics.numerics import inspect_numerics, write_histogram
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    write_histogram(inspect_numerics(model, torch.randn(8, 16), torch.randint(0, 4, (8,))), tmp_path / "h.png")
+    assert _overlapping_texts(figures[0]) == []
