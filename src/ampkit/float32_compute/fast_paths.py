@@ -11,7 +11,7 @@ loan kept by measurement (``benchmarks/bench_attention_route.py``, BENCHMARKS.md
 ``F.scaled_dot_product_attention`` runs the same kernel on float32 copies, but its backward is reachable only
 through autograd, which then saves the float32 copies of q, k, v and the output (several times the bytes this
 path saves, undoing what float32 compute keeps 16-bit), or, saving the 16-bit tensors, runs the forward again in
-the backward (a quarter more time at a 512-token attention, more than the 5% issue 69 allows).
+the backward (at the benchmark's larger size, well over the 5% of the attention's time issue 69 allows).
 """
 
 from __future__ import annotations
