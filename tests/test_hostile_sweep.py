@@ -983,3 +983,28 @@ def test_converting_ampkits_own_pure16_optimizer_again_says_it_is_ampkits(update
                                      update=update)
     with pytest.raises(ValueError, match=r"is already a pure 16-bit one"):
         ampkit.optim.pure16.pure16_optimizer(converted, update)
+
+
+@pytest.mark.parametrize("format", ["mxfp4", pytest.param("mxfp8", marks=pytest.mark.slow),
+                                    pytest.param("nvfp4", marks=pytest.mark.slow)])  # about 15 s each
+def test_block_scaled_linears_compile_with_dynamic_shapes_as_they_run_eagerly(format: str) -> None:
+    """torch.compile(dynamic=True) of a model with two block-scaled linears or more failed dynamo's assertion
+    "lift_tracked_freevar_to_input should not be called on root SubgraphTracer": a float constant read inside one
+    layer's autograd.Function was reused by the next one's (block_scaled.element_type)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(4):  # the first and last stay high precision: two block-scaled linears between them
+        layers += [nn.Linear(64, 64), nn.ReLU()]
+    model = nn.Sequential(*layers[:-1])
+    ampkit.convert_to_block_scaled(model, ampkit.BlockScaledRecipe(format))
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, dynamic=True, backend="aot_eager")
+    with torch.compiler.set_stance("default"):
+        for batch in (8, 12, 5):  # a batch size the first graph did not see: one graph for them all
+            x = torch.randn(batch, 64)
+            out, expected = compiled(x), eager(x)  # one training forward each: NVFP4's draws count them
+            out.sum().backward()
+            expected.sum().backward()
+            assert torch.equal(out, expected)
+    for a, b in zip(model.parameters(), eager.parameters()):
+        assert torch.equal(a.grad, b.grad)

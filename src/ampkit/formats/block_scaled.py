@@ -30,12 +30,28 @@ from collections.abc import Callable
 
 import torch
 
+from ampkit import _compile_torch
 from ampkit.formats.recipes import E4M3, E5M2
 
 E2M1_MAX, E4M3_MAX, E5M2_MAX = 6.0, 448.0, 57344.0
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # The element types: (largest normal, the exponent of the largest normal's power of two, torch dtype or None).
 ELEMENTS = {"e4m3": (E4M3_MAX, 8, E4M3), "e5m2": (E5M2_MAX, 15, E5M2), "e2m1": (E2M1_MAX, 2, None)}
+
+
+# The code below reads the constants above through element_type() and _E2M1_GRID_TENSOR, never as module floats:
+# under torch.compile(dynamic=True) dynamo makes every float it reads from a module a symbolic input, and one read
+# inside a block-scaled layer's autograd.Function was reused by the next layer's, where dynamo failed an assertion
+# ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer"; torch 2.11-2.15).
+def element_type(name: str) -> tuple[float, int, torch.dtype | None]:
+    """``ELEMENTS[name]``, a constant to torch.compile."""
+    return ELEMENTS[name]
+
+
+_compile_torch.mark(globals(), "element_type", torch.compiler.assume_constant_result)  # when dynamo is imported
+
+
+_E2M1_GRID_TENSOR = torch.tensor(E2M1_GRID)
 SCALE_MODES = ("floor", "rceil")
 E8M0_MIN, E8M0_MAX = -127, 127
 
@@ -118,8 +134,8 @@ def round_e2m1(x: torch.Tensor, generator: torch.Generator | Draws | None = None
     Returns:
         float32 values of the E2M1 grid; NaN stays NaN.
     """
-    magnitude = x.abs().clamp(max=E2M1_MAX).contiguous()
-    grid = torch.tensor(E2M1_GRID, device=x.device)
+    magnitude = x.abs().clamp(max=element_type("e2m1")[0]).contiguous()
+    grid = _E2M1_GRID_TENSOR.to(x.device)
     upper_index = torch.bucketize(magnitude, grid).clamp(max=len(E2M1_GRID) - 1)  # first grid value >= |x|
     lower_index = (upper_index - 1).clamp(min=0)
     upper, lower = grid[upper_index], grid[lower_index]
@@ -141,7 +157,7 @@ def round_element(x: torch.Tensor, element: str, generator: torch.Generator | Dr
                   stochastic: bool = False) -> torch.Tensor:
     """``x`` (float32, already scaled) on ``element``'s grid, saturated at its maximum: nearest even, or
     stochastic rounding for E2M1. Returns float32 values."""
-    largest, _, dtype = ELEMENTS[element]
+    largest, _, dtype = element_type(element)
     if dtype is None:
         return round_e2m1(x, generator, stochastic)
     if stochastic:
@@ -168,7 +184,7 @@ def _unblocks(blocks: torch.Tensor, pad: int, axis: int) -> torch.Tensor:
 def mx_scale_exponent(amax: torch.Tensor, element: str, mode: str) -> torch.Tensor:
     """The E8M0 exponent of blocks whose largest magnitude is ``amax`` (float32), clamped to -127..127;
     NaN where amax is NaN or Inf (the 0xFF scale)."""
-    largest, emax, _ = ELEMENTS[element]
+    largest, emax, _ = element_type(element)
     if mode == "floor":
         _, exponent = torch.frexp(amax)  # amax = m * 2**k, m in [0.5, 1): floor(log2(amax)) = k - 1, exactly
         e = (exponent - 1 - emax).float()
@@ -205,7 +221,7 @@ def quantize_mx(x: torch.Tensor, element: str = "e4m3", axis: int = -1, block: i
     elements = round_element(scaled, element, generator, stochastic)
     decoded = elements * torch.exp2(e)
     return Quantized(_unblocks(decoded, pad, axis), _unblocks(elements, pad, axis), torch.exp2(e).squeeze(-1),
-                     torch.ones((), device=x.device), (scaled.abs() > ELEMENTS[element][0]).any(-1),
+                     torch.ones((), device=x.device), (scaled.abs() > element_type(element)[0]).any(-1),
                      _block_range(blocks), _unblocks((blocks != 0) & (decoded == 0), pad, axis))
 
 
@@ -229,7 +245,8 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
     amax = torch.where(finite, x.abs(), torch.zeros_like(x)).amax()
     # Clamped to float32's largest: below an amax of about 8e-36 the quotient overflows to inf, and a block of
     # zeros then decoded to 0 x inf = NaN (one tiny output gradient made every weight-gradient value NaN).
-    tensor_scale = torch.where(amax > 0, (E4M3_MAX * E2M1_MAX) / amax, torch.ones_like(amax)).clamp(
+    e2m1_max, e4m3_max = element_type("e2m1")[0], element_type("e4m3")[0]
+    tensor_scale = torch.where(amax > 0, (e4m3_max * e2m1_max) / amax, torch.ones_like(amax)).clamp(
         max=torch.finfo(torch.float32).max)
     if tile is not None:
         if x.dim() != 2:
@@ -243,7 +260,7 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
         blocks, pad = _blocks(x, axis, 16)
     bad = (~torch.isfinite(blocks)).any(-1, keepdim=True)
     block_amax = torch.where(torch.isfinite(blocks), blocks.abs(), torch.zeros_like(blocks)).amax(-1, keepdim=True)
-    scale = (block_amax / E2M1_MAX * tensor_scale).clamp(max=E4M3_MAX).to(E4M3).float()
+    scale = (block_amax / e2m1_max * tensor_scale).clamp(max=e4m3_max).to(E4M3).float()
     # Transformer Engine's order of float32 operations: the elements' factor is s / scale, one division.
     factor = torch.where(scale > 0, (tensor_scale / scale.clamp(min=torch.finfo(torch.float32).tiny)).clamp(
         max=torch.finfo(torch.float32).max), torch.zeros_like(scale))  # finite: a zero times it stays zero
@@ -252,7 +269,7 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
     elements = torch.where(bad, torch.full_like(elements, math.nan), elements)
     scale = torch.where(bad, torch.full_like(scale, math.nan), scale)
     decoded = elements * scale / tensor_scale
-    saturated, spread = (scaled.abs() > E2M1_MAX).any(-1), _block_range(blocks)
+    saturated, spread = (scaled.abs() > e2m1_max).any(-1), _block_range(blocks)
     flushed = (blocks != 0) & (decoded == 0)
     if tile is not None:
         def untile(t: torch.Tensor) -> torch.Tensor:
