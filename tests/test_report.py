@@ -161,6 +161,20 @@ def test_the_step_time_panel_is_scaled_to_the_compared_runs_and_a_probe_runs_off
     assert _overlapping_texts(figures[0]) == []
 
 
+def test_a_ratio_on_float32s_dashed_line_is_not_struck_through(figures: list, tmp_path: Path) -> None:
+    """The default compare on a native-bf16 CPU drew float32's 1.00x and bf16 O1's 0.99x memory ratios on float32's
+    dashed line, which ran through their figures."""
+    report.write_summary(_with_probe(), tmp_path / "summary.png")
+    for ax in figures[0].axes:
+        (line,) = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+        level, span = line.get_ydata()[0], ax.get_ylim()[1]
+        on_line = [t for t in ax.texts if t.get_text().endswith("x") and abs(t.xy[1] - level) < 0.1 * span]
+        assert on_line  # float32's own ratio at least
+        for text in on_line:
+            ground = text.get_bbox_patch()
+            assert ground is not None and tuple(ground.get_facecolor()) == (1.0, 1.0, 1.0, 1.0), text.get_text()
+
+
 def test_the_memory_panel_stacks_each_runs_parts_and_says_from_which_batch_o2_saves(figures: list,
                                                                                      tmp_path: Path) -> None:
     comparison = _with_probe()

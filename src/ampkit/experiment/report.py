@@ -229,6 +229,10 @@ def crossover_line(comparison: Comparison) -> str | None:
             f"with the batch, and {batches} total falls below float32's (estimated from these runs' bytes).")
 
 
+# A ratio over its bar sits on float32's dashed line when the two are close: a white ground keeps it legible.
+_ON_THE_LINE = dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none")
+
+
 def summary_figure(comparison: Comparison) -> Any:
     """The summary's figure: step time of the compared runs on an axis scaled to them (a probe's bar, timed only,
     runs off it with its figure written on it), and each run's memory stacked by part (``memory_parts``), with
@@ -255,7 +259,8 @@ def summary_figure(comparison: Comparison) -> Any:
                 else f"{value / times[0]:.2f}x")
         time_ax.annotate(text, (bar.get_x() + bar.get_width() / 2, min(value, top)), ha="center",
                          va="top" if clipped else "bottom", fontsize=7, xytext=(0, -3 if clipped else 1),
-                         textcoords="offset points", color="white" if clipped else "black")
+                         textcoords="offset points", color="white" if clipped else "black",
+                         bbox=None if clipped else _ON_THE_LINE)
     time_ax.set_ylim(0, top)
     time_ax.set_title("ms per step" + (" (a hatched probe runs off the axis)" if any(t > top for t in times) else ""))
     time_ax.legend(loc="upper left", fontsize=8)
@@ -270,7 +275,7 @@ def summary_figure(comparison: Comparison) -> Any:
     memory_ax.axhline(bottom[0], color="black", linestyle="--", linewidth=1)
     for index, total in enumerate(bottom):
         memory_ax.annotate(f"{total / bottom[0]:.2f}x" if bottom[0] else "", (index, total), ha="center",
-                           va="bottom", fontsize=7)
+                           va="bottom", fontsize=7, bbox=_ON_THE_LINE)
     memory_ax.set_ylim(0, 1.45 * max(bottom))  # room for the legend above the bars
     memory_ax.set_title("memory added (MiB)")
     memory_ax.legend(loc="upper left", fontsize=7, ncol=3)

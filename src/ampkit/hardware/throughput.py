@@ -17,7 +17,10 @@ Each class runs in every dtype in alternation and keeps its best time (other
 processes only ever add time), within about a second on the first call; the
 spread of its repeats (the median's excess over the best) is its noise. The
 result is cached in ``files.cache_dir()`` under a key of device name, the CPU's
-16-bit flags, torch version and thread count, so later processes read it instead.
+16-bit flags, the kernels torch and oneDNN are allowed (``ATEN_CPU_CAPABILITY``,
+``ONEDNN_MAX_CPU_ISA``: bf16 GEMMs capped below AVX-512 BF16 ran 3x slower than
+float32 on a CPU where they otherwise ran 4x faster), torch version and thread
+count, so later processes read it instead.
 ``recommend()`` and the ``auto`` compute mode decide from these figures, and
 never on a difference inside the noise: there the device's flags decide (a CPU
 whose flags say native bf16 keeps native bf16 unless float32 is faster beyond
@@ -34,6 +37,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import os
 import statistics
 import time
 import warnings
@@ -142,7 +146,12 @@ def device_key(device: torch.device | str) -> tuple[torch.device, str, str]:
         raise ValueError(f"Cannot measure device {str(device)!r}: choose 'cpu' or 'cuda'.")
     name = cpu_model_name()
     found = sorted(SIXTEEN_BIT_FLAGS & cpu_flags()) or ["no 16-bit flags"]
-    return device, name, f"{name} | {' '.join(found)} | torch {torch.__version__} | {torch.get_num_threads()} threads"
+    kernels = f"{torch.backends.cpu.get_cpu_capability()} kernels"
+    onednn_cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    if onednn_cap:
+        kernels += f", oneDNN up to {onednn_cap}"
+    return device, name, (f"{name} | {' '.join(found)} | {kernels} | torch {torch.__version__} | "
+                          f"{torch.get_num_threads()} threads")
 
 
 def measure(device: torch.device | str = "cpu", refresh: bool = False) -> Throughput:
