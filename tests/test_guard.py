@@ -29,16 +29,17 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, guard: ampkit.Guard | None,
-           batch: object = _batch, scaler: object = None, plant: object = None, steps: int = STEPS) -> list[float]:
+           batch: object = _batch, scaler: object = None, plant: object = None, steps: int = STEPS,
+           forward: object = None) -> list[float]:
     """``steps`` steps of mean square error on ``batch(step)``, through the guard, else the scaler, else plainly;
-    ``plant(step)`` first, where given (a fault planted at a step)."""
+    ``plant(step)`` first, where given (a fault planted at a step); ``forward(x)`` in place of ``model(x)``."""
     losses = []
     for step in range(steps):
         if plant is not None:
             plant(step)  # type: ignore[operator]
         optimizer.zero_grad(set_to_none=True)
         x, y = batch(step)  # type: ignore[operator]
-        loss = nn.functional.mse_loss(model(x).float(), y)
+        loss = nn.functional.mse_loss((forward or model)(x).float(), y)  # type: ignore[operator]
         (scaler.scale(loss) if scaler is not None else loss).backward()  # type: ignore[attr-defined]
         if guard is not None:
             guard.step(loss, batch=(x, y))
@@ -194,6 +195,11 @@ def test_the_timeline_and_the_plot_are_written(tmp_path: Path) -> None:
     (dict(saturation=0), r"saturation=0 is invalid: a fraction in \(0, 1\]"),
     (dict(near_overflow=1.5), r"near_overflow=1.5 is invalid"),
     (dict(checkpoint="last.pt"), r"checkpoint='last.pt' is where action='restore' reads the state it puts back"),
+    # a folder was accepted, and the first bad step raised FileNotFoundError
+    (dict(action="restore", checkpoint="."), r"checkpoint='.' is a folder: pass the file the loop writes with "
+                                              r"ampkit.save_checkpoint"),
+    (dict(action="restore", checkpoint="no/such/folder/last.pt"), r"is in a folder that does not exist"),
+    (dict(max_refused=0), r"max_refused=0 is invalid: an integer >= 1"),
 ])
 def test_bad_guard_settings_are_refused(options: dict, match: str) -> None:
     model, optimizer = _setup()
@@ -266,3 +272,14 @@ def test_a_loss_that_is_not_one_value_is_refused_before_anything_changes(loss: o
     with pytest.raises(ValueError, match=r"Guard.step takes the step's loss as a one-element tensor .*" + match):
         guard.step(loss)  # type: ignore[arg-type]
     assert guard.step_count == 0 and guard.events == []
+
+
+def test_a_batch_and_micro_batches_together_are_refused_before_anything_changes() -> None:
+    model, optimizer = _setup()
+    guard = ampkit.Guard(model, optimizer)
+    x, y = _batch(0)
+    loss = nn.functional.mse_loss(model(x).float(), y)
+    loss.backward()
+    with pytest.raises(ValueError, match=r"pass the step's micro-batches as one list, batches=\[...\], and no batch="):
+        guard.step(loss, batch=(x, y), batches=[(x, y)])
+    assert guard.step_count == 0 and model[0].weight.grad is not None

@@ -18,6 +18,7 @@ import test_guard
 from ampkit.experiment.models import ChannelScale, GrowingLinear
 from ampkit.formats.fp8 import Fp8Linear, Fp8Recipe
 from ampkit.guard import layers
+from ampkit.guard.core import NOT_REPRODUCED
 from ampkit.scaling.scaler import NonFiniteError
 
 STEPS = 40
@@ -350,3 +351,130 @@ def test_a_recompute_plan_changes_none_of_the_guard_figures_or_losses() -> None:
     planned = run(planned=True)
     assert len(planned[1]) == 3 and all(len(found) >= 8 for _, found in planned[1])  # every step, every linear
     assert planned == run(planned=False)
+
+
+# -- Issue 66: the guard wherever the loop runs -------------------------------------------------------------------
+
+def _growing_float32(rate: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``_growing``'s model left in float32: the loop opens torch.autocast itself (torch's AMP recipe)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), GrowingLinear(32, 32, rate=rate), nn.LayerNorm(32), nn.ReLU(),
+                          nn.Linear(32, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train_under_autocast(model: nn.Module, optimizer: torch.optim.Optimizer, guard: ampkit.Guard | None,
+                          scaler: ampkit.DynamicLossScaler, steps: int = STEPS) -> list[float]:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", torch.float16):
+            return model(x)
+
+    return test_guard._train(model, optimizer, guard, _batch, scaler, steps=steps, forward=forward)
+
+
+def test_under_the_loops_own_torch_autocast_an_overflowing_layer_is_named_and_raised() -> None:
+    """Fault (a) in torch's AMP recipe (a float32 model, the loop's own torch.autocast): the replay ran in float32,
+    reproduced nothing, and every later step was skipped "not reproduced". It replays under the step's region now:
+    the layer is named at the first overflowing step, raised once, and the run ends within 2% of the unfaulted one."""
+    unfaulted = _train_under_autocast(*_growing_float32(rate=1.0), None, ampkit.DynamicLossScaler(), steps=100)
+    model, optimizer = _growing_float32(rate=2.0)
+    scaler = ampkit.DynamicLossScaler()
+    guard = ampkit.Guard(model, optimizer, scaler, action="raise", sample_every=0)  # the replay alone names it
+    guarded = _train_under_autocast(model, optimizer, guard, scaler, steps=100)
+    (event,) = guard.events
+    assert (event.signal, event.layer, event.action) == ("nonfinite-loss", "1", "raised to float32 and skipped")
+    assert "1 (" in event.where and "in forward" in event.where, event.where
+    assert not math.isfinite(guarded[event.step]) and all(math.isfinite(v) for v in guarded[:event.step])
+    assert guard.raised == {"1": "float32"} and all(math.isfinite(v) for v in guarded[event.step + 1:])
+    assert _final(guarded) == pytest.approx(_final(unfaulted), rel=0.02)
+
+
+def test_where_the_replay_does_not_reproduce_a_fault_the_steps_sampled_figures_name_the_layer(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault the replay cannot reproduce (here: a replay that finds nothing) is decided by the step's own figures:
+    the layer they show saturated (its float16 output overflowed) is named and raised; before, the figures were
+    ignored whenever the loss was not finite, and every later step was skipped unexplained."""
+    import ampkit.diagnostics.nonfinite as nonfinite
+
+    monkeypatch.setattr(nonfinite, "find_nonfinite", lambda *args, **kwargs: None)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.ReLU(),
+                          nn.Linear(32, 4))
+    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O1", torch.float16,
+                                         compute="native")
+    scaler = ampkit.DynamicLossScaler()
+    guard = ampkit.Guard(model, optimizer, scaler, action="raise", sample_every=1)
+
+    def grow(step: int) -> None:
+        if step == 10:  # its outputs pass float16's largest from here on (the LayerNorm after it holds the run)
+            with torch.no_grad():
+                model[2].weight.mul_(1e5)
+
+    losses = _train(model, optimizer, guard, scaler, grow, steps=30)
+    (event,) = guard.events
+    assert (event.step, event.signal, event.layer) == (10, "nonfinite-loss", "2"), event
+    assert event.action == "raised to float32 and skipped"
+    assert event.where.startswith("2 (16-bit): values clamped or not finite 1") and NOT_REPRODUCED in event.where
+    assert all(math.isfinite(v) for v in losses[11:])
+
+
+class _Amplify(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``factor`` in its own dtype (float16 overflows)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor  # type: ignore[attr-defined]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.factor, None  # type: ignore[attr-defined]
+
+
+class _LoudGradient(nn.Linear):
+    """A linear whose backward multiplies its output's gradient by ``factor`` (1: none; a gradient-only fault)."""
+
+    factor = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Amplify.apply(super().forward(x), self.factor)
+
+
+@pytest.mark.parametrize("loop", ["initialize O1", "torch.autocast"])
+def test_a_gradient_only_inf_is_named_by_its_module(loop: str) -> None:
+    """Fault (d): an inf only in the backward (the forward and the loss finite) was named by op alone ("mul in
+    backward", module "(model)"); the replay now names the module whose backward made it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), _LoudGradient(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if loop == "initialize O1":
+        model, optimizer = ampkit.initialize(model, optimizer, "O1", torch.float16, compute="native")
+    guard = ampkit.Guard(model, optimizer, action="raise")  # no scaler: the guard checks the gradients
+    for step in range(6):
+        model[2].factor = 1e7 if step == 3 else 1.0  # float16 holds none of it; float32 does
+        optimizer.zero_grad(set_to_none=True)
+        x, y = _batch(step)
+        with torch.autocast("cpu", torch.float16, enabled=loop == "torch.autocast"):
+            loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        guard.step(loss, batch=(x, y))
+    (event,) = guard.events
+    assert (event.step, event.signal, event.layer) == (3, "nonfinite-gradient", "2"), event
+    assert event.where.startswith("2 (mul in backward") and event.action == "raised to float32 and skipped"
+
+
+def test_steps_refused_again_and_again_stop_the_run_with_the_evidence() -> None:
+    """A cause nothing the guard does cures (a weight gone NaN, under "skip") was an endless run of skipped steps
+    that trained nothing; after max_refused in a row the guard stops with those events."""
+    model, optimizer = _growing(rate=1.0)
+    guard = ampkit.Guard(model, optimizer, action="skip", max_refused=3)
+
+    def poison(step: int) -> None:
+        if step == 4:
+            with torch.no_grad():
+                model[4].weight[0, 0] = math.nan
+
+    with pytest.raises(ampkit.GuardStopped, match=r"refused 3 steps in a row \(steps 4 to 6; max_refused=3\)") as stop:
+        _train(model, optimizer, guard, None, poison, steps=20)
+    assert [e.step for e in stop.value.events] == [4, 5, 6] and guard.step_count == 7
+    assert all(e.action == "skipped" and "4" in e.where for e in stop.value.events)

@@ -266,6 +266,64 @@ def test_the_guard_callback_skips_a_nan_batch_and_names_it(plugin: str | None, t
     assert (tmp_path / "guard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+class _NoForward(L.LightningModule):
+    """A LightningModule as many are written: no ``forward``, its loss in ``training_step``; a weight of it goes inf
+    at ``poison_at`` (a non-finite value outside the batch)."""
+
+    def __init__(self, poison_at: int | None = None) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 64), torch.nn.ReLU(),
+                                       torch.nn.Linear(64, 10))
+        self.poison_at = poison_at
+
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
+        if self.trainer.global_step == self.poison_at:
+            with torch.no_grad():
+                self.net[3].weight[0, 0] = float("inf")
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> dict:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("loss", loss)
+        return {"loss": loss}
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=2e-3)
+
+
+def _guarded_fit(model: L.LightningModule, data: torch.utils.data.DataLoader, accumulate: int = 1,
+                 **options: object) -> object:
+    from ampkit.integrations.lightning_guard import GuardCallback
+
+    callback = GuardCallback(None, **options)
+    L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+              accumulate_grad_batches=accumulate).fit(model, data)
+    return callback.guard
+
+
+def test_the_guard_replays_a_module_without_forward_through_its_training_step() -> None:
+    """A non-finite value outside the batch in a module with no forward() killed fit with NotImplementedError (the
+    replay called the module); it replays the module's training_step now, and names the layer."""
+    torch.manual_seed(0)
+    model = _NoForward(poison_at=2)
+    guard = _guarded_fit(model, loader(32, 32 * STEPS), action="restore", keep_every=1)
+    [event] = guard.events
+    assert (event.step, event.signal, event.action) == (2, "nonfinite-loss", "restored step 1")
+    assert event.where == "net.3 (t in forward, its inputs already non-finite)", event.where  # the weight's transpose
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_the_guard_looks_at_every_micro_batch_of_an_accumulated_step() -> None:
+    """With accumulate_grad_batches=4 only the last micro-batch was kept: a NaN in the first was "not reproduced".
+    Each micro-batch is looked at (and replayed) now."""
+    torch.manual_seed(0)
+    guard = _guarded_fit(Digits(), _nan_loader(1), accumulate=4)  # batch 1: the second of step 0's four
+    [event] = guard.events
+    assert (event.step, event.signal, event.action) == (0, "nonfinite-loss", "skipped")
+    assert event.where == "micro-batch 1 of 4: its tensor 0 holds an inf or a NaN", event.where
+
+
 def test_the_guard_callback_takes_no_scaler_and_one_optimizer() -> None:
     from ampkit.integrations.lightning_guard import GuardCallback
 

@@ -36,6 +36,7 @@ _WHERE: dict[str, str] = {
     "load_checkpoint": "ampkit.checkpoint",
     "Guard": "ampkit.guard",
     "GuardEvent": "ampkit.guard",
+    "GuardStopped": "ampkit.guard",
     # FP8 and block-scaled formats
     "Fp8Recipe": "ampkit.formats.recipes",
     "convert_to_fp8": "ampkit.formats.fp8",
@@ -68,7 +69,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ampkit.precision.policy import ModuleOverride as ModuleOverride, Policy as Policy
     from ampkit.precision.regions import autocast as autocast
     from ampkit.checkpoint import load_checkpoint as load_checkpoint, save_checkpoint as save_checkpoint
-    from ampkit.guard import Guard as Guard, GuardEvent as GuardEvent
+    from ampkit.guard import Guard as Guard, GuardEvent as GuardEvent, GuardStopped as GuardStopped
     from ampkit.optim.levels import initialize as initialize
     from ampkit.optim.master import MasterWeightOptimizer as MasterWeightOptimizer
     from ampkit.optim.pure16 import StochasticRoundingOptimizer as StochasticRoundingOptimizer

@@ -82,25 +82,31 @@ class _FirstNonFinite(TorchDispatchMode):
 def find_nonfinite(
     model: nn.Module,
     inputs: Any,
-    policy: Policy | None = None,
+    policy: Policy | torch.autocast | None = None,
     target: Any = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     backward: bool = True,
+    run: Callable[[nn.Module, Any], torch.Tensor] | None = None,
 ) -> NonFiniteFinding | None:
     """Run the forward (and backward) under ``policy``; name the first op that makes inf/NaN.
 
     The first op in execution order whose output is non-finite is where the trouble
     starts: either it overflowed on finite inputs (``finite_inputs``), or it read a
-    weight, buffer or model input that already held inf/NaN.
+    weight, buffer or model input that already held inf/NaN. A backward op is named
+    with the innermost module whose output's gradient was the last one computed
+    before it (the module whose backward was running).
 
     Args:
         model: the model, float32 or 16-bit.
         inputs: a tensor or tuple of positional inputs.
-        policy: the ampkit policy to run under (default None: float32, autocast off).
+        policy: the ampkit policy to run under, or a ``torch.autocast`` (the region the training loop opened;
+            ``Guard`` replays under it); default None: float32, autocast off.
         target: the loss target, for the backward (default None).
         loss_fn: ``loss_fn(output, target) -> loss`` (default: cross-entropy for integer targets, mean
             square error for floating ones, the output's mean square without a target).
         backward: also run the backward and look there (default True).
+        run: ``run(model, inputs) -> loss`` in place of ``loss_fn(model(*inputs), target)``: a training step's own
+            code (a LightningModule's ``training_step``, which may not call ``forward``).
 
     Returns:
         A NonFiniteFinding, or None when everything stayed finite.
@@ -113,21 +119,28 @@ def find_nonfinite(
     names = {module: name or "(model)" for name, module in model.named_modules()}
     stack: list[tuple[str, int]] = []  # the modules running: name, and how many candidates were pending at entry
     phase = ["forward"]
+    in_backward = ["(model)"]  # the module whose output's gradient autograd computed last
+    marked: set[int] = set()  # outputs marked by the innermost module that returned them
 
     def enter(module: nn.Module, _: Any) -> None:
         stack.append((names[module], len(mode.pending)))
 
     def leave(module: nn.Module, _: Any, output: Any) -> None:
-        _, since = stack.pop()
+        name, since = stack.pop()
         with _torch.disable_current_modes():  # the check's own ops are not the model's
             mode.settle(since, not _finite(output))
+        tensor = first_tensor(output)
+        if tensor is not None and tensor.requires_grad and id(tensor) not in marked:
+            marked.add(id(tensor))
+            tensor.register_hook(lambda grad: in_backward.__setitem__(0, name))
 
     pre = [m.register_forward_pre_hook(enter) for m in model.modules()]
     post = [m.register_forward_hook(leave, always_call=True) for m in model.modules()]
-    mode = _FirstNonFinite(lambda: stack[-1][0] if stack else "(model)", lambda: phase[0])
+    mode = _FirstNonFinite(lambda: (stack[-1][0] if stack else "(model)") if phase[0] == "forward" else in_backward[0],
+                           lambda: phase[0])
     with probing(model, pre + post), mode:
         with policy_region(model, policy):
-            loss = loss_fn(output_tensor(model(*args)), target)
+            loss = run(model, inputs) if run is not None else loss_fn(output_tensor(model(*args)), target)
         with _torch.disable_current_modes():
             mode.settle(0, not _finite(loss))
         if backward and mode.finding is None and loss.requires_grad:

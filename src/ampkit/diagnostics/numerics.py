@@ -159,8 +159,11 @@ def output_tensor(output: Any) -> torch.Tensor:
     return tensor
 
 
-def policy_region(model: nn.Module, policy: Policy | None) -> contextlib.AbstractContextManager:
-    """Under ``policy``, or in float32 (autocast off on the model's device) without one."""
+def policy_region(model: nn.Module, policy: Policy | torch.autocast | None) -> contextlib.AbstractContextManager:
+    """Under ``policy`` (an ampkit policy, or a plain ``torch.autocast`` as the loop opened it), or in float32
+    (autocast off on the model's device) without one."""
+    if isinstance(policy, torch.autocast):
+        return policy
     if policy is not None:
         return autocast(policy)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))

@@ -1,6 +1,6 @@
 """``ampkit.Guard``: a training run that watches its own numerics (``core.py``) and its narrow layers
 (``layers.py``), and acts before a run is lost."""
 
-from ampkit.guard.core import ACTIONS, Guard, GuardEvent
+from ampkit.guard.core import ACTIONS, Guard, GuardEvent, GuardStopped
 
-__all__ = ["ACTIONS", "Guard", "GuardEvent"]
+__all__ = ["ACTIONS", "Guard", "GuardEvent", "GuardStopped"]

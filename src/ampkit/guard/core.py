@@ -9,7 +9,11 @@ where the step is taken:
   ``window`` values?), the gradients (finite? one summing pass and one host read, where no loss scaler checks
   them), and the scaler's skipped steps in a row;
 - **attributes** a non-finite loss or gradient: the batch itself (a NaN in the inputs), else a replay of the batch
-  on a copy of the model (``find_nonfinite``) names the first module and op whose output is not finite;
+  on a copy of the model (``find_nonfinite``) names the first module and op whose output is not finite (in the
+  backward, the module whose gradient was being computed). The replay runs under the region the step's forward
+  ran in, as a hook on the model noted it: an ampkit policy, or the loop's own ``torch.autocast`` (a replay in
+  float32 reproduced no float16 overflow, and every later step was skipped unexplained). Where the replay does not
+  reproduce it, a layer the step's own sampled figures name is the cause;
 - **samples**, every ``sample_every`` steps, each narrow layer's saturation, underflow and largest value on the
   step's own forward (``layers.py``); a layer past ``saturation``, ``underflow`` or ``near_overflow`` is a signal;
 - **acts** by its ``action``: ``"skip"`` the step, ``"restore"`` the last good state it keeps in memory (the
@@ -17,6 +21,9 @@ where the step is taken:
   (FP8 and block-scaled to 16 bits, 16 bits to float32: ``layers.raise_layer``) and skip; the batch is named either
   way. A layer's signal leaves the step's gradients finite: the step is taken (skipping cannot cure a layer), the
   layer raised under ``"raise"``, the event recorded under the others;
+- **stops** a run whose steps it keeps refusing: ``max_refused`` refused steps in a row (each skipped, restored or
+  raised for; nothing it did cured the cause) raise ``GuardStopped`` with those events, instead of an endless run of
+  skipped steps that trains nothing;
 - **records** each event (step, signal, where, action) in ``events``, ``write_timeline`` (JSON) and
   ``write_plot`` (the loss with the events marked, and the sampled layers' figures over time).
 
@@ -25,7 +32,6 @@ where the step is taken:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -41,11 +47,20 @@ from torch import nn
 
 from ampkit.files import atomic_write
 from ampkit.guard import layers, ranks
+from ampkit.guard.replay import NOT_REPRODUCED, Replay
 from ampkit.modes import check_model_and_optimizer
 from ampkit.optim.states import snapshot
 from ampkit.shards import is_sharded, shard_group
 
 ACTIONS = ("skip", "restore", "raise")
+
+
+class GuardStopped(RuntimeError):
+    """The guard refused ``max_refused`` steps in a row: nothing it did cured the cause. ``events`` holds them."""
+
+    def __init__(self, message: str, events: list[GuardEvent]) -> None:
+        super().__init__(message)
+        self.events = events
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +106,14 @@ class Guard:
         window: the losses a spike is measured against (default 50; spikes are looked for once it is half full).
         keep_every: good steps between the states kept for ``"restore"`` (default 50); the kept copy of the model's
             and the optimizer's state takes their memory once more.
+        replay: ``replay(model, batch) -> loss``: how the replay that attributes a non-finite value computes the loss of
+            a whole batch on the model's copy (default None: ``loss_fn(model(inputs), target)``). The Lightning
+            callback passes the module's ``training_step``: a LightningModule need not have a ``forward``.
         checkpoint: for ``"restore"``, a file the loop writes with ``ampkit.save_checkpoint(path, model=...,
             optimizer=...)``: the state put back is the last one saved there (nothing kept in memory); None (default):
             the copy kept every ``keep_every`` steps. Where no file is there yet, the bad step is only skipped.
         max_skips: the scaler's skipped steps in a row that make an event (default 5).
+        max_refused: the guard's own refused steps in a row that stop the run with ``GuardStopped`` (default 10).
         sample_every: steps between samples of the layers' figures (default 10; 0: never). The step's own forward
             is measured, so the steps between cost a Python call per watched module (benchmarks/bench_guard.py).
         saturation: a sampled layer clamping (or, in 16 bits, not keeping finite) more than this fraction of its
@@ -108,7 +127,8 @@ class Guard:
             FSDP2 model's parameters; under DDP pass ``torch.distributed.group.WORLD``. None without one.
 
     Raises:
-        ValueError: an unknown action, a bad number, torch's GradScaler, an optimizer over other tensors,
+        ValueError: an unknown action, a bad number, torch's GradScaler, an optimizer over other tensors, a
+            ``checkpoint`` that is a folder or in none,
             ``"raise"`` for an FSDP2 model or where a 16-bit layer has 16-bit weights (O2, O3), a process group
             without torch.distributed.
 
@@ -125,7 +145,8 @@ class Guard:
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, spike_sigmas: float = 6.0,
                  window: int = 50, keep_every: int = 50, max_skips: int = 5, sample_every: int = 10,
                  saturation: float = 0.01, underflow: float = 0.05, near_overflow: float = 0.5,
-                 process_group: Any = None, checkpoint: str | Path | None = None) -> None:
+                 process_group: Any = None, checkpoint: str | Path | None = None, max_refused: int = 10,
+                 replay: Callable[[nn.Module, Any], torch.Tensor] | None = None) -> None:
         check_model_and_optimizer(model, optimizer, needed_by="Guard")
         if action not in ACTIONS:
             raise ValueError(f"Unknown action {action!r}. Choose one of {list(ACTIONS)}: 'skip' drops a bad step, "
@@ -140,9 +161,9 @@ class Guard:
                              "or None.")
         if not (isinstance(spike_sigmas, (int, float)) and spike_sigmas > 0):
             raise ValueError(f"spike_sigmas={spike_sigmas!r} is invalid: a number > 0 (math.inf: never a spike).")
-        least = {"window": 4, "keep_every": 1, "max_skips": 1, "sample_every": 0}
+        least = {"window": 4, "keep_every": 1, "max_skips": 1, "sample_every": 0, "max_refused": 1}
         for name, value in (("window", window), ("keep_every", keep_every), ("max_skips", max_skips),
-                            ("sample_every", sample_every)):
+                            ("sample_every", sample_every), ("max_refused", max_refused)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least[name]:
                 raise ValueError(f"{name}={value!r} is invalid: an integer >= {least[name]}.")
         for name, fraction in (("saturation", saturation), ("underflow", underflow), ("near_overflow", near_overflow)):
@@ -157,6 +178,11 @@ class Guard:
         if checkpoint is not None and action != "restore":
             raise ValueError(f"checkpoint={str(checkpoint)!r} is where action='restore' reads the state it puts back; "
                              f"the action is {action!r}: pass action='restore', or drop checkpoint.")
+        if checkpoint is not None and (Path(checkpoint).is_dir() or not Path(checkpoint).parent.is_dir()):
+            what = "a folder" if Path(checkpoint).is_dir() else "in a folder that does not exist"
+            raise ValueError(f"checkpoint={str(checkpoint)!r} is {what}: pass the file the loop writes with "
+                             "ampkit.save_checkpoint(path, model=..., optimizer=...), e.g. "
+                             f"{str(Path(checkpoint) / 'last.pt')!r} (in an existing folder).")
         if process_group is not None and not dist.is_initialized():
             raise ValueError("process_group is given but torch.distributed is not initialized: call "
                              "torch.distributed.init_process_group first, or pass process_group=None.")
@@ -167,7 +193,8 @@ class Guard:
                              "cast them). Initialize at O1 (float32 weights under autocast), or use action='skip' "
                              "or 'restore'.")
         self.model, self.optimizer, self.scaler, self.action = model, optimizer, scaler, action
-        self.loss_fn, self.spike_sigmas, self.keep_every, self.max_skips = loss_fn, spike_sigmas, keep_every, max_skips
+        self.spike_sigmas, self.keep_every, self.max_skips = spike_sigmas, keep_every, max_skips
+        self.max_refused = max_refused
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.sample_every, self.limits = sample_every, {"saturation": saturation, "underflow": underflow,
                                                         "amax": near_overflow}
@@ -184,24 +211,28 @@ class Guard:
         self._kept: tuple[int, dict[str, Any]] | None = None  # (step, state) for "restore"
         self._good_steps = 0
         self._skips_in_a_row = 0
+        self._refused_in_a_row = 0
+        self.attribution = Replay(model, self.watch, loss_fn, replay)
 
     @property
     def step_count(self) -> int:
         """Steps the guard has seen (taken or not)."""
         return len(self.losses)
 
-    def step(self, loss: torch.Tensor, batch: Any = None) -> bool:
+    def step(self, loss: torch.Tensor, batch: Any = None, batches: list[Any] | None = None) -> bool:
         """Check this step's loss, gradients and (on a sampled step) layers, after ``backward``; then take the
         optimizer step (through the scaler, with its ``update``) or refuse it.
 
         Args:
             loss: the step's loss, unscaled (the guard reads it: one host sync).
             batch: the step's ``(inputs, target)`` or inputs, to name a non-finite one and to replay it.
+            batches: instead of ``batch``, each micro-batch of a step that accumulates gradients over several: each
+                is looked at, and replayed in turn until one reproduces the fault.
 
         Returns:
             True when the optimizer stepped.
         """
-        if not self.check(loss, batch):
+        if not self.check(loss, batch, batches=batches):
             return False
         if self.scaler is not None:
             took = bool(self.scaler.step(self.optimizer))
@@ -212,13 +243,16 @@ class Guard:
         self.taken(took)
         return took
 
-    def check(self, loss: torch.Tensor, batch: Any = None, gradients: bool | None = None) -> bool:
+    def check(self, loss: torch.Tensor, batch: Any = None, gradients: bool | None = None,
+              batches: list[Any] | None = None) -> bool:
         """``step``'s first half, for a loop that steps the optimizer itself (the Lightning callback): judge the
         step and act on a bad one (its gradients set to None, so that torch's optimizers step none of them).
 
         Args:
             gradients: whether to check the gradients are finite; None (default): where no enabled loss scaler of
                 the guard's checks them. A loop whose own scaler checks them passes False.
+            batch: as ``step``'s.
+            batches: as ``step``'s.
 
         Returns:
             True where the step may be taken; then call ``taken`` after it.
@@ -227,33 +261,56 @@ class Guard:
             given = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(loss)
             raise ValueError(f"Guard.step takes the step's loss as a one-element tensor (before .item()), got "
                              f"{given}: pass the reduced loss the backward ran from, unscaled.")
+        if batches is not None and (batch is not None or not isinstance(batches, (list, tuple))):
+            raise ValueError(f"batches={type(batches).__name__} with batch={type(batch).__name__}: pass the step's "
+                             "micro-batches as one list, batches=[...], and no batch= (or one batch=, without batches).")
+        micro_batches = list(batches) if batches is not None else [batch]
         step = self.step_count
         if gradients is None:
             gradients = self.scaler is None or not getattr(self.scaler, "enabled", True)
         grads = ranks.gradient_sum(self._params) if gradients else None
-        value, gradient, bad_batches = self.agreement.verdict(loss, grads, batch)  # the step's one host read
+        value, gradient, bad_batches = self.agreement.verdict(loss, grads, micro_batches)  # one host read
         finite = math.isfinite(value)
         self.losses.append(value if finite else None)
         sampled = self.agreement.layers(self.watch.take()) if self.watch.sampling else {}
+        sampled = {name: sampled[name] for name in self.watch.kinds if name in sampled}  # the model's order
         self.watch.sampling = self.sample_every > 0 and (step + 1) % self.sample_every == 0
         if sampled:
             self.samples.append((step, sampled))
+        layer_problem = layers.worst(sampled, self.watch.kinds, self.limits) if sampled else None
         problem: tuple[str, str, str | None] | None
         if not (finite and math.isfinite(gradient)):
-            where, layer = self._attribute(batch, bad_batches)
+            where, layer = self._attribute(micro_batches, bad_batches)
+            if where == NOT_REPRODUCED and layer_problem is not None:  # the step's own figures name the layer
+                where, layer = f"{layer_problem[1]} ({layer_problem[0]}; {NOT_REPRODUCED})", layer_problem[2]
             problem = ("nonfinite-loss" if not finite else "nonfinite-gradient", where, layer)
         else:
             problem = self._spike(value)
-        if problem is None and sampled:
-            layer_problem = layers.worst(sampled, self.watch.kinds, self.limits)
-            if layer_problem is not None:  # finite gradients: the step is taken (skipping cannot cure a layer)
-                signal, where, name = layer_problem
-                self._record(step, signal, where, name, self._raise(name) if self.action == "raise" else "recorded",
-                             value)
+        if problem is None and layer_problem is not None:
+            # finite gradients: the step is taken (skipping cannot cure a layer)
+            signal, where, name = layer_problem
+            self._record(step, signal, where, name, self._raise(name) if self.action == "raise" else "recorded",
+                         value)
         if problem is not None:
             self._act(step, *problem, value if finite else None)
+            self._refused_in_a_row += 1
+            if self._refused_in_a_row >= self.max_refused:
+                self._stop()
             return False
+        self._refused_in_a_row = 0
         return True
+
+    def _stop(self) -> None:
+        """Raise ``GuardStopped`` with the refused steps' events."""
+        refused = self.events[-self._refused_in_a_row:]
+        lines = "\n".join(f"  step {e.step}: {e.signal} at {e.where}; {e.action}" for e in refused[-5:])
+        raise GuardStopped(
+            f"The guard refused {len(refused)} steps in a row (steps {refused[0].step} to {refused[-1].step}; "
+            f"max_refused={self.max_refused}): nothing it did cured the cause, and the run trained nothing since. The "
+            f"last of them:\n{lines}\nFind the first bad op with ampkit.find_nonfinite(model, inputs) on one of these "
+            "batches; keep the layer it names in float32 (a policy's override, or initialize's keep_float32), lower "
+            "the learning rate, or check the data. guard.events holds every event (write_timeline writes them).",
+            refused)
 
     def taken(self, took: bool = True) -> None:
         """``step``'s second half: whether the optimizer stepped after a ``check`` that allowed it (False: a loss
@@ -283,32 +340,14 @@ class Guard:
                                       f"{len(self._recent)} steps"), None
         return None
 
-    def _attribute(self, batch: Any, bad_batches: list[int]) -> tuple[str, str | None]:
+    def _attribute(self, batches: list[Any], bad_batches: list[int]) -> tuple[str, str | None]:
         """Where a non-finite value came from, in words, and the module to raise (None: the batch, or unknown)."""
-        from ampkit.diagnostics.nonfinite import find_nonfinite
-
         if self.agreement.group is not None:  # every rank says the same: no replay of one rank's batch
             if bad_batches:
                 return f"the batch of rank {', '.join(map(str, bad_batches))}: a tensor holding an inf or a NaN", None
             return ("not replayed: the run spans ranks (ampkit.find_nonfinite on the model in one process, with "
                     "this batch, names the op)"), None
-        index = ranks.nonfinite_batch(_split(batch))
-        if index is not None:
-            return f"the batch: its tensor {index} holds an inf or a NaN", None
-        inputs, target = _split(batch)
-        if inputs is None:
-            return "unknown (pass the batch to Guard.step to replay it)", None
-        sampling, self.watch.sampling = self.watch.sampling, False  # the replica's hooks are the watch's own
-        try:
-            replica = copy.deepcopy(self.model)  # the replay's backward must not add into the run's gradients
-            finding = find_nonfinite(replica, inputs, target=target, loss_fn=self.loss_fn)
-        finally:
-            self.watch.sampling = sampling
-        if finding is None:
-            return "not reproduced by a replay of the batch", None
-        upstream = "" if finding.finite_inputs else ", its inputs already non-finite"
-        layer = finding.module if finding.finite_inputs and finding.module != "(model)" else None
-        return f"{finding.module} ({finding.op} in {finding.phase}{upstream})", layer
+        return self.attribution.attribute(batches)
 
     def _act(self, step: int, signal: str, where: str, layer: str | None, loss: float | None) -> None:
         for param in (p for group in self.optimizer.param_groups for p in group["params"]):
@@ -346,7 +385,8 @@ class Guard:
         self.events.append(GuardEvent(step, signal, where, action, loss, layer))
 
     def close(self) -> None:
-        """Take the guard's hooks off the model's layers (the guard's ``step`` samples no layer after it)."""
+        """Take the guard's hooks off the model and its layers (the guard's ``step`` samples no layer after it)."""
+        self.attribution.close()
         self.watch.remove()
         self.watch.sampling = False
         self.sample_every = 0
@@ -373,11 +413,3 @@ class Guard:
         timeline = self.timeline()
         atomic_write(Path(path), lambda tmp: plot_timeline(timeline, tmp, title))
         return Path(path)
-
-
-def _split(batch: Any) -> tuple[Any, Any]:
-    """``(inputs, target)`` of a batch given as a pair, or inputs alone."""
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    return batch, None
-

@@ -4,8 +4,10 @@ Lightning steps the optimizer itself (through its precision plugin, ampkit's ``A
 callback judges each step between the backward and the step (``on_before_optimizer_step``, after the plugin has
 unscaled the gradients) with ``Guard.check``; a refused step has its gradients set to None, which torch's
 optimizers step over. The loss is taken at ``on_before_backward``, divided by the plugin's loss scale where it has
-one (over the micro-batches of ``accumulate_grad_batches``, their mean); the batch at ``on_train_batch_start``.
-At the end of ``fit`` the timeline and the picture are written (``<prefix>.json``, ``<prefix>.png``).
+one (over the micro-batches of ``accumulate_grad_batches``, their mean); each micro-batch of the step at
+``on_train_batch_start``. A non-finite step is replayed through the module's own ``training_step`` on a copy of it,
+micro-batch by micro-batch (a module need not have a ``forward``; ``loss_fn=`` or ``replay=`` in the options replay
+otherwise). At the end of ``fit`` the timeline and the picture are written (``<prefix>.json``, ``<prefix>.png``).
 
 Requires ``pip install ampkit[lightning]``.
 """
@@ -41,7 +43,7 @@ class GuardCallback(Callback):
                              "and the callback judges the step after the plugin has unscaled the gradients.")
         self.prefix, self.options = prefix, options
         self.guard: Guard | None = None
-        self._batch: Any = None
+        self._batches: list[Any] = []  # the micro-batches of the step under way
         self._losses: list[torch.Tensor] = []
         self._allowed: bool | None = None
 
@@ -50,10 +52,12 @@ class GuardCallback(Callback):
             raise ValueError(f"GuardCallback judges one optimizer's step; this module has {len(trainer.optimizers)}: "
                              "configure one optimizer, or use ampkit.Guard in a loop of your own.")
         optimizer = trainer.optimizers[0]
-        self.guard = Guard(pl_module, getattr(optimizer, "_optimizer", optimizer), **self.options)
+        options = self.options if {"loss_fn", "replay"} & set(self.options) else {
+            **self.options, "replay": _training_step_replay(trainer)}
+        self.guard = Guard(pl_module, getattr(optimizer, "_optimizer", optimizer), **options)
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._batch = batch
+        self._batches.append(batch)
 
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
         scaler = _scaler(trainer)
@@ -64,7 +68,8 @@ class GuardCallback(Callback):
         loss = torch.stack(self._losses).mean() if self._losses else torch.tensor(float("nan"))
         self._losses = []
         # an enabled scaler of the plugin checks the gradients and skips an overflowing step itself
-        self._allowed = self.guard.check(loss, self._batch, gradients=_scaler(trainer) is None)
+        batches, self._batches = self._batches, []
+        self._allowed = self.guard.check(loss, gradients=_scaler(trainer) is None, batches=batches)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -80,6 +85,19 @@ class GuardCallback(Callback):
         if self.prefix is not None and self.guard is not None and trainer.is_global_zero:
             self.guard.write_timeline(f"{self.prefix}.json")
             self.guard.write_plot(f"{self.prefix}.png")
+
+
+def _training_step_replay(trainer: Trainer) -> Any:
+    """The guard's replay: the loss ``training_step`` computes for a batch (its tensor, or its dict's ``"loss"``) on
+    the module's copy, which a deep copy leaves without a trainer: ``trainer`` is attached (a step may read its
+    ``global_step``), and nothing of the replay is logged."""
+    def replay(module: LightningModule, batch: Any) -> torch.Tensor:
+        module.trainer = trainer
+        quiet = lambda *args, **kwargs: None  # noqa: E731
+        module.log, module.log_dict = quiet, quiet  # type: ignore[method-assign, assignment]
+        out: Any = module.training_step(batch, 0)
+        return out["loss"] if isinstance(out, dict) else out
+    return replay
 
 
 def _scaler(trainer: Trainer) -> Any:
