@@ -249,9 +249,10 @@ def test_a_nan_batch_under_a_float16_scaler_is_skipped_before_the_scaler_sees_it
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def test_a_non_finite_gradient_with_a_finite_loss_is_skipped_and_said_not_reproduced() -> None:
-    """An inf that reaches a gradient but not the loss (planted after the backward, as a faulty reduction would
-    leave it): without a scaler the guard checks the gradients itself; the replay does not reproduce it, and says so."""
+def test_a_non_finite_gradient_with_a_finite_loss_is_skipped_and_said_transient() -> None:
+    """An inf that reaches a gradient but not the loss (planted after the backward, as a bit flip or a faulty
+    reduction would leave it): without a scaler the guard checks the gradients itself; the replay, a re-run of the
+    step from its state, does not reproduce it: a transient fault, said so."""
     model, optimizer = _setup()
     guard = ampkit.Guard(model, optimizer)
     x, y = _batch(0)
@@ -260,8 +261,8 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_skipped_and_said_not_reprod
     model[0].weight.grad[0, 0] = math.inf
     loss = nn.functional.mse_loss(model(x).float(), y)
     assert not guard.step(loss, batch=(x, y))
-    assert [(e.signal, e.where) for e in guard.events] == [("nonfinite-gradient",
-                                                           "not reproduced by a replay of the batch")]
+    assert [(e.signal, e.where) for e in guard.events] == [
+        ("nonfinite-gradient", "transient: not reproduced by a replay of the batch (the run's transient fault 1)")]
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and model[0].weight.grad is None
 
 
@@ -283,3 +284,37 @@ def test_a_batch_and_micro_batches_together_are_refused_before_anything_changes(
     with pytest.raises(ValueError, match=r"pass the step's micro-batches as one list, batches=\[...\], and no batch="):
         guard.step(loss, batch=(x, y), batches=[(x, y)])
     assert guard.step_count == 0 and model[0].weight.grad is not None
+
+
+def test_transient_faults_are_counted_and_past_suspect_after_the_machine_is_suspected() -> None:
+    """Fault (e): a bit flip in one step's gradient is named transient (the step re-run from its state is sound),
+    that step alone is skipped (the run is, loss for loss, the unfaulted run without those steps), and three in a
+    run make a "suspect-machine" event."""
+    flips = (5, 11, 17)
+    model, optimizer = _setup()
+    without: list[float] = []  # the unfaulted run, the flipped steps not taken
+    reference_model, reference_optimizer = _setup()
+    for step in range(STEPS):
+        reference_optimizer.zero_grad(set_to_none=True)
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(reference_model(x).float(), y)
+        loss.backward()
+        if step not in flips:
+            reference_optimizer.step()
+        without.append(loss.item())
+    guard = ampkit.Guard(model, optimizer, suspect_after=3)
+    losses = []
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        if step in flips:
+            model[2].weight.grad.view(torch.int32)[1, 2] |= 0x7F800000  # every exponent bit set: an inf or a NaN
+        guard.step(loss, batch=(x, y))
+        losses.append(loss.item())
+    assert [(e.step, e.signal) for e in guard.events] == [(5, "nonfinite-gradient"), (11, "nonfinite-gradient"),
+                                                         (17, "nonfinite-gradient"), (17, "suspect-machine")]
+    assert all(e.where.startswith("transient: ") for e in guard.events[:3]) and guard.transients == list(flips)
+    assert "3 transient faults (steps 5, 11, 17)" in guard.events[3].where
+    assert losses == without

@@ -18,7 +18,7 @@ import test_guard
 from ampkit.experiment.models import ChannelScale, GrowingLinear
 from ampkit.formats.fp8 import Fp8Linear, Fp8Recipe
 from ampkit.guard import layers
-from ampkit.guard.core import NOT_REPRODUCED
+from ampkit.guard.replay import NOT_REPRODUCED
 from ampkit.scaling.scaler import NonFiniteError
 
 STEPS = 40

@@ -21,6 +21,10 @@ where the step is taken:
   (FP8 and block-scaled to 16 bits, 16 bits to float32: ``layers.raise_layer``) and skip; the batch is named either
   way. A layer's signal leaves the step's gradients finite: the step is taken (skipping cannot cure a layer), the
   layer raised under ``"raise"``, the event recorded under the others;
+- **tells numerics from the machine**: the replay is a re-run of the step from its state (the weights before the
+  optimizer's step, the same batch, the same region); a fault it does not reproduce, and no sampled figure explains,
+  is transient (a bit flip: the step is skipped, the event says so), and ``suspect_after`` of them in a run make a
+  ``"suspect-machine"`` event;
 - **stops** a run whose steps it keeps refusing: ``max_refused`` refused steps in a row (each skipped, restored or
   raised for; nothing it did cured the cause) raise ``GuardStopped`` with those events, instead of an endless run of
   skipped steps that trains nothing;
@@ -47,45 +51,13 @@ from torch import nn
 
 from ampkit.files import atomic_write
 from ampkit.guard import layers, ranks
+from ampkit.guard.events import GuardEvent, GuardStopped
 from ampkit.guard.replay import NOT_REPRODUCED, Replay
 from ampkit.modes import check_model_and_optimizer
 from ampkit.optim.states import snapshot
 from ampkit.shards import is_sharded, shard_group
 
 ACTIONS = ("skip", "restore", "raise")
-
-
-class GuardStopped(RuntimeError):
-    """The guard refused ``max_refused`` steps in a row: nothing it did cured the cause. ``events`` holds them."""
-
-    def __init__(self, message: str, events: list[GuardEvent]) -> None:
-        super().__init__(message)
-        self.events = events
-
-
-@dataclasses.dataclass(frozen=True)
-class GuardEvent:
-    """One thing the guard saw, and what it did.
-
-    Attributes:
-        step: the guard's step count when it happened (0 for the first ``step`` call).
-        signal: ``"nonfinite-loss"``, ``"nonfinite-gradient"``, ``"loss-spike"``, ``"repeated-skips"``,
-            ``"layer-saturation"``, ``"layer-underflow"`` or ``"layer-near-overflow"``.
-        where: the batch or the module and op the trouble came from, or the figures of a spike, in words.
-        action: ``"skipped"``, ``"restored step N"`` (or ``"restored <checkpoint>"``), ``"raised to float32 and skipped"`` (a non-finite loss or
-            gradient), ``"raised to 16 bits"`` or ``"raised to float32"`` (a layer's signal: its gradients are finite,
-            the step is taken), or ``"recorded"`` (the step taken: the scaler skips on its own, or a layer's signal
-            under ``"skip"`` or ``"restore"``).
-        loss: the step's loss (None where not finite).
-        layer: the module named, where one is (the one raised, under ``"raise"``).
-    """
-
-    step: int
-    signal: str
-    where: str
-    action: str
-    loss: float | None
-    layer: str | None = None
 
 
 class Guard:
@@ -114,6 +86,8 @@ class Guard:
             the copy kept every ``keep_every`` steps. Where no file is there yet, the bad step is only skipped.
         max_skips: the scaler's skipped steps in a row that make an event (default 5).
         max_refused: the guard's own refused steps in a row that stop the run with ``GuardStopped`` (default 10).
+        suspect_after: transient faults (a non-finite step that its re-run from the same state, the replay, does not
+            reproduce: a bit flip, not the numerics) that make a ``"suspect-machine"`` event (default 3).
         sample_every: steps between samples of the layers' figures (default 10; 0: never). The step's own forward
             is measured, so the steps between cost a Python call per watched module (benchmarks/bench_guard.py).
         saturation: a sampled layer clamping (or, in 16 bits, not keeping finite) more than this fraction of its
@@ -146,7 +120,7 @@ class Guard:
                  window: int = 50, keep_every: int = 50, max_skips: int = 5, sample_every: int = 10,
                  saturation: float = 0.01, underflow: float = 0.05, near_overflow: float = 0.5,
                  process_group: Any = None, checkpoint: str | Path | None = None, max_refused: int = 10,
-                 replay: Callable[[nn.Module, Any], torch.Tensor] | None = None) -> None:
+                 replay: Callable[[nn.Module, Any], torch.Tensor] | None = None, suspect_after: int = 3) -> None:
         check_model_and_optimizer(model, optimizer, needed_by="Guard")
         if action not in ACTIONS:
             raise ValueError(f"Unknown action {action!r}. Choose one of {list(ACTIONS)}: 'skip' drops a bad step, "
@@ -161,9 +135,10 @@ class Guard:
                              "or None.")
         if not (isinstance(spike_sigmas, (int, float)) and spike_sigmas > 0):
             raise ValueError(f"spike_sigmas={spike_sigmas!r} is invalid: a number > 0 (math.inf: never a spike).")
-        least = {"window": 4, "keep_every": 1, "max_skips": 1, "sample_every": 0, "max_refused": 1}
+        least = {"window": 4, "keep_every": 1, "max_skips": 1, "sample_every": 0, "max_refused": 1, "suspect_after": 1}
         for name, value in (("window", window), ("keep_every", keep_every), ("max_skips", max_skips),
-                            ("sample_every", sample_every), ("max_refused", max_refused)):
+                            ("sample_every", sample_every), ("max_refused", max_refused),
+                            ("suspect_after", suspect_after)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least[name]:
                 raise ValueError(f"{name}={value!r} is invalid: an integer >= {least[name]}.")
         for name, fraction in (("saturation", saturation), ("underflow", underflow), ("near_overflow", near_overflow)):
@@ -194,7 +169,8 @@ class Guard:
                              "or 'restore'.")
         self.model, self.optimizer, self.scaler, self.action = model, optimizer, scaler, action
         self.spike_sigmas, self.keep_every, self.max_skips = spike_sigmas, keep_every, max_skips
-        self.max_refused = max_refused
+        self.max_refused, self.suspect_after = max_refused, suspect_after
+        self.transients: list[int] = []  # the steps of the transient faults
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
         self.sample_every, self.limits = sample_every, {"saturation": saturation, "underflow": underflow,
                                                         "amax": near_overflow}
@@ -283,6 +259,9 @@ class Guard:
             where, layer = self._attribute(micro_batches, bad_batches)
             if where == NOT_REPRODUCED and layer_problem is not None:  # the step's own figures name the layer
                 where, layer = f"{layer_problem[1]} ({layer_problem[0]}; {NOT_REPRODUCED})", layer_problem[2]
+            elif where == NOT_REPRODUCED:  # the step re-run from its state is sound: not the numerics
+                self.transients.append(step)
+                where = f"transient: {where} (the run's transient fault {len(self.transients)})"
             problem = ("nonfinite-loss" if not finite else "nonfinite-gradient", where, layer)
         else:
             problem = self._spike(value)
@@ -293,6 +272,10 @@ class Guard:
                          value)
         if problem is not None:
             self._act(step, *problem, value if finite else None)
+            if problem[1].startswith("transient") and len(self.transients) == self.suspect_after:
+                self._record(step, "suspect-machine", f"{len(self.transients)} transient faults (steps "
+                             f"{', '.join(map(str, self.transients))}): a re-run of each step from its state was "
+                             "sound; check the machine (memory errors, an overheating device)", None, "recorded", None)
             self._refused_in_a_row += 1
             if self._refused_in_a_row >= self.max_refused:
                 self._stop()
