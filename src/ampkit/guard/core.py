@@ -52,6 +52,7 @@ from torch import nn
 from ampkit.files import atomic_write
 from ampkit.guard import layers, ranks
 from ampkit.guard.events import GuardEvent, GuardStopped
+from ampkit.guard.raises import Raises
 from ampkit.guard.replay import NOT_REPRODUCED, Replay
 from ampkit.modes import check_model_and_optimizer
 from ampkit.optim.states import snapshot
@@ -86,6 +87,9 @@ class Guard:
             the copy kept every ``keep_every`` steps. Where no file is there yet, the bad step is only skipped.
         max_skips: the scaler's skipped steps in a row that make an event (default 5).
         max_refused: the guard's own refused steps in a row that stop the run with ``GuardStopped`` (default 10).
+        quiet_window: steps a raised layer runs quiet (no raise of it) before it returns to its format (default 200;
+            None: never); a layer raised again after a return waits twice its last window (bounded flapping: a long
+            run does not drift to float32 layer by layer, nor back and forth).
         suspect_after: transient faults (a non-finite step that its re-run from the same state, the replay, does not
             reproduce: a bit flip, not the numerics) that make a ``"suspect-machine"`` event (default 3).
         sample_every: steps between samples of the layers' figures (default 10; 0: never). The step's own forward
@@ -120,7 +124,8 @@ class Guard:
                  window: int = 50, keep_every: int = 50, max_skips: int = 5, sample_every: int = 10,
                  saturation: float = 0.01, underflow: float = 0.05, near_overflow: float = 0.5,
                  process_group: Any = None, checkpoint: str | Path | None = None, max_refused: int = 10,
-                 replay: Callable[[nn.Module, Any], torch.Tensor] | None = None, suspect_after: int = 3) -> None:
+                 replay: Callable[[nn.Module, Any], torch.Tensor] | None = None, suspect_after: int = 3,
+                 quiet_window: int | None = 200) -> None:
         check_model_and_optimizer(model, optimizer, needed_by="Guard")
         if action not in ACTIONS:
             raise ValueError(f"Unknown action {action!r}. Choose one of {list(ACTIONS)}: 'skip' drops a bad step, "
@@ -135,10 +140,12 @@ class Guard:
                              "or None.")
         if not (isinstance(spike_sigmas, (int, float)) and spike_sigmas > 0):
             raise ValueError(f"spike_sigmas={spike_sigmas!r} is invalid: a number > 0 (math.inf: never a spike).")
-        least = {"window": 4, "keep_every": 1, "max_skips": 1, "sample_every": 0, "max_refused": 1, "suspect_after": 1}
+        least = {"window": 4, "keep_every": 1, "max_skips": 1, "sample_every": 0, "max_refused": 1, "suspect_after": 1,
+                 "quiet_window": 1}
         for name, value in (("window", window), ("keep_every", keep_every), ("max_skips", max_skips),
                             ("sample_every", sample_every), ("max_refused", max_refused),
-                            ("suspect_after", suspect_after)):
+                            ("suspect_after", suspect_after),
+                            ("quiet_window", 1 if quiet_window is None else quiet_window)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least[name]:
                 raise ValueError(f"{name}={value!r} is invalid: an integer >= {least[name]}.")
         for name, fraction in (("saturation", saturation), ("underflow", underflow), ("near_overflow", near_overflow)):
@@ -176,9 +183,10 @@ class Guard:
                                                         "amax": near_overflow}
         self.losses: list[float | None] = []  # every step's loss, None where not finite
         self.events: list[GuardEvent] = []
-        self.raised: dict[str, str] = {}  # layer name -> "float32" or "16 bits", in the order raised
         self.samples: list[tuple[int, dict[str, tuple[float, float, float]]]] = []  # (step, figures by layer)
         self.watch = layers.LayerWatch(model)
+        self.raises = Raises(model, self.watch, quiet_window)
+        self.raised = self.raises.raised  # layer name -> "float32" or "16 bits", in the order raised
         self.watch.sampling = sample_every > 0
         self.agreement = ranks.Agreement(process_group if process_group is not None
                                          else shard_group(sharded) if sharded is not None else None)
@@ -268,8 +276,8 @@ class Guard:
         if problem is None and layer_problem is not None:
             # finite gradients: the step is taken (skipping cannot cure a layer)
             signal, where, name = layer_problem
-            self._record(step, signal, where, name, self._raise(name) if self.action == "raise" else "recorded",
-                         value)
+            action = self.raises.raise_(name, step) if self.action == "raise" else "recorded"
+            self._record(step, signal, where, name, action, value)
         if problem is not None:
             self._act(step, *problem, value if finite else None)
             if problem[1].startswith("transient") and len(self.transients) == self.suspect_after:
@@ -281,6 +289,8 @@ class Guard:
                 self._stop()
             return False
         self._refused_in_a_row = 0
+        for layer, where, action in self.raises.return_quiet(step):
+            self._record(step, "layer-returned", where, layer, action, value)
         return True
 
     def _stop(self) -> None:
@@ -351,17 +361,8 @@ class Guard:
             self.optimizer.load_state_dict(snapshot(state["optimizer"]))
             action = f"restored step {kept_step}"
         elif self.action == "raise" and layer is not None:
-            action = self._raise(layer) + " and skipped"
+            action = self.raises.raise_(layer, step) + " and skipped"
         self._record(step, signal, where, layer, action, loss)
-
-    def _raise(self, layer: str) -> str:
-        """Raise ``layer`` one step (``layers.raise_layer``); what was done, in words."""
-        if self.raised.get(layer) == "float32":
-            return f"not raised ({layer} runs in float32 already)"
-        to = layers.raised_to(self.model.get_submodule(layer))
-        self.watch.watch(layer, layers.raise_layer(self.model, layer))
-        self.raised[layer] = to
-        return f"raised to {to}"
 
     def _record(self, step: int, signal: str, where: str, layer: str | None, action: str,
                 loss: float | None) -> None:

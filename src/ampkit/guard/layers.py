@@ -15,9 +15,9 @@ keep the worst): three figures a layer, kept as tensors and read with one host s
 
 Between samples the hooks return at once (a Python call per watched module per forward).
 
-**Raised** (``raise_layer``): an FP8 or block-scaled linear becomes a plain linear on the same Parameters (the
-16-bit format of the run's region or model: the optimizer keeps them); a 16-bit layer computes in float32: its
-forward runs with autocast off on float32 inputs. Not a policy's per-module override: the guard does not own the
+**Raised** (``raise_layer``; ``lower_layer`` undoes it): an FP8 or block-scaled linear becomes a plain linear on
+the same Parameters (the 16-bit format of the run's region or model: the optimizer keeps them); a 16-bit layer
+computes in float32: its forward runs with autocast off on float32 inputs. Not a policy's per-module override: the guard does not own the
 region the model runs in (``initialize``'s, a user's ``ampkit.autocast`` or a plain ``torch.autocast`` all take
 this), and the change is one module's, as the layer that failed is one. A 16-bit layer of a 16-bit model (O2, O3)
 has 16-bit weights, so nothing of its own computes in float32 there: ``Guard`` refuses ``action="raise"`` for them.
@@ -199,6 +199,13 @@ def raised_to(module: nn.Module) -> str:
     return "16 bits" if isinstance(module, (Fp8Linear, BlockScaledLinear)) else "float32"
 
 
+def format_of(module: nn.Module) -> str:
+    """``module``'s format in words: ``"fp8"``, the block-scaled recipe's label, or ``"16 bits"``."""
+    if isinstance(module, Fp8Linear):
+        return "fp8"
+    return module.recipe.label if isinstance(module, BlockScaledLinear) else "16 bits"
+
+
 def sixteen_bit_weights(model: nn.Module) -> list[str]:
     """The names of ``model``'s 16-bit parameters outside FP8 and block-scaled linears (O2, O3 cast them): the layers
     ``raise_layer`` cannot raise to float32."""
@@ -228,6 +235,30 @@ def raise_layer(model: nn.Module, name: str) -> nn.Module:
             run = forward if forward is not None else functools.partial(type(self).forward, self)
             return run(*_float32(args), **_float32(kwargs))
 
+    in_float32.before = forward  # type: ignore[attr-defined]  # what lower_layer puts back
     # bound to the module, so that a deep copy (the guard's replay) runs the copy's own forward
     module.forward = types.MethodType(in_float32, module)  # type: ignore[method-assign]
+    return module
+
+
+def lower_layer(model: nn.Module, name: str, original: nn.Module) -> nn.Module:
+    """Undo ``raise_layer(model, name)``; ``original`` is the module ``raise_layer`` found there. An FP8 or
+    block-scaled linear comes back on the same Parameters (an FP8 one with a fresh amax history and scales: those it
+    had described the tensors of before its raise); a 16-bit layer's forward is its own again. Returns the module
+    now there."""
+    module = model.get_submodule(name)
+    if module is not original:  # the _Raised16 raise_layer put in its place
+        if isinstance(original, Fp8Linear):
+            with torch.no_grad():
+                original.amax_history.zero_()
+                original.scale.fill_(1.0)
+        original.train(module.training)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, original)
+        return original
+    before = module.__dict__["forward"].__func__.before
+    if before is None:
+        del module.forward
+    else:
+        module.forward = before  # type: ignore[method-assign]
     return module

@@ -1,0 +1,53 @@
+"""The layers ``Guard`` raised, and their return: each raised layer goes back to its own format after a quiet
+window (no raise of it), a window doubled each time it is raised again after a return (``layers.raise_layer``,
+``layers.lower_layer``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ampkit.guard import layers
+
+
+class Raises:
+    """The raised layers of ``model`` (``raised``: name -> ``"float32"`` or ``"16 bits"``, in the order raised).
+
+    Args:
+        model: the guarded model.
+        watch: the guard's layer watch, which follows each layer's module through a raise and a return.
+        quiet_window: the steps a raised layer runs quiet before it returns (None: never).
+    """
+
+    def __init__(self, model: nn.Module, watch: layers.LayerWatch, quiet_window: int | None) -> None:
+        self.model, self.watch, self.quiet_window = model, watch, quiet_window
+        self.raised: dict[str, str] = {}
+        self._originals: dict[str, nn.Module] = {}  # each raised layer's module before its first raise
+        self._raised_at: dict[str, int] = {}  # each raised layer's step of its last raise
+        self._windows: dict[str, int] = {}  # each layer's quiet window
+
+    def raise_(self, layer: str, step: int) -> str:
+        """Raise ``layer`` one step at ``step``; what was done, in words."""
+        if self.raised.get(layer) == "float32":
+            return f"not raised ({layer} runs in float32 already)"
+        module = self.model.get_submodule(layer)
+        to = layers.raised_to(module)
+        if layer not in self._originals:  # its own format, which it returns to once quiet
+            self._originals[layer] = module
+            if layer in self._windows:  # it failed again after a return: a window twice as long
+                self._windows[layer] *= 2
+        self._windows.setdefault(layer, self.quiet_window or 0)
+        self.watch.watch(layer, layers.raise_layer(self.model, layer))
+        self.raised[layer], self._raised_at[layer] = to, step
+        return f"raised to {to}"
+
+    def return_quiet(self, step: int) -> list[tuple[str, str, str]]:
+        """Lower each raised layer quiet for its window at ``step``: (layer, why in words, what was done) each."""
+        returned = []
+        for layer in [name for name in self.raised if step - self._raised_at[name] >= self._windows[name] > 0]:
+            original = self._originals.pop(layer)
+            self.watch.watch(layer, layers.lower_layer(self.model, layer, original))
+            del self.raised[layer]
+            window = self._windows[layer]
+            returned.append((layer, f"{layer}: {window} quiet steps since its raise at step {self._raised_at[layer]} "
+                             f"(should it fail again: {2 * window})", f"returned to {layers.format_of(original)}"))
+        return returned
