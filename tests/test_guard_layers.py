@@ -530,3 +530,46 @@ def test_an_fp8_layer_returns_with_a_fresh_scale_history() -> None:
     assert model[3] is raised and raised.weight is linear.weight
     back = layers.lower_layer(model, "3", linear)
     assert model[3] is back is linear and torch.all(linear.amax_history == 0) and torch.all(linear.scale == 1)
+
+
+def test_a_resumed_run_has_the_same_layers_raised_and_the_same_timeline(tmp_path: Path) -> None:
+    """It remembers (issue 66's fourth item, the single-file checkpoint): the guard is saved with the model and the
+    optimizer; a run resumed from the checkpoint has the FP8 layer raised again (it is restored before the model,
+    whose state is the raised one's) and the timeline it had, and its steps are the uninterrupted run's, loss for loss.
+    Before, a resumed run had its FP8 layer back, the timeline empty."""
+    model, optimizer, outlier, linear = _outlier_model()
+    guard = ampkit.Guard(model, optimizer, action="raise", sample_every=1)
+    plant = _plant_at(21, outlier, linear)
+    through = _train(model, optimizer, guard, None, plant, steps=30)
+
+    model, optimizer, outlier, linear = _outlier_model()
+    guard = ampkit.Guard(model, optimizer, action="raise", sample_every=1)
+    first = _train(model, optimizer, guard, None, _plant_at(21, outlier, linear), steps=25)
+    assert guard.raised == {"3": "16 bits"}
+    ampkit.save_checkpoint(tmp_path / "last.pt", model=model, optimizer=optimizer, guard=guard)
+
+    model, optimizer, outlier, _ = _outlier_model()
+    with torch.no_grad():
+        outlier.scale[7] = 1e6  # the resumed model's own planted state (a buffer the checkpoint restores too)
+    resumed = ampkit.Guard(model, optimizer, action="raise", sample_every=1)
+    ampkit.load_checkpoint(tmp_path / "last.pt", model=model, optimizer=optimizer, guard=resumed)  # guard last
+    assert resumed.raised == {"3": "16 bits"} and not isinstance(model[3], Fp8Linear)
+    assert resumed.events == guard.events and resumed.losses == guard.losses and resumed.step_count == 25
+    rest = [test_guard._train(model, optimizer, resumed, lambda _, at=at: _batch(at), steps=1)[0]  # type: ignore[misc]
+            for at in range(25, 30)]
+    assert first + rest == through
+
+
+def test_a_resume_that_fails_leaves_the_guard_and_the_models_layers_as_they_were(tmp_path: Path) -> None:
+    """load_checkpoint is all or nothing: the guard raised the FP8 layer before the model's load failed (another
+    head), and is put back: the layer is FP8 again, the timeline empty."""
+    model, optimizer, outlier, linear = _outlier_model()
+    guard = ampkit.Guard(model, optimizer, action="raise", sample_every=1)
+    _train(model, optimizer, guard, None, _plant_at(21, outlier, linear), steps=25)
+    ampkit.save_checkpoint(tmp_path / "last.pt", model=model, guard=guard)
+    other, _, _, fp8 = _outlier_model()
+    other[5] = nn.Linear(64, 5)
+    fresh = ampkit.Guard(other, torch.optim.AdamW(other.parameters()), action="raise")
+    with pytest.raises(RuntimeError, match=r"loading 'model' failed, nothing was changed"):
+        ampkit.load_checkpoint(tmp_path / "last.pt", model=other, guard=fresh)
+    assert other[3] is fp8 and fresh.raised == {} and fresh.events == [] and fresh.step_count == 0

@@ -242,6 +242,8 @@ def load_checkpoint(path: str | Path, **objects: _Stateful) -> dict[str, Any]:
             # An O2 run's optimizer resumed by a float32 one: its inner optimizer's state, kept over the masters in
             # the model's order (the masters' values are the O2 model's state dict's, which the model loads).
             saved = {**saved, name: saved[name]["optimizer"]}
+    # an object whose state changes the model's layers (ampkit.Guard's raises) first: the model's state is theirs
+    objects = dict(sorted(objects.items(), key=lambda item: not getattr(item[1], "restores_structure", False)))
     before = {name: snapshot(obj.state_dict()) for name, obj in objects.items()}  # torchao's states have no deepcopy
     restored: list[str] = []
     try:

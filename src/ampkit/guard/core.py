@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ampkit.files import atomic_write
@@ -54,11 +53,10 @@ from ampkit.guard import layers, ranks
 from ampkit.guard.events import GuardEvent, GuardStopped
 from ampkit.guard.raises import Raises
 from ampkit.guard.replay import NOT_REPRODUCED, Replay
-from ampkit.modes import check_model_and_optimizer
+from ampkit.guard.settings import check_settings
 from ampkit.optim.states import snapshot
-from ampkit.shards import is_sharded, shard_group
+from ampkit.shards import shard_group
 
-ACTIONS = ("skip", "restore", "raise")
 
 
 class Guard:
@@ -126,54 +124,11 @@ class Guard:
                  process_group: Any = None, checkpoint: str | Path | None = None, max_refused: int = 10,
                  replay: Callable[[nn.Module, Any], torch.Tensor] | None = None, suspect_after: int = 3,
                  quiet_window: int | None = 200) -> None:
-        check_model_and_optimizer(model, optimizer, needed_by="Guard")
-        if action not in ACTIONS:
-            raise ValueError(f"Unknown action {action!r}. Choose one of {list(ACTIONS)}: 'skip' drops a bad step, "
-                             "'restore' puts back the last good state the guard kept, then drops it, 'raise' raises the "
-                             "named layer's precision.")
-        if isinstance(scaler, torch.amp.GradScaler):
-            raise ValueError("scaler=torch.amp.GradScaler does not say whether it skipped a step: pass an ampkit "
-                             "loss scaler (ampkit.DynamicLossScaler, whose step returns False on a skip), or None.")
-        if scaler is not None and not (callable(getattr(scaler, "step", None)) and callable(getattr(scaler, "update",
-                                                                                                  None))):
-            raise ValueError(f"scaler={type(scaler).__name__} has no step() and update(): pass an ampkit loss scaler "
-                             "or None.")
-        if not (isinstance(spike_sigmas, (int, float)) and spike_sigmas > 0):
-            raise ValueError(f"spike_sigmas={spike_sigmas!r} is invalid: a number > 0 (math.inf: never a spike).")
-        least = {"window": 4, "keep_every": 1, "max_skips": 1, "sample_every": 0, "max_refused": 1, "suspect_after": 1,
-                 "quiet_window": 1}
-        for name, value in (("window", window), ("keep_every", keep_every), ("max_skips", max_skips),
-                            ("sample_every", sample_every), ("max_refused", max_refused),
-                            ("suspect_after", suspect_after),
-                            ("quiet_window", 1 if quiet_window is None else quiet_window)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least[name]:
-                raise ValueError(f"{name}={value!r} is invalid: an integer >= {least[name]}.")
-        for name, fraction in (("saturation", saturation), ("underflow", underflow), ("near_overflow", near_overflow)):
-            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-                raise ValueError(f"{name}={fraction!r} is invalid: a fraction in (0, 1].")
-        sharded = next((p for p in model.parameters() if is_sharded(p)), None)
-        if sharded is not None and action == "raise":
-            raise ValueError("action='raise' does not take an FSDP2 model: its layers are sharded, and their "
-                             "all-gathers cast to the sharding's dtypes whatever a layer's region says. Use "
-                             "action='skip' or 'restore' (every rank acts alike), or raise the layer by hand with "
-                             "fully_shard's keep_float32.")
-        if checkpoint is not None and action != "restore":
-            raise ValueError(f"checkpoint={str(checkpoint)!r} is where action='restore' reads the state it puts back; "
-                             f"the action is {action!r}: pass action='restore', or drop checkpoint.")
-        if checkpoint is not None and (Path(checkpoint).is_dir() or not Path(checkpoint).parent.is_dir()):
-            what = "a folder" if Path(checkpoint).is_dir() else "in a folder that does not exist"
-            raise ValueError(f"checkpoint={str(checkpoint)!r} is {what}: pass the file the loop writes with "
-                             "ampkit.save_checkpoint(path, model=..., optimizer=...), e.g. "
-                             f"{str(Path(checkpoint) / 'last.pt')!r} (in an existing folder).")
-        if process_group is not None and not dist.is_initialized():
-            raise ValueError("process_group is given but torch.distributed is not initialized: call "
-                             "torch.distributed.init_process_group first, or pass process_group=None.")
-        sixteen = layers.sixteen_bit_weights(model) if action == "raise" else []
-        if sixteen:
-            raise ValueError(f"action='raise' cannot raise a 16-bit layer of this model to float32: its weights are "
-                             f"16-bit ({sixteen[0]}: {dict(model.named_parameters())[sixteen[0]].dtype}; O2 and O3 "
-                             "cast them). Initialize at O1 (float32 weights under autocast), or use action='skip' "
-                             "or 'restore'.")
+        sharded = check_settings(model, optimizer, scaler, action, checkpoint, process_group, dict(
+            spike_sigmas=spike_sigmas, window=window, keep_every=keep_every, max_skips=max_skips,
+            sample_every=sample_every, max_refused=max_refused, suspect_after=suspect_after,
+            quiet_window=1 if quiet_window is None else quiet_window, saturation=saturation, underflow=underflow,
+            near_overflow=near_overflow))
         self.model, self.optimizer, self.scaler, self.action = model, optimizer, scaler, action
         self.spike_sigmas, self.keep_every, self.max_skips = spike_sigmas, keep_every, max_skips
         self.max_refused, self.suspect_after = max_refused, suspect_after
@@ -383,6 +338,30 @@ class Guard:
         return {"version": 2, "steps": self.step_count, "sample_every": self.sample_every, "limits": self.limits,
                 "kinds": dict(self.watch.kinds), "losses": list(self.losses),
                 "events": [dataclasses.asdict(e) for e in self.events], "raised": dict(self.raised), "samples": samples}
+
+    # ampkit.load_checkpoint restores the guard before the model: its raises change the model's layers (the state
+    # dict of an FP8 linear raised to 16 bits has no FP8 scales)
+    restores_structure = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to go on as this one: the timeline (``timeline()``), the raised layers with their
+        windows, the transient faults and the counters (``save_checkpoint(path, guard=guard, ...)``)."""
+        return {"timeline": self.timeline(), "raises": self.raises.state_dict(), "transients": list(self.transients),
+                "recent": list(self._recent), "counters": [self._good_steps, self._skips_in_a_row,
+                                                           self._refused_in_a_row]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go on from ``state_dict()``'s: the same layers raised (the model's layers raised or returned to match),
+        the same timeline."""
+        timeline = state["timeline"]
+        self.raises.load_state_dict(state["raises"])
+        self.losses = list(timeline["losses"])
+        self.events = [GuardEvent(**event) for event in timeline["events"]]
+        self.samples = [(sample["step"], {name: tuple(figures[f] for f in layers.FIGURES)  # type: ignore[misc]
+                                          for name, figures in sample["layers"].items()})
+                        for sample in timeline["samples"]]
+        self.transients, self._recent = list(state["transients"]), deque(state["recent"], maxlen=self._recent.maxlen)
+        self._good_steps, self._skips_in_a_row, self._refused_in_a_row = state["counters"]
 
     def write_timeline(self, path: str | Path) -> Path:
         """``timeline()`` as strict JSON, written atomically."""

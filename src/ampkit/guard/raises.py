@@ -4,6 +4,8 @@ window (no raise of it), a window doubled each time it is raised again after a r
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 
 from ampkit.guard import layers
@@ -51,3 +53,22 @@ class Raises:
             returned.append((layer, f"{layer}: {window} quiet steps since its raise at step {self._raised_at[layer]} "
                              f"(should it fail again: {2 * window})", f"returned to {layers.format_of(original)}"))
         return returned
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"raised": dict(self.raised), "raised_at": dict(self._raised_at), "windows": dict(self._windows)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise the layers ``state`` names as it says (and return those it does not name), at its steps and
+        windows. A name ``model`` lacks is refused before any change."""
+        missing = [name for name in state["raised"] if name not in dict(self.model.named_modules())]
+        if missing:
+            raise ValueError(f"The guard's state raises {missing}, which this model does not have: load it into the "
+                             "model it was saved with.")
+        for layer in list(self.raised):  # back to their formats first, then raised as the state says
+            self.watch.watch(layer, layers.lower_layer(self.model, layer, self._originals.pop(layer)))
+            del self.raised[layer]
+        for layer, to in state["raised"].items():
+            self.raise_(layer, state["raised_at"][layer])
+            if to != self.raised[layer]:  # an FP8 or block-scaled layer raised to 16 bits, then to float32
+                self.raise_(layer, state["raised_at"][layer])
+        self._raised_at, self._windows = dict(state["raised_at"]), dict(state["windows"])
