@@ -573,3 +573,25 @@ def test_a_resume_that_fails_leaves_the_guard_and_the_models_layers_as_they_were
     with pytest.raises(RuntimeError, match=r"loading 'model' failed, nothing was changed"):
         ampkit.load_checkpoint(tmp_path / "last.pt", model=other, guard=fresh)
     assert other[3] is fp8 and fresh.raised == {} and fresh.events == [] and fresh.step_count == 0
+
+
+def test_a_raised_layer_of_a_compiled_model_computes_float32_in_its_backward_too() -> None:
+    """Fault (a) compiled (aot_eager: AOTAutograd traces the backward as inductor does, and runs it as traced): the
+    raised layer's backward had run under the forward's float16 autocast, its overflow came back, and the scaler
+    skipped every later step down to a scale of 1 (18 of 40) where eager skipped none. The raised layer runs eagerly
+    now, a graph break at it: the compiled run is eager's, loss for loss (inductor: no skip either, its final loss
+    0.6% from eager's, as its fused float16 arithmetic is before the raise)."""
+    def run(compiled: bool) -> tuple[list[float], ampkit.Guard, ampkit.DynamicLossScaler]:
+        torch.compiler.reset()
+        model, optimizer = _growing(rate=2.0)
+        scaler = ampkit.DynamicLossScaler()
+        guard = ampkit.Guard(model, optimizer, scaler, action="raise", sample_every=0)
+        forward = torch.compile(model, backend="aot_eager") if compiled else model
+        return test_guard._train(model, optimizer, guard, _batch, scaler, steps=STEPS, forward=forward), guard, scaler
+
+    eager, eager_guard, _ = run(compiled=False)
+    compiled, guard, scaler = run(compiled=True)
+    assert [(e.step, e.layer, e.action) for e in guard.events] == [
+        (e.step, e.layer, e.action) for e in eager_guard.events] == [(19, "1", "raised to float32 and skipped")]
+    assert scaler.stats.skipped == 0 and scaler.get_scale() == 65536.0
+    assert compiled[20:] == pytest.approx(eager[20:], rel=1e-6)

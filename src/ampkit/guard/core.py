@@ -58,7 +58,6 @@ from ampkit.optim.states import snapshot
 from ampkit.shards import shard_group
 
 
-
 class Guard:
     """Take the optimizer step only when the step's loss and gradients are sound; name what was not.
 
@@ -104,9 +103,8 @@ class Guard:
 
     Raises:
         ValueError: an unknown action, a bad number, torch's GradScaler, an optimizer over other tensors, a
-            ``checkpoint`` that is a folder or in none,
-            ``"raise"`` for an FSDP2 model or where a 16-bit layer has 16-bit weights (O2, O3), a process group
-            without torch.distributed.
+            ``checkpoint`` that is a folder or in a folder that does not exist, ``"raise"`` for an FSDP2 model or
+            where a 16-bit layer has 16-bit weights (O2, O3), a process group without torch.distributed.
 
     Example:
         >>> guard = ampkit.Guard(model, optimizer, scaler)
@@ -116,6 +114,10 @@ class Guard:
         ...     scaler.scale(loss).backward()
         ...     guard.step(loss, batch=(x, y))  # instead of scaler.step(optimizer); scaler.update()
     """
+
+    # ampkit.load_checkpoint restores the guard before the model: its raises change the model's layers (the state
+    # dict of an FP8 linear raised to 16 bits has no FP8 scales)
+    restores_structure = True
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any = None, action: str = "skip",
                  loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, spike_sigmas: float = 6.0,
@@ -202,7 +204,7 @@ class Guard:
                              f"{given}: pass the reduced loss the backward ran from, unscaled.")
         if batches is not None and (batch is not None or not isinstance(batches, (list, tuple))):
             raise ValueError(f"batches={type(batches).__name__} with batch={type(batch).__name__}: pass the step's "
-                             "micro-batches as one list, batches=[...], and no batch= (or one batch=, without batches).")
+                             "micro-batches as one list, batches=[...], and no batch= (or one batch=, no batches).")
         micro_batches = list(batches) if batches is not None else [batch]
         step = self.step_count
         if gradients is None:
@@ -338,10 +340,6 @@ class Guard:
         return {"version": 2, "steps": self.step_count, "sample_every": self.sample_every, "limits": self.limits,
                 "kinds": dict(self.watch.kinds), "losses": list(self.losses),
                 "events": [dataclasses.asdict(e) for e in self.events], "raised": dict(self.raised), "samples": samples}
-
-    # ampkit.load_checkpoint restores the guard before the model: its raises change the model's layers (the state
-    # dict of an FP8 linear raised to 16 bits has no FP8 scales)
-    restores_structure = True
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs to go on as this one: the timeline (``timeline()``), the raised layers with their

@@ -24,10 +24,10 @@ class GuardEvent:
             ``"layer-saturation"``, ``"layer-underflow"``, ``"layer-near-overflow"``, ``"layer-returned"`` (a raised
             layer back in its format after its quiet window) or ``"suspect-machine"``.
         where: the batch or the module and op the trouble came from, or the figures of a spike, in words.
-        action: ``"skipped"``, ``"restored step N"`` (or ``"restored <checkpoint>"``), ``"raised to float32 and skipped"`` (a non-finite loss or
-            gradient), ``"raised to 16 bits"`` or ``"raised to float32"`` (a layer's signal: its gradients are finite,
-            the step is taken), ``"returned to <format>"``, or ``"recorded"`` (the step taken: the scaler skips on its own, or a layer's signal
-            under ``"skip"`` or ``"restore"``).
+        action: ``"skipped"``, ``"restored step N"`` (or ``"restored <checkpoint>"``), ``"raised to float32 and
+            skipped"`` (a non-finite loss or gradient), ``"raised to 16 bits"`` or ``"raised to float32"`` (a layer's
+            signal: its gradients are finite, the step is taken), ``"returned to <format>"``, or ``"recorded"`` (the
+            step taken: the scaler skips on its own, or a layer's signal under ``"skip"`` or ``"restore"``).
         loss: the step's loss (None where not finite).
         layer: the module named, where one is (the one raised, under ``"raise"``).
     """

@@ -17,15 +17,17 @@ Between samples the hooks return at once (a Python call per watched module per f
 
 **Raised** (``raise_layer``; ``lower_layer`` undoes it): an FP8 or block-scaled linear becomes a plain linear on
 the same Parameters (the 16-bit format of the run's region or model: the optimizer keeps them); a 16-bit layer
-computes in float32: its forward runs with autocast off on float32 inputs. Not a policy's per-module override: the guard does not own the
-region the model runs in (``initialize``'s, a user's ``ampkit.autocast`` or a plain ``torch.autocast`` all take
-this), and the change is one module's, as the layer that failed is one. A 16-bit layer of a 16-bit model (O2, O3)
-has 16-bit weights, so nothing of its own computes in float32 there: ``Guard`` refuses ``action="raise"`` for them.
+computes in float32: its forward runs with autocast off on float32 inputs (eagerly in a compiled model, a graph
+break: see ``raise_layer``). Not a policy's per-module override: the guard does not own the region the model runs in
+(``initialize``'s, a user's ``ampkit.autocast`` or a plain ``torch.autocast`` all take this), and the change is one
+module's, as the layer that failed is one. A 16-bit layer of a 16-bit model (O2, O3) has 16-bit weights, so nothing
+of its own computes in float32 there: ``Guard`` refuses ``action="raise"`` for them.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import types
 from typing import Any
 
@@ -236,8 +238,14 @@ def raise_layer(model: nn.Module, name: str) -> nn.Module:
             return run(*_float32(args), **_float32(kwargs))
 
     in_float32.before = forward  # type: ignore[attr-defined]  # what lower_layer puts back
+    run_eagerly = in_float32
+    if "torch._dynamo" in sys.modules:  # a compiled model's raised layer runs eagerly, a graph break at it: a backward
+        # AOTAutograd traced would run under the forward's outer autocast (16-bit GEMMs), and the float16 overflow it
+        # was raised for came back at every step (a dynamic scaler skipped on, down to a scale of 1)
+        run_eagerly = torch.compiler.disable(in_float32)
+        run_eagerly.before = forward  # type: ignore[attr-defined]
     # bound to the module, so that a deep copy (the guard's replay) runs the copy's own forward
-    module.forward = types.MethodType(in_float32, module)  # type: ignore[method-assign]
+    module.forward = types.MethodType(run_eagerly, module)  # type: ignore[method-assign]
     return module
 
 
