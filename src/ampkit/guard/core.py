@@ -143,7 +143,6 @@ class Guard:
         self.samples: list[tuple[int, dict[str, tuple[float, float, float]]]] = []  # (step, figures by layer)
         self.watch = layers.LayerWatch(model)
         self.raises = Raises(model, self.watch, quiet_window)
-        self.raised = self.raises.raised  # layer name -> "float32" or "16 bits", in the order raised
         self.watch.sampling = sample_every > 0
         self.agreement = ranks.Agreement(process_group if process_group is not None
                                          else shard_group(sharded) if sharded is not None else None)
@@ -154,6 +153,11 @@ class Guard:
         self._skips_in_a_row = 0
         self._refused_in_a_row = 0
         self.attribution = Replay(model, self.watch, loss_fn, replay)
+
+    @property
+    def raised(self) -> dict[str, str]:
+        """The layers raised now: name -> ``"float32"`` or ``"16 bits"``, in the order raised."""
+        return self.raises.raised
 
     @property
     def step_count(self) -> int:

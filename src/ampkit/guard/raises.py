@@ -46,13 +46,18 @@ class Raises:
         """Lower each raised layer quiet for its window at ``step``: (layer, why in words, what was done) each."""
         returned = []
         for layer in [name for name in self.raised if step - self._raised_at[name] >= self._windows[name] > 0]:
-            original = self._originals.pop(layer)
-            self.watch.watch(layer, layers.lower_layer(self.model, layer, original))
-            del self.raised[layer]
+            original = self._return(layer)
             window = self._windows[layer]
             returned.append((layer, f"{layer}: {window} quiet steps since its raise at step {self._raised_at[layer]} "
                              f"(should it fail again: {2 * window})", f"returned to {layers.format_of(original)}"))
         return returned
+
+    def _return(self, layer: str) -> nn.Module:
+        """``layer`` back in its own format (``layers.lower_layer``), watched there; its module before the raise."""
+        original = self._originals.pop(layer)
+        self.watch.watch(layer, layers.lower_layer(self.model, layer, original))
+        del self.raised[layer]
+        return original
 
     def state_dict(self) -> dict[str, Any]:
         return {"raised": dict(self.raised), "raised_at": dict(self._raised_at), "windows": dict(self._windows)}
@@ -65,8 +70,7 @@ class Raises:
             raise ValueError(f"The guard's state raises {missing}, which this model does not have: load it into the "
                              "model it was saved with.")
         for layer in list(self.raised):  # back to their formats first, then raised as the state says
-            self.watch.watch(layer, layers.lower_layer(self.model, layer, self._originals.pop(layer)))
-            del self.raised[layer]
+            self._return(layer)
         for layer, to in state["raised"].items():
             self.raise_(layer, state["raised_at"][layer])
             if to != self.raised[layer]:  # an FP8 or block-scaled layer raised to 16 bits, then to float32
