@@ -23,6 +23,7 @@ from ampkit.experiment.data import DATASETS
 from ampkit.experiment.hf_models import HELP as HF_HELP
 from ampkit.experiment.models import MODELS
 from ampkit.experiment.process import RunFailed, warning_key
+from ampkit.experiment.seeds import check_seeds
 from ampkit.experiment.settings import IMAGE_DEFAULTS, MODEL_DEFAULTS, plan
 from ampkit.files import atomic_write
 from ampkit.hardware import flags, throughput
@@ -95,6 +96,10 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights and the batches of every run "
                         "alike (default 0)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="train every setting with this many seeds (--seed, then one more each), one seed's runs "
+                             "after another's: the table shows each figure's mean and spread, and whether each "
+                             "mixed setting matches float32 within seed noise (default 1; 3 gives a verdict)")
     parser.add_argument("--out", type=directory, help="output directory (default: ./ampkit-runs/<timestamp>/)")
     parser.add_argument("--json", action="store_true", help="print results.json to stdout instead of the table")
     parser.add_argument("--quiet", action="store_true", help="no progress (bars on a terminal, else lines on stderr)")
@@ -103,6 +108,7 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
+    check_seeds(args.seeds)
     if args.out is not None:
         check_out_dir(args.out)
     with warnings.catch_warnings(record=True) as caught:
@@ -122,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         if not issubclass(warning.category, _in_the_plan(configs)):
             print(f"warning: {warning.message}", file=sys.stderr)
     console = Console(stderr=args.json)
-    print_plan(console, configs, cost)
+    print_plan(console, configs, cost, args.seeds)
     planned = time.perf_counter()  # what the estimate is of: the runs, from here
     try:
         result = _compare(args, configs, cost, console, {warning_key(warning) for warning in caught})
@@ -162,8 +168,15 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"  {slower}", highlight=False)
         if (crossover := report.crossover_line(result)) is not None:
             console.print(f"  {crossover}", highlight=False)
+        for line in report.verdict_lines(result):
+            console.print(f"  {line}", highlight=False)
+        if args.seeds == 1:
+            console.print(f"  One seed: whether the differences from float32 are more than seed noise is not known; "
+                          f"--seeds 3 (about {cost.seeds_s(configs, 3):.0f} s here) trains each setting three times "
+                          "and says so.", highlight=False)
         again = f"; {result.revised_s:.0f} s from the runs' first steps" if result.revised_s is not None else ""
-        console.print(f"Took {time.perf_counter() - planned:.0f} s (estimated {cost.total_s:.0f} s{again}), after "
+        console.print(f"Took {time.perf_counter() - planned:.0f} s (estimated {cost.seeds_s(configs, args.seeds):.0f} "
+                      f"s{again}), after "
                       f"{planned - start:.0f} s of planning. Wrote " + ", ".join(str(p) for p in paths))
     for line in diverged:
         print(line, file=sys.stderr)
@@ -172,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: Estimate, console: Console,
              shown: set[str]) -> Comparison:
-    times: dict[str, Any] = dict(estimated_s=estimate.total_s, evaluation_s=estimate.evaluation_s, shown=shown)
+    times: dict[str, Any] = dict(estimated_s=estimate.seeds_s(configs, args.seeds), evaluation_s=estimate.evaluation_s,
+                                 shown=shown, seeds=args.seeds)
 
     def revised(say: Callable[[str], None]) -> Callable[[float], None]:
         return lambda total_s: say(f"ampkit compare: from the runs' own first {REVISE_AFTER + 1} steps, about "
@@ -187,7 +201,8 @@ def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: Estim
         TextColumn("{task.description:>10}"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]}"),
         TimeElapsedColumn(), console=console,
     ) as bars:
-        tasks = {c.label: bars.add_task(c.label, total=c.steps, loss="-") for c in configs}
+        named = run_names(configs, args.seeds)
+        tasks = {name: bars.add_task(name, total=config.steps, loss="-") for name, config in named}
         return compare(
             configs, lambda label, step, total, loss: bars.update(tasks[label], completed=step, loss=f"{loss:.4f}"),
             revise=revised(bars.console.print), **times,
@@ -196,7 +211,8 @@ def _compare(args: argparse.Namespace, configs: list[RunConfig], estimate: Estim
 
 class PlainProgress:
     """Progress as plain lines on stderr, where the output is no terminal (or is JSON): every ``interval_s`` seconds
-    and at the end of each run, the step, the total and the loss of every run, and the time since the start."""
+    and at the end of each run, the step, the total and the loss of every run of the seed under way, and the time
+    since the start."""
 
     def __init__(self, interval_s: float = 8.0) -> None:  # a line within 10 s, with the step's own time
         self.interval_s, self.start = interval_s, time.perf_counter()
@@ -204,6 +220,8 @@ class PlainProgress:
         self.latest: dict[str, tuple[int, int, float]] = {}
 
     def __call__(self, label: str, step: int, total: int, loss: float) -> None:
+        if label not in self.latest:  # a run starts: the finished ones (an earlier seed's) said their last line
+            self.latest = {name: state for name, state in self.latest.items() if state[0] < state[1]}
         self.latest[label] = (step, total, loss)
         now = time.perf_counter()
         if step == total or now - self.last >= self.interval_s:
@@ -220,13 +238,25 @@ def _in_the_plan(configs: list[RunConfig]) -> tuple[type[Warning], ...]:
     return (ComputeModeWarning, *((flags.SlowPrecisionWarning,) if any(c.float32_compute for c in configs) else ()))
 
 
-def print_plan(console: Console, configs: list[RunConfig], estimate: Estimate) -> None:
+def run_names(configs: list[RunConfig], seeds: int) -> list[tuple[str, RunConfig]]:
+    """Every run's name in ``compare``'s progress, with its configuration: its label, and with several seeds its
+    seed (a probe runs with the first seed only)."""
+    if seeds == 1:
+        return [(c.label, c) for c in configs]
+    first = configs[0].seed
+    return [(f"{c.label} seed {seed}", c) for seed in range(first, first + seeds) for c in configs
+            if seed == first or not c.probe]
+
+
+def print_plan(console: Console, configs: list[RunConfig], estimate: Estimate, seeds: int = 1) -> None:
     """The runs about to start, why their compute mode is what it is, and the time they will take."""
     first = configs[0]
+    over = f" with each of {seeds} seeds ({first.seed} to {first.seed + seeds - 1}), a seed's runs at a time" \
+        if seeds > 1 else ""
     console.print(
         f"Plan: {', '.join(c.label for c in configs)}; {first.model} on {first.data}, batch {first.batch_size}"
         f"{f' in {first.micro_batches} micro-batches' if first.micro_batches != 1 else ''}, "
-        f"{first.steps} steps per run. Estimated {estimate.total_s:.0f} s "
+        f"{first.steps} steps per run{over}. Estimated {estimate.seeds_s(configs, seeds):.0f} s "
         f"(a float32 step measured here: {estimate.float32_step_s * 1e3:.0f} ms)."
     )
     measured = throughput.measure(first.device)

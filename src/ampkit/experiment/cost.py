@@ -71,6 +71,12 @@ class Estimate:
     def total_s(self) -> float:
         return self.startup_s + sum(self.run_s)
 
+    def seeds_s(self, configs: Sequence[RunConfig], seeds: int) -> float:
+        """The wall time of ``compare(configs, seeds=seeds)``: each seed starts its runs and trains them again, a
+        probe once."""
+        again = sum(s for s, config in zip(self.run_s, configs) if not config.probe)
+        return self.total_s + (seeds - 1) * (self.startup_s + again)
+
 
 def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = None) -> Estimate:
     """Estimate the wall time of ``compare(configs)``: time training steps of the float32 model and of each

@@ -16,6 +16,7 @@ from rich.table import Table
 from ampkit.diagnostics.memory import STATE_PARTS
 from ampkit.experiment.comparison import PLAN_FIELDS, Comparison
 from ampkit.experiment.config import WARMUP_STEPS, RunResult
+from ampkit.experiment.seeds import half_range
 from ampkit.files import publish_new
 from ampkit.guard.plot import plot_timeline
 
@@ -44,8 +45,14 @@ def table(comparison: Comparison) -> Table:
     )
     if config.get("loss_divisor", 1) != 1:
         title += f", training loss divided by {config['loss_divisor']:g}"
+    seeds = len(comparison.seeds)
+    if seeds > 1:
+        title += f", {seeds} seeds"
     caption = ("memory in MiB; B/param: weights, gradients, masters and optimizer states kept between steps, in bytes "
                "per parameter; below each figure, its ratio to float32")
+    if seeds > 1:
+        caption += (f"; over {seeds} seeds: ms/step and memory their median, train loss and test acc their mean with "
+                    "half their range (±) below")
     if any(run.float32_compute for run in comparison.runs):
         caption += "; fp32-compute: GEMMs and convolutions computed in float32 on 16-bit values"
     if any(" fp32-grads" in run.label for run in comparison.runs):
@@ -84,6 +91,11 @@ def table(comparison: Comparison) -> Table:
             planned = comparison.plan_ratio(run, field) if field in PLAN_FIELDS else None
             return text + (f"\n({planned:.2f}x)" if planned is not None else "")
 
+        def spread(field: str, scale: float = 1.0, run: RunResult = run) -> str:
+            """Half the range of the figure over the seeds, below it (nothing with one seed)."""
+            half = half_range(comparison.each_seed(run), field)
+            return "" if half is None else f"\n±{scale * half:.{1 if scale != 1 else 3}f}"
+
         per_parameter = f"{run.state_bytes / run.parameters:.1f}{r('state_bytes')}" if run.parameters else "-"
         row = [
             re.sub(r" (fp32-|native|compiled|\S+-states)", r"\n\1", run.label),  # narrow: wraps at each option
@@ -91,21 +103,29 @@ def table(comparison: Comparison) -> Table:
             f"{run.peak_memory_bytes / MIB:.0f}M{r('peak_memory_bytes')}",
             f"{run.saved_for_backward_bytes / MIB:.1f}M{r('saved_for_backward_bytes')}",
             per_parameter,
-            "-" if run.final_train_loss is None else f"{run.final_train_loss:.3f}",
-            "-" if run.test_accuracy is None else f"{100 * run.test_accuracy:.1f}%",
+            "-" if run.final_train_loss is None else f"{run.final_train_loss:.3f}{spread('final_train_loss')}",
+            "-" if run.test_accuracy is None else f"{100 * run.test_accuracy:.1f}%{spread('test_accuracy', 100)}",
         ]
         if scaled:
             row.append(f"{run.skipped_steps}" + ("" if run.final_loss_scale is None else f"\n({run.final_loss_scale:g})"))
         if run.guard is not None:
-            row[0] += f"\nguard: {len(run.guard['events'])}"
+            row[0] += f"\nguard: {sum(len(one.guard['events']) for one in comparison.each_seed(run) if one.guard)}"
         out.add_row(*row)
     return out
 
 
 def guard_lines(comparison: Comparison) -> list[str]:
-    """A line per guard event of every run: the run, the step, the signal, where, what the guard did."""
-    return [f"{run.label}: step {e['step'] + 1} {e['signal']}, {e['where']}: {e['action']}"
-            for run in comparison.runs if run.guard is not None for e in run.guard["events"]]
+    """A line per guard event of every run (of every seed): the run, the step, the signal, where, what the guard
+    did."""
+    several = len(comparison.seeds) > 1
+    return [f"{one.label}{f' seed {seed}' if several else ''}: step {e['step'] + 1} {e['signal']}, {e['where']}: "
+            f"{e['action']}" for run in comparison.runs for seed, one in zip(comparison.seeds, comparison.each_seed(run))
+            if one.guard is not None for e in one.guard["events"]]
+
+
+def verdict_lines(comparison: Comparison) -> list[str]:
+    """A sentence per trained mixed setting: whether it matches float32 within seed noise (none with one seed)."""
+    return [v.sentence() for v in comparison.verdicts()]
 
 
 # GEMMs this much faster in 16 bits make a slower step a surprise worth a line (a GPU's tensor cores); a CPU's
@@ -138,7 +158,8 @@ def _slug(label: str) -> str:
 
 
 def write_curves(comparison: Comparison, path: Path) -> None:
-    """Training loss per step of every run, overlaid."""
+    """Training loss per step of every run, overlaid; over several seeds each setting's mean, in a band from its
+    lowest to its highest seed at each step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,8 +172,11 @@ def write_curves(comparison: Comparison, path: Path) -> None:
     marked = False  # the guard's events: one legend entry for all
     for index, run in enumerate(shown):
         # a style of its own per run, drawn thinner on top: two runs with equal losses both stay visible
-        ax.plot(range(1, len(run.losses) + 1), run.losses, label=run.label, linewidth=2.2 - 1.4 * index / len(shown),
-                linestyle=("-", "--", "-.", ":")[index % 4], alpha=0.9)
+        line, = ax.plot(range(1, len(run.losses) + 1), run.losses, label=run.label,
+                        linewidth=2.2 - 1.4 * index / len(shown), linestyle=("-", "--", "-.", ":")[index % 4], alpha=0.9)
+        if len(each := comparison.each_seed(run)) > 1:
+            low, high = seed_band(each)
+            ax.fill_between(range(1, len(low) + 1), low, high, color=line.get_color(), alpha=0.18, linewidth=0)
         for event in run.guard["events"] if run.guard is not None else []:  # at the last finite loss before it
             step = event["step"] + 1  # the timeline counts from 0, the curves from 1
             finite = [v for v in run.losses[:step] if math.isfinite(v)]
@@ -171,12 +195,22 @@ def write_curves(comparison: Comparison, path: Path) -> None:
     ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(1.0, 0.4)))
     divisor = comparison.config.get("loss_divisor", 1)
     divided = f" (trained on the loss / {divisor:g})" if divisor != 1 else ""
-    ax.set_title(f"{comparison.config['model']} on {comparison.config['data']}: loss per step{divided}")
+    seeds = len(comparison.seeds)
+    over = f", mean of {seeds} seeds in the band of their lowest and highest" if seeds > 1 else ""
+    ax.set_title(f"{comparison.config['model']} on {comparison.config['data']}: loss per step{divided}{over}",
+                 fontsize=10 if seeds > 1 else None)
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
+
+
+def seed_band(runs: list[RunResult]) -> tuple[list[float], list[float]]:
+    """The lowest and the highest loss of a setting's seeds at each step they all took (non-finite losses aside)."""
+    steps = min(len(r.losses) for r in runs)
+    at = [[r.losses[i] for r in runs if math.isfinite(r.losses[i])] or [math.nan] for i in range(steps)]
+    return [min(values) for values in at], [max(values) for values in at]
 
 
 # The parts of a run's memory the summary stacks, bottom up: what it keeps between steps (measured from its tensors,
@@ -312,9 +346,12 @@ def write_all(comparison: Comparison, out: Path) -> list[Path]:
         out / "curves.png": lambda tmp: write_curves(comparison, tmp),
         out / "summary.png": lambda tmp: write_summary(comparison, tmp),
     }
+    several = len(comparison.seeds) > 1
     for run in comparison.runs:
-        if run.guard is not None:
-            title = f"ampkit guard, {run.label}: {len(run.guard['events'])} event(s)"
-            writers[out / f"guard-{_slug(run.label)}.png"] = functools.partial(plot_timeline, run.guard, title=title)
+        for seed, one in zip(comparison.seeds, comparison.each_seed(run)):
+            if one.guard is not None:
+                name = f"{run.label} seed {seed}" if several else run.label
+                title = f"ampkit guard, {name}: {len(one.guard['events'])} event(s)"
+                writers[out / f"guard-{_slug(name)}.png"] = functools.partial(plot_timeline, one.guard, title=title)
     publish_new(writers)
     return list(writers)
