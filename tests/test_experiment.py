@@ -191,7 +191,7 @@ def test_a_busy_moment_during_planning_does_not_decide_the_estimate(monkeypatch)
                   0.2, 0.9,  # bf16 O1, float32 (busy)
                   0.1, 0.2])  # float32, bf16 O1
     monkeypatch.setattr(cost, "ESTIMATE_STEPS", 3)
-    monkeypatch.setattr(cost, "_timed_step", lambda *args: (next(times), 0.01))
+    monkeypatch.setattr(cost, "timed_step", lambda *args: (next(times), 0.01))
     estimate = cost.estimate(configs)
     assert next(times, None) is None  # every step above was timed, none more
     assert estimate.float32_step_s == 0.1

@@ -23,8 +23,10 @@ from ampkit.experiment.data import DATASETS
 from ampkit.experiment.hf_models import HELP as HF_HELP
 from ampkit.experiment.models import MODELS
 from ampkit.experiment.process import RunFailed, warning_key
+from ampkit.experiment import sizing
 from ampkit.experiment.seeds import check_seeds
-from ampkit.experiment.settings import IMAGE_DEFAULTS, MODEL_DEFAULTS, plan
+from ampkit.experiment.sizing import SIZES
+from ampkit.experiment.settings import IMAGE_DEFAULTS, MODEL_DEFAULTS, check_device, plan
 from ampkit.files import atomic_write
 from ampkit.hardware import flags, throughput
 from ampkit.modes import COMPUTE_MODES, MIXED_LEVELS, SHORT_NAMES, ComputeModeWarning
@@ -88,6 +90,9 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
                                        "its base and its lowest format for every linear, unless --precision is given)")
     parser.add_argument("--no-probe", action="store_true",
                         help="skip the short native 16-bit probe run added where auto computes in float32")
+    parser.add_argument("--size", choices=SIZES,
+                        help="the model's width and batch: small (the CPU's default), medium, large, or auto (CUDA's "
+                             "default): the smallest whose float32 step is arithmetic-bound here, measured")
     parser.add_argument("--batch-size", type=int, help=f"examples per step (default: {_defaults('batch_size')})")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--epochs", type=int, help=f"passes over the training data (default: {_defaults('epochs')})")
@@ -111,8 +116,12 @@ def run(args: argparse.Namespace) -> int:
     check_seeds(args.seeds)
     if args.out is not None:
         check_out_dir(args.out)
+    size = args.size or ("auto" if check_device(args.device).type == "cuda" else "small")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        if size == "auto":
+            print(f"ampkit compare: planning: timing float32 steps of the small {args.model} to size the runs",
+                  file=sys.stderr, flush=True)
         configs = plan(
             model=args.model, data=args.data, precisions=args.precision, opt_levels=args.opt_level,
             batch_size=args.batch_size, epochs=args.epochs, steps=args.steps, lr=args.lr, device=args.device,
@@ -120,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
             loss_scales=args.loss_scale, updates=args.update, loss_divisor=args.loss_divisor,
             activation_budgets=args.activation_budget, compile=args.compile, precision_plan=args.plan,
             grad_accums=args.grad_accum, micro_batches=args.micro_batches, states=args.states, guard=args.guard,
+            size=size,
         )
         # builds and steps the model (a bad model fails here); a line per timing, as the runs' progress does
         cost = estimate(configs, lambda line: print(f"ampkit compare: {line}", file=sys.stderr, flush=True))
@@ -129,6 +139,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"warning: {warning.message}", file=sys.stderr)
     console = Console(stderr=args.json)
     print_plan(console, configs, cost, args.seeds)
+    if size == "auto":  # measured once: plan asked the same
+        first = configs[0]
+        why = sizing.auto(first.model, first.data, torch.device(first.device), len(configs), first.steps).why
+        console.print(f"  size: {why}.", highlight=False)
     planned = time.perf_counter()  # what the estimate is of: the runs, from here
     try:
         result = _compare(args, configs, cost, console, {warning_key(warning) for warning in caught})

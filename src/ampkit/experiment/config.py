@@ -85,6 +85,8 @@ class RunConfig:
     # The run's steps go through an ampkit.Guard (action "raise" where the run's weights are float32, O1; else
     # "skip"), its timeline in RunResult.guard.
     guard: bool = False
+    # The model's width and batch (experiment/sizing.py): small (its defaults), medium or large
+    size: str = "small"
 
     @property
     def scaling(self) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -21,6 +22,7 @@ from ampkit.experiment.config import (
     low_dtype,
 )
 from ampkit.experiment.models import ModelMistake, build, check_output
+from ampkit.experiment.sizing import model_kwargs
 from ampkit.hardware import throughput
 from ampkit.precision.decide import GEMM_OPS
 
@@ -90,29 +92,21 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
     device = torch.device(first.device)
     dataset = data_mod.load(first.data)
     torch.manual_seed(first.seed)
-    model = build(first.model, **dataset.model_kwargs(CONTEXT)).to(device)
+    model = build(first.model, **dataset.model_kwargs(CONTEXT), **model_kwargs(first.model, first.size)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the runs' optimizer; lr 0: this model is not trained
     # What each run repeats before its first step: starting Python, importing torch and ampkit (and torch's compiler,
     # which torch's optimizers import when built), loading the data, building the model and its optimizer. This
     # process has just done the same: its CPU time so far, at most its age (a long-lived notebook has spent its age on
     # other things).
     setup_s = min(_process_age_s(), time.process_time())
-    index = torch.arange(first.batch_size) % len(dataset.train_x if dataset.kind == "text" else dataset.train_y)
-    if dataset.kind == "text":
-        x, y = data_mod.windows(dataset.train_x, index % (len(dataset.train_x) - CONTEXT - 1), CONTEXT)
-    else:
-        x, y = dataset.train_x[index], dataset.train_y[index]
-    x, y = x.to(device), y.to(device)
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    x, y = (t.to(device) for t in data_mod.first_batch(dataset, first.batch_size, CONTEXT))
+    sync = synchronizer(device)
 
     micro_shape = (len(y) // first.micro_batches,) + tuple(y.shape[1:])  # a micro-batch's targets (equal parts)
 
     def step(forward: Callable[[torch.Tensor], torch.Tensor] = model) -> tuple[float, float]:
         """One float32 training step, its output checked; returns its time and its forward's."""
-        return _timed_step(forward, optimizer, x, y, sync, first.micro_batches,
+        return timed_step(forward, optimizer, x, y, sync, first.micro_batches,
                            lambda out: check_output(first.model, out, dataset.num_classes, micro_shape))
 
     distinct: dict[str, RunConfig] = {}  # the first run of each mixed setting
@@ -217,10 +211,15 @@ def _setting_stepper(config: RunConfig, dataset: data_mod.Dataset, device: torch
     from ampkit.experiment.training import prepare  # training imports the models and formats: only here
 
     model, optimizer = prepare(config, dataset, device, lr=0.0)
-    return lambda: _timed_step(model, optimizer, x, y, sync, config.micro_batches)
+    return lambda: timed_step(model, optimizer, x, y, sync, config.micro_batches)
 
 
-def _timed_step(forward: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer, x: torch.Tensor,
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """A call that waits for ``device``'s queue (nothing on a CPU): a timing covers the work, not its launch."""
+    return functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
+
+
+def timed_step(forward: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer, x: torch.Tensor,
                 y: torch.Tensor, sync: Callable[[], None], micro_batches: int = 1,
                 check: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits) -> tuple[float, float]:
     """One training step (cross-entropy on ``check(forward(x))``, a backward per micro-batch, as the runs do);

@@ -228,3 +228,12 @@ def pair(data: Dataset, index: torch.Tensor, context: int, split: str = "train")
     """The (input, target) batch at ``index`` (from ``batches``) of the ``split`` set."""
     xs, ys = (data.train_x, data.train_y) if split == "train" else (data.test_x, data.test_y)
     return windows(xs, index, context) if data.kind == "text" else (xs[index], ys[index])
+
+
+def first_batch(data: Dataset, batch_size: int, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A training batch of ``batch_size`` samples from the start of the set (the set repeated where it is
+    smaller): what the plan times steps on."""
+    index = torch.arange(batch_size) % len(data.train_x if data.kind == "text" else data.train_y)
+    if data.kind == "text":
+        return windows(data.train_x, index % (len(data.train_x) - context - 1), context)
+    return data.train_x[index], data.train_y[index]

@@ -45,6 +45,8 @@ def table(comparison: Comparison) -> Table:
     )
     if config.get("loss_divisor", 1) != 1:
         title += f", training loss divided by {config['loss_divisor']:g}"
+    if config.get("size", "small") != "small":
+        title += f", size {config['size']}"
     seeds = len(comparison.seeds)
     if seeds > 1:
         title += f", {seeds} seeds"

@@ -24,8 +24,10 @@ from ampkit.experiment.config import (
     RunConfig,
     low_dtype,
 )
+from ampkit.experiment import sizing
 from ampkit.experiment.hf_models import ARCHITECTURES, PREFIX, family
 from ampkit.experiment.models import build, load_factory
+from ampkit.experiment.sizing import check_size
 from ampkit.formats.block_linear import eligible_block_scaled
 from ampkit.formats.fp8 import eligible
 from ampkit.hardware.advice import recommend_dtype, slow_native_message
@@ -110,6 +112,7 @@ def plan(
     micro_batches: int = 1,
     states: Sequence[str] | None = None,
     guard: bool = False,
+    size: str = "small",
 ) -> list[RunConfig]:
     """The runs of a comparison: float32 first, then the mixed settings, then a probe.
 
@@ -153,6 +156,10 @@ def plan(
     plan's linears and trains the rest in its base; without ``precisions`` and ``opt_levels`` it runs beside
     float32, the base alone and the lowest format the plan uses for every linear, each at O1.
 
+    ``size`` (``small``: the model's defaults; ``medium``, ``large``: a built-in model wider, with a larger batch,
+    ``experiment/sizing.py``; ``auto``: the smallest of them whose float32 step is arithmetic-bound here, measured)
+    sets the model's width and the default batch; images keep the small size's number of steps.
+
     ``probe`` (default: where an ``auto`` setting computes in float32) adds a short
     run of the first mixed precision at O1 with native 16-bit kernels,
     ``PROBE_STEPS`` steps with no evaluation, so the table also says how fast
@@ -161,8 +168,10 @@ def plan(
     Raises:
         ValueError: unknown choices (listed in the message), or CUDA without CUDA.
     """
+    arguments = dict(locals())  # the call as made: ``auto`` plans again at the size it measures
     parsed_device = check_device(device)
     load_factory(model)  # fail fast on an unknown model
+    check_size(size, model)
     defaults = model_defaults(model) or IMAGE_DEFAULTS
     data = data or defaults["data"]
     data_mod.check_spec(data)
@@ -247,7 +256,8 @@ def plan(
     if loss_scales and not any(p == "fp16" for p, _ in settings):
         raise ValueError(f"loss_scales={list(loss_scales)!r} applies to fp16 runs only: add precisions=['fp16'] "
                          "(bf16 and fp8 keep float32's exponent range, so their runs take no loss scaling).")
-    batch_size = defaults["batch_size"] if batch_size is None else batch_size
+    small_batch = defaults["batch_size"]  # images keep the small size's steps at a larger size's batch
+    batch_size = batch_size or sizing.batch_size(model, size) or small_batch
     if data != "text":
         train_size = training_set_size(data)
         if batch_size > train_size:
@@ -264,7 +274,9 @@ def plan(
         if data == "text":
             steps = defaults.get("steps", 30)
         else:
-            steps = train_size // batch_size * (defaults.get("epochs", 2) if epochs is None else epochs)
+            epochs_given = defaults.get("epochs", 2) if epochs is None else epochs
+            steps = (train_size // (batch_size if epochs is not None or size == "small" else small_batch)
+                     * epochs_given)
     common: dict[str, Any] = dict(
         model=model,
         data=data,
@@ -276,6 +288,7 @@ def plan(
         loss_divisor=float(loss_divisor),
         micro_batches=micro_batches,
         guard=guard,
+        size=size,
     )
     configs = [RunConfig(precision="fp32", opt_level="O0", **common)]
     configs += [
@@ -309,6 +322,9 @@ def plan(
             # the probe times native kernels at O1: O3's update and fp16's scaling choice do not apply to it
             configs.append(dataclasses.replace(first, opt_level="O1", compute="native", steps=PROBE_STEPS, probe=True,
                                                update="plain", compiled=False, guard=False))
+    if size == "auto":  # the size needs the runs' count (they hold memory together): the rest is planned again
+        chosen = sizing.auto(model, data, parsed_device, len(configs), configs[0].steps).name
+        return plan(**{**arguments, "size": chosen})
     return configs
 
 

@@ -30,6 +30,7 @@ from ampkit.experiment.config import (
     low_dtype,
 )
 from ampkit.experiment.models import build
+from ampkit.experiment.sizing import model_kwargs
 from ampkit.formats.block_linear import convert_to_block_scaled
 from ampkit.planning.precision_plan import PrecisionPlan
 from ampkit.planning.recompute import plan_recompute
@@ -185,7 +186,7 @@ def prepare(config: RunConfig, dataset: data_mod.Dataset, device: torch.device,
     """The run's model and optimizer, set up in its precision (seeded; FP8 or block-scaled linears, then
     ``initialize`` at its opt level); ``lr`` overrides the run's (the estimate times steps at 0)."""
     torch.manual_seed(config.seed)
-    model = build(config.model, **dataset.model_kwargs(CONTEXT)).to(device)
+    model = build(config.model, **dataset.model_kwargs(CONTEXT), **model_kwargs(config.model, config.size)).to(device)
     # AdamW's update is unchanged when its gradients and eps shrink by one factor (up to float32 rounding)
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr if lr is None else lr,
                                                          eps=1e-8 / config.loss_divisor)
