@@ -211,7 +211,11 @@ def test_estimate_scales_a_measured_float32_step(fake_machine, monkeypatch) -> N
     assert cost.estimate(configs[:1]).startup_s == pytest.approx(3.0)  # one run: no wait for a core
     assert estimate.native_speedup == {"bf16": pytest.approx(0.05)}
     fp32, probe = estimate.run_s[0], estimate.run_s[-1]
-    assert estimate.total_s == pytest.approx(estimate.startup_s + sum(estimate.run_s))
+    # the report: results.json and two pictures of 4 runs, timed on stand-ins (a fraction of a second here)
+    assert 0 < estimate.report_s < 10
+    assert estimate.total_s == pytest.approx(estimate.startup_s + sum(estimate.run_s) + estimate.report_s)
+    assert estimate.seeds_s(configs, 3) == pytest.approx(estimate.total_s + 2 * (estimate.startup_s + sum(
+        estimate.run_s[:-1])))  # each seed starts and trains its runs again, the probe and the report once
     # the probe: its own native steps, timed here (not the 20x the measured kernels predict), no evaluation
     assert set(estimate.setting_step_s) == {"bf16 O1 auto plain", "bf16 O2 auto plain", "bf16 O1 native plain"}
     # each run's first step as much slower as float32's warm-up step here (none, where it was not slower: a CPU and

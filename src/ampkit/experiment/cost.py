@@ -7,8 +7,10 @@ import dataclasses
 import functools
 import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +21,7 @@ from ampkit.experiment.config import (
     CONTEXT,
     PRECISE_BN_BATCHES,
     RunConfig,
+    RunResult,
     low_dtype,
 )
 from ampkit.experiment.models import ModelMistake, build, check_output
@@ -68,15 +71,16 @@ class Estimate:
     setting_step_s: dict[str, float] = dataclasses.field(default_factory=dict)
     first_step_s: float = 0.0
     evaluation_s: float = 0.0  # the runs' evaluations, in ``run_s`` (``compare`` revises the rest from the runs)
+    report_s: float = 0.0  # writing results.json and the pictures, timed on stand-ins of the runs' shape
 
     @property
     def total_s(self) -> float:
-        return self.startup_s + sum(self.run_s)
+        return self.startup_s + sum(self.run_s) + self.report_s
 
     def seeds_s(self, configs: Sequence[RunConfig], seeds: int) -> float:
         """The wall time of ``compare(configs, seeds=seeds)``: each seed starts its runs and trains them again, a
         probe once."""
-        again = sum(s for s, config in zip(self.run_s, configs) if not config.probe)
+        again = sum(s for s, config in zip(self.run_s, configs) if not config.probe)  # the report: once
         return self.total_s + (seeds - 1) * (self.startup_s + again)
 
 
@@ -162,7 +166,27 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
         evaluation = 0.0 if config.probe else (n_eval / config.batch_size + PRECISE_BN_BATCHES) * forward_s * factor
         runs.append(train + evaluation)
         evaluations.append(evaluation)
-    return Estimate(step_s, forward_s, startup, runs, speedups, compile_s, setting_s, first_s, sum(evaluations))
+    return Estimate(step_s, forward_s, startup, runs, speedups, compile_s, setting_s, first_s, sum(evaluations),
+                    _report_s(configs))
+
+
+def _report_s(configs: list[RunConfig]) -> float:
+    """Seconds to write a comparison's files (results.json, the curves, the summary), timed on stand-ins of
+    ``configs``' runs and steps in a temporary folder: the second of two writes (the first pays matplotlib's imports
+    and font cache, which the comparison's own write finds paid)."""
+    from ampkit.experiment import report  # its figures import matplotlib: only here
+    from ampkit.experiment.comparison import Comparison
+
+    runs = [RunResult(c.label, c.precision, c.opt_level, [], c.probe, 1.0, 1.0, 2**20, 2**19, 1.0, 0.5, 0, None,
+                      c.steps, [1.0 / (1 + step) for step in range(c.steps)], 1.0) for c in configs]
+    stand_in = Comparison(runs, dataclasses.asdict(configs[0]), {"device_name": "-"}, "-")
+    taken = []
+    for _ in range(2):
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as folder:
+            report.write_all(stand_in, Path(folder))
+        taken.append(time.perf_counter() - start)
+    return taken[-1]
 
 
 def _setting(config: RunConfig) -> str:
