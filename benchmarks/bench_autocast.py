@@ -33,6 +33,7 @@ from rich.table import Table
 import ampkit
 from ampkit import float32_compute
 from ampkit.precision import decide
+from ampkit.experiment import sizing
 from ampkit.experiment.models import GPT, ResNet18
 from ampkit.diagnostics.memory import saved_bytes_of_step
 from common import RESULTS, interleaved_medians, paired_ratio_quartiles, save
@@ -45,13 +46,19 @@ EDITS = {
 }
 
 
-def workload(name: str, device: str) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+def workload(name: str, device: str, size: str = "small") -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The model and a batch: at ``small`` this script's own sizes; at ``medium`` and ``large`` ``ampkit compare``'s
+    (experiment/sizing.py: its ResNet-18's batch and stem; its GPT's width, depth and heads, with the same tokens
+    a step as compare's 64-byte windows give, here in windows of 256)."""
     torch.manual_seed(0)
+    batch, kwargs = sizing.LADDER[name][size] if size != "small" else (0, {})
     if name == "resnet18":
-        model, x, y = ResNet18(), torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))
+        batch = batch or 64
+        model, x, y = ResNet18(**kwargs), torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
     else:
-        tokens = torch.randint(0, 256, (8, 257))
-        model, x, y = GPT(context=256, d_model=384, n_layers=4, n_heads=6), tokens[:, :-1], tokens[:, 1:]
+        tokens = torch.randint(0, 256, (batch // 4 or 8, 257))
+        widths = kwargs or {"d_model": 384, "n_layers": 4, "n_heads": 6}
+        model, x, y = GPT(context=256, **widths), tokens[:, :-1], tokens[:, 1:]
     return model.to(device), x.to(device), y.to(device)
 
 
@@ -88,10 +95,13 @@ def step_fn(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor,
     return step
 
 
-def bench_models(device: str, repeats: int = REPEATS) -> list[dict]:
+def bench_models(device: str, repeats: int = REPEATS, size: str = "small", compiled: bool = False) -> list[dict]:
+    """Every variant's step on both workloads at ``size``; with ``compiled``, the GPT's float32, torch.autocast and
+    ampkit's default steps also through torch.compile (inductor; the compile is the warm-up), each against its
+    compiled torch.autocast."""
     rows = []
     for name in ("resnet18", "gpt"):
-        model, x, y = workload(name, device)
+        model, x, y = workload(name, device, size)
         auto = ampkit.Policy.default(device, torch.bfloat16)  # compute="auto"
         edited = auto.with_ops(**EDITS[name])
         regions = {
@@ -106,28 +116,38 @@ def bench_models(device: str, repeats: int = REPEATS) -> list[dict]:
         o2_model, o2_optimizer = ampkit.initialize(o2_model, torch.optim.SGD(o2_model.parameters(), lr=1e-4), "O2",
                                                    torch.bfloat16)
         steps["ampkit O2 bf16, auto"] = step_fn(o2_model, x, y, contextlib.nullcontext, o2_optimizer)
+        if compiled and name == "gpt":  # a compiled module per variant (each region its own graph); the GPT's only:
+            # three compiles of each model would not fit the device check's budget
+            for label in ("float32", "torch.autocast bf16", "ampkit default bf16, auto"):
+                twin = copy.deepcopy(model)
+                steps[f"{label} compiled"] = step_fn(torch.compile(twin), x, y, regions[label],
+                                                     torch.optim.SGD(twin.parameters(), lr=1e-4))
         samples: dict[str, list[float]] = {}
         timed = {label: synced(step, device) for label, step in steps.items()}
         medians = interleaved_medians(timed, warmup=WARMUP, repeats=repeats, budget_s=BUDGET_S, samples=samples)
         saved = {label: saved_bytes_of_step(step.model, step.forward)[1]  # type: ignore[attr-defined]
-                 for label, step in steps.items()}
-        reference = "torch.autocast bf16"
+                 for label, step in steps.items() if not label.endswith(" compiled")}
+        saved |= {label: saved[label.removesuffix(" compiled")] for label in steps}  # a compiled step's: its eager one's
         for label in steps:
+            reference = "torch.autocast bf16" + (" compiled" if label.endswith("compiled") else "")
+            float32 = "float32" + (" compiled" if label.endswith("compiled") else "")
             rows.append({
                 "model": name,
+                "size": size,
+                "batch": len(x),
                 "variant": label,
-                "compute": decide.describe(auto) if label.endswith("auto") else None,
+                "compute": decide.describe(auto) if "auto" in label else None,
                 "float32_compute": sorted(decide.float32_classes(device, torch.bfloat16, "auto"))
-                if label.endswith("auto") else [],
+                if "auto" in label else [],
                 "edits": EDITS[name] if label.startswith("ampkit edited") else None,
                 "ms_per_step": medians[label] * 1e3,
                 "timed_steps": len(samples[label]),
-                "ratio_to_float32": medians[label] / medians["float32"],
-                "ratio_to_float32_quartiles": paired_ratio_quartiles(samples[label], samples["float32"]),
+                "ratio_to_float32": medians[label] / medians[float32],
+                "ratio_to_float32_quartiles": paired_ratio_quartiles(samples[label], samples[float32]),
                 "ratio_to_torch_autocast": medians[label] / medians[reference],
                 "ratio_to_torch_autocast_quartiles": paired_ratio_quartiles(samples[label], samples[reference]),
                 "saved_for_backward_bytes": saved[label],
-                "saved_ratio_to_float32": saved[label] / saved["float32"],
+                "saved_ratio_to_float32": saved[label] / saved[float32],
                 "saved_equal_to_torch_autocast": saved[label] == saved[reference],
             })
     return rows
@@ -189,17 +209,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS, help="the folder autocast.json goes to")
+    parser.add_argument("--size", choices=sizing.RUNGS, default="small",
+                        help="small: this script's workloads (default); medium, large: ampkit compare's sizes")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the GPT's float32, torch.autocast and ampkit's default steps through torch.compile")
     parser.add_argument("--repeats", type=int, default=REPEATS,
                         help=f"timed rounds of the training steps (default {REPEATS}; more narrow the ratios' spread)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: this torch sees no CUDA device; run it on a GPU machine, or --device cpu")
     torch.manual_seed(0)
-    rows = bench_models(args.device, args.repeats)
+    rows = bench_models(args.device, args.repeats, args.size, args.compile)
     per_op = bench_per_op(args.device)
     matmul = bench_matmul(args.device)
     path = save("autocast", {"models": rows, "per_op": per_op, "matmul_512": matmul,
-                             "warmup": WARMUP, "repeats": args.repeats}, args.out, args.device)
+                             "warmup": WARMUP, "repeats": args.repeats, "size": args.size,
+                             "compiled": args.compile}, args.out, args.device)
     table = Table(title=f"Training step on {args.device}: ampkit vs float32 and torch.autocast (same run)")
     for col in ("model", "variant", "ms/step", "vs float32", "vs torch.autocast", "saved for backward",
                 "vs float32"):

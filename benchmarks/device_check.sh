@@ -6,12 +6,15 @@
 # at most 8 files, one folder deep; `cp -r $OUT/compare-*-cuda $OUT/fp8-cuda.json $OUT/autocast-cuda/autocast.json
 # benchmarks/results/h200-cuda/ && python benchmarks/make_benchmarks_md.py` puts the records, labelled with the GPU
 # and the torch version, into BENCHMARKS.md).
-# Steps, in order of value, with their budgets (6 min 30 s in all):
+# Steps, in order of value, with their budgets (9 min in all: one device call, inside its 10-minute limit):
 #   setup      45 s  wheels and ampkit installed offline (--no-index --no-deps), versions and `ampkit env`
-#   gpu-tests  90 s  pytest -m gpu: scaler vs GradScaler, autocast vs torch.autocast, float32 compute, FP8
-#   compare   120 s  ampkit compare on CUDA: fp32, fp16 O1/O2 with dynamic scaling, bf16 O1/O2 (ResNet-18, GPT)
+#   gpu-tests  60 s  pytest -m gpu: scaler vs GradScaler, autocast vs torch.autocast, float32 compute, FP8
+#   compare   240 s  ampkit compare on CUDA at the size it chooses there (--size auto, its default): ResNet-18's
+#                    default comparison (fp16 and bf16, O1 and O2), then the GPT's fp32, bf16 O2, fp16 O2 with
+#                    the dynamic scaler, FP8 delayed and current (O2)
 #   fp8        45 s  native FP8 (delayed and current scaling) against emulation over 20 steps
-#   autocast   90 s  benchmarks/bench_autocast.py on CUDA: ampkit's policies against torch.autocast's eager step
+#   autocast  150 s  benchmarks/bench_autocast.py on CUDA at the GPT's chosen size: ampkit's policies against
+#                    torch.autocast's step, eager and compiled
 # The CPU suite on this torch (2.11) is CI's own (its oldest-release venv), so it is not repeated here.
 # AMPKIT_DEVICE_REHEARSAL=1 (benchmarks/device_rehearsal.sh) runs the offline install and the CPU smoke
 # steps on a machine without a GPU and skips the CUDA steps and the benchmark.
@@ -60,22 +63,30 @@ export PY SITE OUT
 step setup 45 bash -c setup
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
+# The GPT's comparison: the formats the issue of a GPU-sized compare names, each at O2 beside float32
+GPT_SETTINGS=(--precision fp32 bf16 fp16 fp8 fp8-current --opt-level O2 --loss-scale dynamic --steps 200)
 if [ "$REHEARSAL" = 1 ]; then
   step gpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider -m gpu --collect-only
+  # the device's commands with their flags, on a tiny MLP (the size chosen by measurement, as on the GPU)
   step compare 90 "$PY" -m ampkit.cli.main compare --model mlp --steps 2 --batch-size 8 --precision fp32 bf16 \
-    --opt-level O1 --quiet --out "$(mktemp -d)/run"
+    --opt-level O1 --size auto --quiet --out "$(mktemp -d)/run"
+  step autocast 30 "$PY" benchmarks/bench_autocast.py --device cpu --size large --compile --help
 else
-  step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider -p no:warnings -rfE --tb=short -m gpu
+  step gpu-tests 60 "$PY" -m pytest -q -p no:cacheprovider -p no:warnings -rfE --tb=short -m gpu
   for model in resnet18 gpt; do
-    steps=$([ "$model" = gpt ] && echo 60 || echo 30)
     dir=$(mktemp -d)/run
-    step "compare-$model" 60 "$PY" -m ampkit.cli.main compare --device cuda --model "$model" --steps "$steps" \
-      --precision fp32 fp16 bf16 --opt-level O1 O2 --loss-scale dynamic --quiet --out "$dir"
+    if [ "$model" = gpt ]; then settings=("${GPT_SETTINGS[@]}"); budget=150; else settings=(); budget=90; fi
+    step "compare-$model" "$budget" "$PY" -m ampkit.cli.main compare --device cuda --model "$model" \
+      "${settings[@]}" --quiet --out "$dir"
     # as benchmarks/results/ files the records: copy these folders there, then make_benchmarks_md.py renders them
     [ -f "$dir/results.json" ] && mkdir -p "$OUT/compare-$model-cuda" && cp "$dir/results.json" "$OUT/compare-$model-cuda/"
   done
   step fp8 45 "$PY" benchmarks/device_fp8.py --out "$OUT/fp8-cuda.json"
-  step autocast 90 "$PY" benchmarks/bench_autocast.py --device cuda --out "$OUT/autocast-cuda"
+  size=$("$PY" -c "import json, sys; print(json.load(open(sys.argv[1]))['config'].get('size', 'large'))" \
+    "$OUT/compare-gpt-cuda/results.json" 2>/dev/null || echo large)
+  [ "$size" = small ] && size=medium  # the bench's own small workloads are not compare's small ones
+  step autocast 150 "$PY" benchmarks/bench_autocast.py --device cuda --size "$size" --compile --repeats 11 \
+    --out "$OUT/autocast-cuda"
 fi
 
 echo "steps that failed: ${failed[*]:-none}" | tee -a "$OUT/steps.txt"
