@@ -138,13 +138,17 @@ def autocast_table(results: dict[str, Any]) -> str:
     timed = "median of the steps timed (in brackets)" if v2 else f"median of {repeats}"
     rows = [
         f"`python benchmarks/bench_autocast.py{' --device cuda' if results['machine']['device'] == 'cuda' else ''}"
+        f"{'' if results.get('size', 'small') == 'small' else ' --size ' + results['size']}"
+        f"{' --compile' if results.get('compiled') else ''}"
         f"{'' if results.get('repeats', 31) == 31 else ' --repeats ' + str(results['repeats'])}`, "
         f"{results['created']}, on {machine_line(results['machine'])}. "
         f"Training steps, {timed} after {warmup} warm-up step{'s' if warmup > 1 else ''}, variants "
         "timed in alternation"
         + ("; after a ratio to float32 (and to torch.autocast, where recorded), in brackets, the middle half of the "
            "per-round ratios (each round times every variant once): how far the figure moves with this machine's noise."
-           if "ratio_to_float32_quartiles" in results["models"][0] else "."),
+           if "ratio_to_float32_quartiles" in results["models"][0] else ".")
+        + (" A compiled variant (torch.compile, inductor; its compile the warm-up) is compared with the compiled float32 "
+           "and torch.autocast steps; its saved bytes are its eager twin's." if results.get("compiled") else ""),
         "",
     ]
     if v2:
