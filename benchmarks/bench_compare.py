@@ -54,6 +54,9 @@ WORKLOADS = {
                    "--update", "plain", "kahan", "stochastic", "--no-probe"],
     "digits-pure16": ["--precision", "bf16", "--opt-level", "O2", "O3", "--update", "plain", "kahan", "stochastic",
                       "--no-probe"],
+    # A verdict across seeds (issue 67): every setting over 3 seeds, the table's means and spreads, a sentence each
+    "digits-seeds3": ["--seeds", "3"],
+    "gpt-seeds3": ["--model", "gpt", "--seeds", "3", "--no-probe"],
     # torch.compile (issue 23): float32 and bf16 O1, each eager and compiled, in one interleaved comparison.
     "gpt-compile": ["--model", "gpt", "--precision", "fp32", "bf16", "--opt-level", "O1", "--compile", "both",
                     "--no-probe"],

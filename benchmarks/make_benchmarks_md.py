@@ -693,6 +693,33 @@ def seeds_section(directory: Path) -> str | None:
     return "\n".join(["| seed | fp32 | bf16 O1 | bf16 O2 |", "|---|---|---|---|", *rows])
 
 
+def verdict_section(directory: Path) -> str | None:
+    """Every compare record over several seeds: each setting's final train loss and test accuracy (mean, half
+    their range over the seeds) and its verdict against float32 (``ampkit compare --seeds``), its sentence below."""
+    rows, sentences = [], []
+    for path in sorted(directory.glob("compare-*/results.json")):
+        results = json.loads(path.read_text())
+        if len(results.get("seeds", [])) < 2:
+            continue
+        verdicts = {v["label"]: v for v in results.get("verdicts", [])}
+        for run in results["runs"]:
+            seeds = run.get("seed_runs") or [run]
+            losses = [s["final_train_loss"] for s in seeds if s["final_train_loss"] is not None]
+            accuracies = [s["test_accuracy"] for s in seeds if s["test_accuracy"] is not None]
+            loss = f"{sum(losses) / len(losses):.4f} ± {(max(losses) - min(losses)) / 2:.4f}" if losses else "-"
+            accuracy = (f"{100 * sum(accuracies) / len(accuracies):.1f}% ± {50 * (max(accuracies) - min(accuracies)):.1f}"
+                        if accuracies else "-")
+            verdict = verdicts.get(run["label"])
+            said = ("matches" if verdict["matches"] else "outside seed noise") if verdict else "(the reference)"
+            rows.append(f"| {path.parent.name.removeprefix('compare-')} | {run['label']} | {len(seeds)} | {loss} | "
+                        f"{accuracy} | {said} |")
+        sentences += [f"- {path.parent.name.removeprefix('compare-')}: {v['sentence']}" for v in verdicts.values()]
+    if not rows:
+        return None
+    return "\n".join(["| record | setting | seeds | final train loss (mean ± half range) | test accuracy | "
+                       "against float32 |", "|---|---|---|---|---|---|", *rows, "", *sentences])
+
+
 def mxfp8_section(directory: Path) -> str | None:
     """MXFP8 with each E8M0 scale mode against bf16 O1 on the GPT, per seed (the compare-gpt-mxfp8 records)."""
     rows = []
@@ -881,6 +908,13 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
         sections += [f"{level} GPT: bf16 O1 and O2 against float32, per seed", "",
                      "Final train losses (mean of the last 40 of 400 steps) from the compare-gpt records above; "
                      "each seed is its own initialisation and batch order.", "", seeds, ""]
+    verdicts = verdict_section(directory)
+    if verdicts:
+        sections += [f"{level} `ampkit compare --seeds 3`: each setting against float32 within seed noise", "",
+                     "From each compare record over several seeds above: a setting matches float32 where its mean "
+                     "lies inside float32's range over the same seeds widened on each side by that range's width "
+                     "(`ampkit/experiment/seeds.py`); each verdict's sentence as the command printed it.", "",
+                     verdicts, ""]
     estimates = estimate_section(directory)
     if estimates:
         sections += [f"{level} `ampkit compare`: the plan's estimate against the time taken", "",

@@ -329,3 +329,56 @@ def test_the_guard_callback_takes_no_scaler_and_one_optimizer() -> None:
 
     with pytest.raises(ValueError, match="GuardCallback takes no scaler: the Trainer's precision plugin owns"):
         GuardCallback(scaler=ampkit.DynamicLossScaler())
+
+
+class _Overflowing(L.LightningModule):
+    """A module whose layer "net.2" overflows float16 from ``from_step`` to ``until_step`` (its weight times 1e5, then
+    back; the LayerNorm after it holds the run)."""
+
+    def __init__(self, from_step: int, until_step: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 32), torch.nn.Linear(32, 32),
+                                       torch.nn.LayerNorm(32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+        self.from_step, self.until_step = from_step, until_step
+
+    def on_train_batch_start(self, batch: object, batch_idx: int) -> None:
+        with torch.no_grad():
+            if self.trainer.global_step == self.from_step and batch_idx == self.from_step:
+                self.net[2].weight.mul_(1e5)
+            if self.trainer.global_step == self.until_step and batch_idx == self.until_step:
+                self.net[2].weight.div_(1e5)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_a_lightning_run_resumed_from_its_checkpoint_has_the_guards_raised_layers_and_timeline(tmp_path: Path) -> None:
+    """It remembers, in Lightning's checkpoints (issue 66's fourth item): the callback's state is the guard's; a fit
+    resumed with ckpt_path has the overflowing layer raised again and the timeline it had, and ends where the
+    uninterrupted fit ends, loss for loss. Before, the resumed guard started empty, the layer back in float16."""
+    from ampkit.integrations.lightning_guard import GuardCallback
+
+    def fit(epochs: int, ckpt: Path | None = None, save: Path | None = None) -> tuple[_Overflowing, GuardCallback]:
+        model = _Overflowing(from_step=2, until_step=8)
+        callback = GuardCallback(None, action="raise", sample_every=1, quiet_window=None)
+        trainer = _trainer(AmpkitPrecision("O1", torch.float16, compute="native", device="cpu"), max_epochs=epochs,
+                           callbacks=[callback])
+        trainer.fit(model, loader(32, 32 * 10), ckpt_path=ckpt)
+        if save is not None:
+            trainer.save_checkpoint(save)
+        return model, callback
+
+    through, whole = fit(epochs=2)
+    assert [(e.step, e.layer, e.action) for e in whole.guard.events] == [(2, "net.2", "raised to float32 and skipped")]
+    first, half = fit(epochs=1, save=tmp_path / "epoch1.ckpt")
+    assert half.guard.raised == {"net.2": "float32"}
+    resumed_model, resumed = fit(epochs=2, ckpt=tmp_path / "epoch1.ckpt")
+    assert resumed.guard.raised == {"net.2": "float32"} and resumed.guard.events == whole.guard.events
+    assert resumed.guard.losses == whole.guard.losses and resumed.guard.step_count == 20
+    for mine, theirs in zip(resumed_model.parameters(), through.parameters()):
+        assert torch.equal(mine, theirs)

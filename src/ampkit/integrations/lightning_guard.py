@@ -8,6 +8,8 @@ one (over the micro-batches of ``accumulate_grad_batches``, their mean); each mi
 ``on_train_batch_start``. A non-finite step is replayed through the module's own ``training_step`` on a copy of it,
 micro-batch by micro-batch (a module need not have a ``forward``; ``loss_fn=`` or ``replay=`` in the options replay
 otherwise). At the end of ``fit`` the timeline and the picture are written (``<prefix>.json``, ``<prefix>.png``).
+The guard's state (its timeline, raised layers and counters: ``Guard.state_dict``) is the callback's state in
+Lightning's checkpoints: ``fit(ckpt_path=...)`` goes on with the same layers raised and the same timeline.
 
 Requires ``pip install ampkit[lightning]``.
 """
@@ -46,6 +48,16 @@ class GuardCallback(Callback):
         self._batches: list[Any] = []  # the micro-batches of the step under way
         self._losses: list[torch.Tensor] = []
         self._allowed: bool | None = None
+        self._resumed: dict[str, Any] | None = None  # a checkpoint's guard state, for the guard on_fit_start builds
+
+    def state_dict(self) -> dict[str, Any]:
+        """The guard's state (``Guard.state_dict``), kept in Lightning's checkpoints."""
+        return {"guard": self.guard.state_dict()} if self.guard is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep a checkpoint's guard state: Lightning restores callbacks before ``on_fit_start``, which builds the
+        guard on the restored module and hands it this."""
+        self._resumed = state_dict.get("guard")
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if len(trainer.optimizers) != 1:
@@ -55,6 +67,9 @@ class GuardCallback(Callback):
         options = self.options if {"loss_fn", "replay"} & set(self.options) else {
             **self.options, "replay": _training_step_replay(trainer)}
         self.guard = Guard(pl_module, getattr(optimizer, "_optimizer", optimizer), **options)
+        if self._resumed is not None:  # the same layers raised, the same timeline
+            self.guard.load_state_dict(self._resumed)
+            self._resumed = None
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._batches.append(batch)
