@@ -560,6 +560,41 @@ def test_a_resumed_run_has_the_same_layers_raised_and_the_same_timeline(tmp_path
     assert first + rest == through
 
 
+def test_a_run_resumed_from_a_sharded_checkpoint_has_the_same_layers_raised_and_timeline(tmp_path: Path) -> None:
+    """It remembers in sharded checkpoints too (DCP, ``save_sharded_checkpoint(..., guard=guard)``): the guard's
+    state travels whole and is restored before the model, whose saved state is the raised layer's; the resumed run
+    is the uninterrupted one, loss for loss. Before, the load was refused: the model, its layer FP8 again, asked for
+    FP8 scales the raised layer's saved state has none of ("a checkpoint of another model")."""
+    from ampkit.distributed import load_sharded_checkpoint, save_sharded_checkpoint
+
+    model, optimizer, outlier, linear = _outlier_model()
+    guard = ampkit.Guard(model, optimizer, action="raise", sample_every=1)
+    through = _train(model, optimizer, guard, None, _plant_at(21, outlier, linear), steps=30)
+
+    model, optimizer, outlier, linear = _outlier_model()
+    guard = ampkit.Guard(model, optimizer, action="raise", sample_every=1)
+    first = _train(model, optimizer, guard, None, _plant_at(21, outlier, linear), steps=25)
+    save_sharded_checkpoint(tmp_path / "step-25", model, optimizer, guard=guard)
+
+    model, optimizer, outlier, fp8 = _outlier_model()
+    with torch.no_grad():
+        outlier.scale[7] = 1e6
+    resumed = ampkit.Guard(model, optimizer, action="raise", sample_every=1)
+    load_sharded_checkpoint(tmp_path / "step-25", model, optimizer, guard=resumed)
+    assert resumed.raised == {"3": "16 bits"} and not isinstance(model[3], Fp8Linear)
+    assert resumed.events == guard.events and resumed.losses == guard.losses and resumed.step_count == 25
+    rest = [test_guard._train(model, optimizer, resumed, lambda _, at=at: _batch(at), steps=1)[0]  # type: ignore[misc]
+            for at in range(25, 30)]
+    assert first + rest == through
+
+    other, _, _, other_fp8 = _outlier_model()  # another head: the load fails after the guard raised its layer
+    other[5] = nn.Linear(64, 5)
+    fresh = ampkit.Guard(other, torch.optim.AdamW(other.parameters()), action="raise")
+    with pytest.raises(RuntimeError, match="could not be read into this model, nothing was changed"):
+        load_sharded_checkpoint(tmp_path / "step-25", other, guard=fresh)
+    assert other[3] is other_fp8 and fresh.raised == {} and fresh.events == []
+
+
 def test_a_resume_that_fails_leaves_the_guard_and_the_models_layers_as_they_were(tmp_path: Path) -> None:
     """load_checkpoint is all or nothing: the guard raised the FP8 layer before the model's load failed (another
     head), and is put back: the layer is FP8 again, the timeline empty."""

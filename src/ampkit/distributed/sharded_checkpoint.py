@@ -117,7 +117,9 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
         refuse_nonfinite(everything, local, str(path), False, elsewhere=bool(found.item()))
     state = _states(model, optimizer)
-    state["objects"] = {name: obj.state_dict() for name, obj in objects.items()}
+    # an object whose state changes the model's layers (ampkit.Guard's raises) travels whole, read before the model
+    state["objects"] = {name: _packed(obj.state_dict()) if _restores_structure(obj) else obj.state_dict()
+                        for name, obj in objects.items()}
     state["quantized"] = _quantized_parts(optimizer)
     # One value each, not flattened by DCP: the names and the extra values are read back whole.
     state[_META] = json.dumps({"version": SHARDED_VERSION, "objects": sorted(objects),
@@ -153,6 +155,12 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
             shutil.rmtree(temporary, ignore_errors=True)
         raise
     _barrier()
+
+
+def _restores_structure(obj: Any) -> bool:
+    """Whether ``obj``'s state changes the model's layers (``ampkit.Guard``: the layers it raised), so that it is
+    restored before the model, whose saved state is that of those layers."""
+    return bool(getattr(obj, "restores_structure", False))
 
 
 def _packed(extra: dict[str, Any]) -> bytes:
@@ -222,7 +230,6 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         The copies take the model's and optimizer's memory once more for the duration of the call.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     path = Path(path)
     _recover(path)
@@ -231,7 +238,7 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
                                 "pass the folder save_sharded_checkpoint wrote.")
     if not (path / ".metadata").is_file():
         raise RuntimeError(f"{path} has no .metadata: it is not a complete DCP checkpoint. Resume from another one.")
-    _check_files(path, _states(model, None)["model"])
+    _check_files(path, None)
     meta_box: dict[str, Any] = {_META: "", "extra": b""}
     try:
         dcp.load(meta_box, checkpoint_id=path)
@@ -248,6 +255,31 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         raise RuntimeError(f"{path} was saved without an optimizer: pass optimizer=None, or resume from another.")
     if optimizer is not None and meta.get("states") is not None:  # older checkpoints do not say
         check_same_format(meta["states"], optimizer, str(path))
+    # The guard's raises first: the model's saved state is that of the layers it raised (put back on any failure)
+    shaping = {name: obj for name, obj in objects.items() if _restores_structure(obj)}
+    shaped = {name: obj.state_dict() for name, obj in shaping.items()}
+    try:
+        if shaping:
+            box: dict[str, Any] = {"objects": {name: b"" for name in shaping}}
+            dcp.load(box, checkpoint_id=path)
+            for name, obj in shaping.items():
+                obj.load_state_dict(_unpacked(box["objects"][name]))
+        _load_states(path, model, optimizer, {n: o for n, o in objects.items() if n not in shaping}, meta)
+    except BaseException:
+        for name, obj in shaping.items():
+            obj.load_state_dict(shaped[name])
+        raise
+    return _unpacked(meta_box["extra"])
+
+
+def _load_states(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, objects: dict[str, Any],
+                 meta: dict[str, Any]) -> None:
+    """``load_sharded_checkpoint``'s restore of the model, the optimizer and ``objects`` (the guard's raises
+    done), all or nothing."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    _check_files(path, _states(model, None)["model"])
     # Read into copies, so a failure leaves every object as it was.
     state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), _states(model, optimizer))
     state["objects"] = {name: pytree.tree_map_only(torch.Tensor, torch.clone, obj.state_dict())
@@ -282,7 +314,6 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         live = _quantized_parts(optimizer)
         for key, saved in state["quantized"].items():
             live[key].copy_(saved)
-    return _unpacked(meta_box["extra"])
 
 
 def _world_size() -> int:
@@ -332,20 +363,23 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _check_files(path: Path, model_state: dict[str, Any]) -> None:
-    """Refuse a folder whose files differ from their SHA-256 at the save, or that lack one, and a checkpoint of a
-    model with other keys (DCP loads what the model asks for, and ignores the rest): rank 0 reads every file."""
+def _check_files(path: Path, model_state: dict[str, Any] | None) -> None:
+    """Refuse a folder whose files differ from their SHA-256 at the save, or that lack one (``model_state`` None),
+    or a checkpoint of a model with other keys than ``model_state``'s (DCP loads what the model asks for, and
+    ignores the rest): rank 0 reads the files."""
     problem = _rank0_decides(_problem(path, model_state) if _is_rank0() else None)
     if problem:
         raise RuntimeError(problem)
 
 
-def _problem(path: Path, model_state: dict[str, Any]) -> str | None:
-    """What is wrong with the folder's files, in words; None where nothing is."""
+def _problem(path: Path, model_state: dict[str, Any] | None) -> str | None:
+    """What is wrong with the folder's files (``model_state`` None) or its model's keys, in words; None where
+    nothing is."""
     sums_path = path / _SUMS
     if not sums_path.is_file():  # not ampkit's (refused when its metadata is read), or saved before checksums
-        warnings.warn(f"{path} has no {_SUMS}: it was saved before ampkit kept checksums, so its files cannot be "
-                      "verified. Save it again to have them.", RuntimeWarning, stacklevel=4)
+        if model_state is None:
+            warnings.warn(f"{path} has no {_SUMS}: it was saved before ampkit kept checksums, so its files cannot be "
+                          "verified. Save it again to have them.", RuntimeWarning, stacklevel=4)
         return None
     try:
         sums = json.loads(sums_path.read_text())
@@ -353,11 +387,14 @@ def _problem(path: Path, model_state: dict[str, Any]) -> str | None:
         saved = {str(key) for key in sums["model_keys"]}
     except (ValueError, KeyError, TypeError, AttributeError):  # bad UTF-8 and bad JSON are ValueErrors
         return f"{path} is damaged: its {_SUMS} is not the one a save writes. Resume from another checkpoint."
-    damaged = [name for name, digest in files.items() if not (path / name).is_file() or _sha256(path / name) != digest]
-    added = sorted(p.name for p in path.iterdir() if _SHARD.fullmatch(p.name) and p.name not in files)
-    if damaged or added:
-        return (f"{path} is damaged: {', '.join(damaged + added)} {'differ from' if damaged else 'are not among'} the "
-                "files the save wrote. Resume from another checkpoint.")
+    if model_state is None:
+        damaged = [name for name, digest in files.items()
+                   if not (path / name).is_file() or _sha256(path / name) != digest]
+        added = sorted(p.name for p in path.iterdir() if _SHARD.fullmatch(p.name) and p.name not in files)
+        if damaged or added:
+            return (f"{path} is damaged: {', '.join(damaged + added)} {'differ from' if damaged else 'are not among'} "
+                    "the files the save wrote. Resume from another checkpoint.")
+        return None
     keys = set(model_state)
     if keys != saved:
         return (f"{path} is a checkpoint of another model: it lacks {sorted(keys - saved)[:3]} and has "
