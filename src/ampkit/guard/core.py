@@ -233,7 +233,7 @@ class Guard:
                 where = f"transient: {where} (the run's transient fault {len(self.transients)})"
             problem = ("nonfinite-loss" if not finite else "nonfinite-gradient", where, layer)
         else:
-            problem = self._spike(value)
+            problem = self._spike(value, micro_batches)
         if problem is None and layer_problem is not None:
             # finite gradients: the step is taken (skipping cannot cure a layer)
             signal, where, name = layer_problem
@@ -285,13 +285,16 @@ class Guard:
             self._kept = (step, {"model": snapshot(self.model.state_dict()),
                                  "optimizer": snapshot(self.optimizer.state_dict())})
 
-    def _spike(self, value: float) -> tuple[str, str, None] | None:
-        """A loss spike's signal and figures, or None."""
+    def _spike(self, value: float, batches: list[Any]) -> tuple[str, str, str | None] | None:
+        """A loss spike's signal, figures and source (a replay in float32: the precision's, and from which module,
+        or not), or None."""
         if len(self._recent) >= self._recent.maxlen // 2:  # type: ignore[operator]
             mean, spread = statistics.fmean(self._recent), statistics.pstdev(self._recent)
-            if value > mean + self.spike_sigmas * max(spread, 1e-3 * abs(mean)):  # a flat loss: 0.1% is no spike
+            limit = mean + self.spike_sigmas * max(spread, 1e-3 * abs(mean))  # a flat loss: 0.1% is no spike
+            if value > limit:
+                source, layer = self.attribution.spike(batches, limit)
                 return "loss-spike", (f"loss {value:.4g} against {mean:.4g} +- {spread:.2g} over the last "
-                                      f"{len(self._recent)} steps"), None
+                                      f"{len(self._recent)} steps; {source}"), layer
         return None
 
     def _attribute(self, batches: list[Any], bad_batches: list[int]) -> tuple[str, str | None]:

@@ -1,8 +1,8 @@
 """Where a guarded step's non-finite value came from: a micro-batch holding one, else a replay of each micro-batch on
 a copy of the model (``find_nonfinite``), under the region the step's forward ran in.
 
-A forward pre-hook on the model notes that region at each training forward: the innermost ampkit policy in force
-(``initialize``'s, a user's ``ampkit.autocast``), else torch.autocast's dtype where the loop opened one (torch's AMP
+A forward pre-hook on the model and on its first child notes that region at each training forward: the innermost
+ampkit policy in force (``initialize``'s, which wraps the forward, or a user's ``ampkit.autocast``), else torch.autocast's dtype where the loop opened one (torch's AMP
 recipe, Lightning's and Accelerate's own precisions), else float32. A replay in float32 reproduced no float16
 overflow of a loop's own torch.autocast, and every later step was skipped unexplained.
 """
@@ -39,7 +39,11 @@ class Replay:
         self.model, self.watch, self.loss_fn, self.run = model, watch, loss_fn, run
         self.device_type = next((p.device.type for p in model.parameters()), "cpu")
         self.region: list[Any] = [None]  # an ampkit policy, a torch.autocast dtype, or None
-        self._hook = model.register_forward_pre_hook(_region_noter(self.region, self.device_type))
+        # noted at the model's call (the loop's own region) and at its first child's, inside the forward (the region
+        # initialize wraps the forward in)
+        note = _region_noter(self.region, self.device_type)
+        first = next(model.children(), None)
+        self._hooks = [module.register_forward_pre_hook(note) for module in (model, first) if module is not None]
 
     def attribute(self, batches: list[Any]) -> tuple[str, str | None]:
         """Where the step's non-finite value came from, in words, and the module to raise (None: a batch, or
@@ -77,8 +81,43 @@ class Replay:
         finally:
             self.watch.sampling = sampling
 
+    def spike(self, batches: list[Any], limit: float) -> tuple[str, str | None]:
+        """Whether float32 reproduces a loss spike (a loss over ``limit``) on the step's micro-batches, in words, and
+        the module to raise (None: float32 reproduces it, or nothing says): ``float32_departure`` of each micro-batch
+        (the mean of their losses; the module of the one whose loss departs most)."""
+        from ampkit.diagnostics.departure import float32_departure
+
+        region = self.region[0]
+        if region is None:
+            return "the step ran in float32: not the precision's", None
+        if any(split(batch)[0] is None for batch in batches) or not batches:
+            return "not replayed (pass the batch to Guard.step)", None
+        if isinstance(region, torch.dtype):  # the loop's own torch.autocast
+            region = torch.autocast(self.device_type, dtype=region)
+        def departure(batch: Any) -> Any:
+            if self.run is not None:
+                return float32_departure(self.model, batch, region, run=self.run)
+            inputs, target = split(batch)
+            return float32_departure(self.model, inputs, region, target, self.loss_fn)
+
+        sampling, self.watch.sampling = self.watch.sampling, False
+        try:
+            found = [departure(batch) for batch in batches]
+        except ValueError:  # 16-bit weights: no float32 run of the same values
+            return "not replayed (16-bit weights, whose float32 run is of other values)", None
+        finally:
+            self.watch.sampling = sampling
+        float32 = sum(d.float32_loss for d in found) / len(found)
+        if float32 > limit:
+            return f"float32 gives {float32:.4g} on this batch too: the batch's or the update's, not the precision's", None
+        worst = max(found, key=lambda d: d.loss - d.float32_loss)
+        source = "" if worst.module is None else (f", from {worst.module} (its output departs from float32's by "
+                                                  f"{worst.jump:.2g} more than its input)")
+        return f"float32 gives {float32:.4g} on this batch: the precision's{source}", worst.module
+
     def close(self) -> None:
-        self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
 
 
 def _region_noter(region: list[Any], device_type: str) -> Callable[[nn.Module, tuple], None]:
