@@ -100,7 +100,12 @@ def compare_table(results: dict[str, Any]) -> str:
             loss = "-" if ratio is None else f"{ratio:.3f}x"
             rows.append(f"| {run['label']} | {run['state_bytes'] / run['parameters']:.1f} bytes/parameter | {zeros} "
                         f"| {loss} | {run['skipped_steps']} |")
-    if results.get("wall_s"):  # version 2: the runs' processes live side by side, stepped in lockstep
+    seeds = len(results.get("seeds", [])) or 1
+    if results.get("wall_s") and seeds > 1:
+        count = sum(len(run.get("seed_runs") or [run]) for run in results["runs"])
+        rows += ["", f"The {count} runs ({len(results['runs'])} settings, {seeds} seeds) took {results['wall_s']:.0f} s "
+                 "of wall time (each in its own process, each seed's steps interleaved, one seed after another)"]
+    elif results.get("wall_s"):  # version 2: the runs' processes live side by side, stepped in lockstep
         rows += ["", f"The {len(results['runs'])} runs took {results['wall_s']:.0f} s of wall time (each in its own "
                  "process, their steps interleaved)"]
     else:

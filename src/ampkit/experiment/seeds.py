@@ -115,8 +115,8 @@ def _figure_text(figure: FigureVerdict) -> str:
         return f"{100 * value:.1f}%" if percent else f"{value:.4g}"
 
     where = "inside" if figure.within else ("worse than" if figure.worse else "better than")
-    return (f"{name} {show(figure.mean)}, {where} float32's {show(figure.low)}-{show(figure.high)} widened by its "
-            f"spread to {show(figure.band[0])}-{show(figure.band[1])}")
+    return (f"{name} {show(figure.mean)}, {where} float32's {show(figure.low)} to {show(figure.high)} widened by its "
+            f"spread to {show(figure.band[0])} to {show(figure.band[1])}")
 
 
 def verdict(label: str, baseline: Sequence[RunResult], runs: Sequence[RunResult]) -> Verdict | None:
@@ -133,7 +133,10 @@ def verdict(label: str, baseline: Sequence[RunResult], runs: Sequence[RunResult]
         if any(v is None or not math.isfinite(v) for v in ours + theirs):
             continue
         low, high = min(theirs), max(theirs)
-        band = (low - (high - low), high + (high - low))
+        # widened, but not past what the figure can be: a loss below 0, an accuracy above 1
+        band = (max(low - (high - low), 0.0 if low >= 0 else -math.inf), high + (high - low))
+        if field == "test_accuracy":
+            band = (band[0], min(band[1], 1.0))
         mean = statistics.fmean(ours)
         within = band[0] <= mean <= band[1]
         worse = not within and (mean > band[1]) == lower_is_better
