@@ -127,7 +127,8 @@ def bench_models(device: str, repeats: int = REPEATS, size: str = "small", compi
         medians = interleaved_medians(timed, warmup=WARMUP, repeats=repeats, budget_s=BUDGET_S, samples=samples)
         saved = {label: saved_bytes_of_step(step.model, step.forward)[1]  # type: ignore[attr-defined]
                  for label, step in steps.items() if not label.endswith(" compiled")}
-        saved |= {label: saved[label.removesuffix(" compiled")] for label in steps}  # a compiled step's: its eager one's
+        # a compiled step saves what its eager twin saves (counted there)
+        saved |= {label: saved[label.removesuffix(" compiled")] for label in steps}
         for label in steps:
             reference = "torch.autocast bf16" + (" compiled" if label.endswith("compiled") else "")
             float32 = "float32" + (" compiled" if label.endswith("compiled") else "")
@@ -212,7 +213,8 @@ def main() -> None:
     parser.add_argument("--size", choices=sizing.RUNGS, default="small",
                         help="small: this script's workloads (default); medium, large: ampkit compare's sizes")
     parser.add_argument("--compile", action="store_true",
-                        help="also time the GPT's float32, torch.autocast and ampkit's default steps through torch.compile")
+                        help="also time the GPT's float32, torch.autocast and ampkit's default steps through "
+                             "torch.compile")
     parser.add_argument("--repeats", type=int, default=REPEATS,
                         help=f"timed rounds of the training steps (default {REPEATS}; more narrow the ratios' spread)")
     args = parser.parse_args()

@@ -103,8 +103,9 @@ def compare_table(results: dict[str, Any]) -> str:
     seeds = len(results.get("seeds", [])) or 1
     if results.get("wall_s") and seeds > 1:
         count = sum(len(run.get("seed_runs") or [run]) for run in results["runs"])
-        rows += ["", f"The {count} runs ({len(results['runs'])} settings, {seeds} seeds) took {results['wall_s']:.0f} s "
-                 "of wall time (each in its own process, each seed's steps interleaved, one seed after another)"]
+        rows += ["", f"The {count} runs ({len(results['runs'])} settings, {seeds} seeds) took "
+                 f"{results['wall_s']:.0f} s of wall time (each in its own process, each seed's steps interleaved, "
+                 "one seed after another)"]
     elif results.get("wall_s"):  # version 2: the runs' processes live side by side, stepped in lockstep
         rows += ["", f"The {len(results['runs'])} runs took {results['wall_s']:.0f} s of wall time (each in its own "
                  "process, their steps interleaved)"]
@@ -152,8 +153,9 @@ def autocast_table(results: dict[str, Any]) -> str:
         + ("; after a ratio to float32 (and to torch.autocast, where recorded), in brackets, the middle half of the "
            "per-round ratios (each round times every variant once): how far the figure moves with this machine's noise."
            if "ratio_to_float32_quartiles" in results["models"][0] else ".")
-        + (" A compiled variant (torch.compile, inductor; its compile the warm-up) is compared with the compiled float32 "
-           "and torch.autocast steps; its saved bytes are its eager twin's." if results.get("compiled") else ""),
+        + (" A compiled variant (torch.compile, inductor; its compile the warm-up) is compared with the compiled "
+           "float32 and torch.autocast steps; its saved bytes are its eager twin's."
+           if results.get("compiled") else ""),
         "",
     ]
     if v2:
@@ -712,8 +714,8 @@ def verdict_section(directory: Path) -> str | None:
             losses = [s["final_train_loss"] for s in seeds if s["final_train_loss"] is not None]
             accuracies = [s["test_accuracy"] for s in seeds if s["test_accuracy"] is not None]
             loss = f"{sum(losses) / len(losses):.4f} ± {(max(losses) - min(losses)) / 2:.4f}" if losses else "-"
-            accuracy = (f"{100 * sum(accuracies) / len(accuracies):.1f}% ± {50 * (max(accuracies) - min(accuracies)):.1f}"
-                        if accuracies else "-")
+            accuracy = (f"{100 * sum(accuracies) / len(accuracies):.1f}% "
+                        f"± {50 * (max(accuracies) - min(accuracies)):.1f}" if accuracies else "-")
             verdict = verdicts.get(run["label"])
             said = ("matches" if verdict["matches"] else "outside seed noise") if verdict else "(the reference)"
             rows.append(f"| {path.parent.name.removeprefix('compare-')} | {run['label']} | {len(seeds)} | {loss} | "

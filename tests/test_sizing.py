@@ -14,7 +14,8 @@ from ampkit.experiment.settings import plan
 
 GIB = 2**30
 # A GPT's sizes as counted here (FLOPs of a float32 step's GEMMs; a float32 run's bytes), rounded
-GPT = [sizing.Rung("small", {"matmul": 5.2e9}, int(0.04 * GIB)), sizing.Rung("medium", {"matmul": 3.1e11}, int(0.74 * GIB)),
+GPT = [sizing.Rung("small", {"matmul": 5.2e9}, int(0.04 * GIB)),
+       sizing.Rung("medium", {"matmul": 3.1e11}, int(0.74 * GIB)),
        sizing.Rung("large", {"matmul": 5.0e12}, int(5.8 * GIB))]
 
 

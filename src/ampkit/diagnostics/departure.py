@@ -84,7 +84,8 @@ def _run(model: nn.Module, inputs: Any, region: Policy | torch.autocast | None, 
             made = first_tensor(output)
             if name not in seen and made is not None:
                 given = first_tensor(args)
-                seen[name] = (given.detach().float().clone() if given is not None else None, made.detach().float().clone())
+                kept = given.detach().float().clone() if given is not None else None
+                seen[name] = (kept, made.detach().float().clone())
         return hook
 
     handles = [module.register_forward_hook(keep(name)) for name, module in model.named_modules() if name]

@@ -141,7 +141,7 @@ def compare(
         configs: from ``plan()``; the first is the float32 baseline.
         progress: called as ``progress(label, step, total_steps, loss)`` after each step; with several seeds the
             label ends in `` seed N``.
-        estimated_s: the plan's estimate (``estimate(configs).total_s``, times ``seeds``), kept in the record.
+        estimated_s: the plan's estimate (``estimate(configs).seeds_s(configs, seeds)``), kept in the record.
         revise: called once, after ``REVISE_AFTER`` steps of every run beyond its first, with the total wall time
             estimated again from the runs themselves: the time so far, each run's remaining steps at the median of
             its own, and ``evaluation_s`` (the plan's estimate of the evaluations of one seed's runs), and each

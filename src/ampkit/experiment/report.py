@@ -121,7 +121,8 @@ def guard_lines(comparison: Comparison) -> list[str]:
     did."""
     several = len(comparison.seeds) > 1
     return [f"{one.label}{f' seed {seed}' if several else ''}: step {e['step'] + 1} {e['signal']}, {e['where']}: "
-            f"{e['action']}" for run in comparison.runs for seed, one in zip(comparison.seeds, comparison.each_seed(run))
+            f"{e['action']}" for run in comparison.runs
+            for seed, one in zip(comparison.seeds, comparison.each_seed(run))
             if one.guard is not None for e in one.guard["events"]]
 
 
@@ -174,8 +175,8 @@ def write_curves(comparison: Comparison, path: Path) -> None:
     marked = False  # the guard's events: one legend entry for all
     for index, run in enumerate(shown):
         # a style of its own per run, drawn thinner on top: two runs with equal losses both stay visible
-        line, = ax.plot(range(1, len(run.losses) + 1), run.losses, label=run.label,
-                        linewidth=2.2 - 1.4 * index / len(shown), linestyle=("-", "--", "-.", ":")[index % 4], alpha=0.9)
+        line, = ax.plot(range(1, len(run.losses) + 1), run.losses, label=run.label, alpha=0.9,
+                        linewidth=2.2 - 1.4 * index / len(shown), linestyle=("-", "--", "-.", ":")[index % 4])
         if len(each := comparison.each_seed(run)) > 1:
             low, high = seed_band(each)
             ax.fill_between(range(1, len(low) + 1), low, high, color=line.get_color(), alpha=0.18, linewidth=0)

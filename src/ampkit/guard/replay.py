@@ -2,8 +2,9 @@
 a copy of the model (``find_nonfinite``), under the region the step's forward ran in.
 
 A forward pre-hook on the model and on its first child notes that region at each training forward: the innermost
-ampkit policy in force (``initialize``'s, which wraps the forward, or a user's ``ampkit.autocast``), else torch.autocast's dtype where the loop opened one (torch's AMP
-recipe, Lightning's and Accelerate's own precisions), else float32. A replay in float32 reproduced no float16
+ampkit policy in force (``initialize``'s, which wraps the forward, or a user's ``ampkit.autocast``), else
+torch.autocast's dtype where the loop opened one (torch's AMP recipe, Lightning's and Accelerate's own precisions),
+else float32. A replay in float32 reproduced no float16
 overflow of a loop's own torch.autocast, and every later step was skipped unexplained.
 """
 
@@ -109,7 +110,8 @@ class Replay:
             self.watch.sampling = sampling
         float32 = sum(d.float32_loss for d in found) / len(found)
         if float32 > limit:
-            return f"float32 gives {float32:.4g} on this batch too: the batch's or the update's, not the precision's", None
+            return (f"float32 gives {float32:.4g} on this batch too: the batch's or the update's, not the "
+                    "precision's"), None
         worst = max(found, key=lambda d: d.loss - d.float32_loss)
         source = "" if worst.module is None else (f", from {worst.module} (its output departs from float32's by "
                                                   f"{worst.jump:.2g} more than its input)")
