@@ -254,10 +254,13 @@ def scaler_table(results: dict[str, Any]) -> str:
 
 def guard_table(results: dict[str, Any]) -> str:
     rows = [
-        f"`python benchmarks/bench_guard.py`, {results['created']}, on {machine_line(results['machine'])}: the GPT "
-        f"of `ampkit compare` ({results['precision']}, batch {results['batch_size']}), three copies stepped in "
-        f"alternation, {results['timed_steps']} timed steps each, medians. Target (issue 43): at most 1.03x while "
-        "nothing goes wrong.",
+        f"`python benchmarks/bench_guard.py{' --compile' if results.get('compiled') else ''}`, {results['created']}, "
+        f"on {machine_line(results['machine'])}: the GPT of `ampkit compare` ({results['precision']}, batch "
+        f"{results['batch_size']}), {'six' if results.get('compiled') else 'three'} copies stepped in alternation, "
+        f"{results['timed_steps']} timed steps each, medians"
+        + ("; a compiled copy (torch.compile, inductor) against the compiled unguarded one" if results.get("compiled")
+           else "")
+        + ". Targets (issue 66): at most 1.02x sampled every 10 steps, 1.05x sampled every step, eager and compiled.",
         "",
         "| run | ms/step | vs no guard | the same losses as without it |",
         "|---|---|---|---|",

@@ -563,3 +563,29 @@ def test_an_out_under_a_file_is_refused_before_the_plan_times_anything(tmp_path:
     err = capsys.readouterr().err
     assert f"cannot hold results: {tmp_path / 'notes.txt'} is a file" in err and "planning:" not in err
     assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_compile_reduce_overhead_compiles_every_run_with_cuda_graphs_and_the_estimate_counts_their_recording(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--compile reduce-overhead (issue 67: the host-overhead remedy users have): every run compiled with
+    torch.compile's mode="reduce-overhead" (the probe stays eager), and the plan's compile estimate takes the steps
+    that record the CUDA graphs as the compile's (here torch.compile is a stand-in: what is asked of it is checked)."""
+    configs = settings.plan(model="mlp", steps=3, batch_size=8, compile="reduce-overhead", probe=True)
+    assert [(c.compiled, c.compile_mode) for c in configs] == [(True, "reduce-overhead")] * 3 + [(False, "default")]
+    asked: list[str] = []
+
+    def stand_in(model: torch.nn.Module, mode: str = "default") -> torch.nn.Module:
+        asked.append(mode)
+        return model
+
+    monkeypatch.setattr(torch, "compile", stand_in)
+    execute(configs[1])
+    assert asked == ["reduce-overhead"]
+    timed: list[int] = []
+    real = cost.timed_step
+    monkeypatch.setattr(cost, "timed_step", lambda *args, **kwargs: timed.append(1) or real(*args, **kwargs))
+    cost.estimate(configs[:1])
+    plain = len(timed)
+    timed.clear()
+    cost.estimate([dataclasses.replace(configs[0], compile_mode="default")])
+    assert asked[1:] == ["reduce-overhead", "default"] and plain - len(timed) == cost.CUDA_GRAPH_STEPS - 1

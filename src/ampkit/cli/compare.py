@@ -84,8 +84,9 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
                              "also trains with a recompute plan for each (ampkit.plan_recompute)")
     parser.add_argument("--compile", nargs="?", const="on", default="off", choices=COMPILE_MODES,
                         help="train through torch.compile (inductor): --compile (or on) compiles every run, "
-                             "--compile both runs each setting eagerly and compiled; the first step, the compile, "
-                             "is reported apart")
+                             "--compile both runs each setting eagerly and compiled, --compile reduce-overhead "
+                             "compiles every run with CUDA graphs (torch.compile's mode: one launch a step on a GPU); "
+                             "the first step, the compile, is reported apart")
     parser.add_argument("--plan", help="a precision plan from `ampkit tune --out`: adds a run with it (beside fp32, "
                                        "its base and its lowest format for every linear, unless --precision is given)")
     parser.add_argument("--no-probe", action="store_true",
@@ -287,5 +288,8 @@ def print_plan(console: Console, configs: list[RunConfig], estimate: Estimate, s
     if any(c.float32_compute for c in configs):
         console.print("  fp32-compute runs keep tensors in 16 bits and compute GEMMs and convolutions in float32.")
     if any(c.compiled for c in configs):
+        graphs = ("; mode reduce-overhead: each step replays as CUDA graphs on a GPU, the host's per-op launches "
+                  "out of the step (on a CPU, torch.compile's default code)"
+                  if any(c.compile_mode == "reduce-overhead" for c in configs) else "")
         console.print(f"  compiled runs: each first step compiles, estimated at {estimate.compile_s:.0f} s (the float32 "
-                      "model compiled here; reported apart from the step time).")
+                      f"model compiled here; reported apart from the step time){graphs}.")

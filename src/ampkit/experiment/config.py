@@ -18,7 +18,9 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current", "mxfp8", "mxfp8-floo
               "nvfp4-no-tiles", "nvfp4-no-sr", "nvfp4-no-hadamard", "nvfp4-no-kept")
 LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
 GRAD_ACCUMS = ("fp32", "bf16", "fp16")  # compare --grad-accum: what O2/O3 gradients accumulate in
-COMPILE_MODES = ("off", "on", "both")  # compare --compile: eager runs, compiled runs, or each setting both ways
+# compare --compile: eager runs, compiled runs, each setting both ways, or compiled runs whose steps replay as CUDA
+# graphs (torch.compile's mode="reduce-overhead": one launch a step, where a GPU's per-op launches set a short step)
+COMPILE_MODES = ("off", "on", "both", "reduce-overhead")
 STATIC_SCALE = 2.0**10  # the static setting's loss scale (Micikevicius et al. used 8 to 32768 per task)
 # FP8 recipes of the fp8 settings: delayed scaling (ampkit's own) and current scaling (torchao), both
 # E4M3 forward and E5M2 gradients; everything else runs at the 16-bit dtype the hardware recommends.
@@ -79,6 +81,7 @@ class RunConfig:
     # plan for it (ampkit.plan_recompute, made on its first batch); None: no plan.
     activation_budget: str | None = None
     compiled: bool = False  # the training forward through torch.compile (inductor); evaluation stays eager
+    compile_mode: str = "default"  # torch.compile's mode for a compiled run: default, or reduce-overhead (CUDA graphs)
     # A precision plan file (ampkit tune): the run converts the plan's linears first, the rest train in
     # ``precision`` (its base); None: no plan.
     precision_plan: str | None = None

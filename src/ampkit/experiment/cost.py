@@ -32,6 +32,9 @@ from ampkit.precision.decide import GEMM_OPS
 # Steps the plan times (after a warm-up step) of the float32 model and of each mixed setting's own: the median of
 # five, as the runs report medians; a busy moment of the machine that hits one of them does not move it.
 ESTIMATE_STEPS = 5
+# Steps of a reduce-overhead compile that are not yet CUDA graph replays: its first (the compile, a warm-up run),
+# then the recording (torch's cudagraph trees record a graph on a function's second and later warm calls)
+CUDA_GRAPH_STEPS = 3
 # A mixed setting's warm-up step slower than this is followed by a second: if that is as slow, it is the setting's
 # step (native 16-bit kernels emulated in software); if not, the first compiled something (torchao's low-bit
 # optimizers do), an extra each of the setting's runs pays once.
@@ -132,10 +135,16 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
                          f"{tuple(x.shape)}, {x.dtype}): {type(error).__name__}: {error}{hint}") from error
     step_s, forward_s = (statistics.median(times) for times in zip(*timed))
     compile_s = 0.0
-    if any(c.compiled for c in configs):  # one compile of the float32 model, as the compiled runs will do theirs
+    compiled = [c for c in configs if c.compiled]
+    if compiled:  # one compile of the float32 model, as the compiled runs will do theirs
+        mode = compiled[0].compile_mode
         try:
-            say("planning: compiling the float32 model once (torch.compile)")
-            compile_s = max(step(torch.compile(model))[0] - step_s, 0.0)
+            named = f", mode={mode!r}" if mode != "default" else ""
+            say(f"planning: compiling the float32 model once (torch.compile{named})")
+            forward = torch.compile(model, mode=mode)
+            # reduce-overhead records its CUDA graphs in the steps after the first: those too are the compile's
+            warm = CUDA_GRAPH_STEPS if mode == "reduce-overhead" else 1
+            compile_s = max(sum(step(forward)[0] for _ in range(warm)) - warm * step_s, 0.0)
         except Exception as error:  # dynamo's and inductor's errors: one line, before any run starts
             raise ValueError(f"torch.compile failed on the model from {first.model!r}: {type(error).__name__}: "
                              f"{str(error).splitlines()[0] if str(error) else ''}; run without --compile, or "

@@ -150,7 +150,9 @@ def plan(
 
     ``compile``: ``"off"`` (default) trains eagerly; ``"on"`` compiles every run's training forward with
     torch.compile (inductor; its first step, the compile, is reported apart as ``compile_s``); ``"both"``
-    runs every setting eagerly and compiled, side by side. The probe stays eager.
+    runs every setting eagerly and compiled, side by side; ``"reduce-overhead"`` compiles every run with torch.compile's
+    ``mode="reduce-overhead"`` (on a GPU each step replays as a CUDA graph: the host's per-op launches leave the
+    step). The probe stays eager.
 
     ``precision_plan`` (a file ``ampkit tune`` wrote for this model) adds a run at O1 that converts the
     plan's linears and trains the rest in its base; without ``precisions`` and ``opt_levels`` it runs beside
@@ -309,8 +311,10 @@ def plan(
     configs += [dataclasses.replace(c, activation_budget=str(budget)) for c in configs[1:]
                 for budget in activation_budgets or ()]
     if compile != "off":
-        ways = {"on": (True,), "both": (False, True)}[compile]
-        configs = [dataclasses.replace(c, compiled=way) for c in configs for way in ways]
+        ways = {"on": (True,), "both": (False, True), "reduce-overhead": (True,)}[compile]
+        mode = "reduce-overhead" if compile == "reduce-overhead" else "default"
+        configs = [dataclasses.replace(c, compiled=way, compile_mode=mode if way else "default") for c in configs
+                   for way in ways]
     for precision in sorted({c.precision for c in configs if c.compute == "native"}):
         slow = slow_native_message(parsed_device, low_dtype(precision, parsed_device))
         if slow:
@@ -321,7 +325,7 @@ def plan(
         if first is not None:
             # the probe times native kernels at O1: O3's update and fp16's scaling choice do not apply to it
             configs.append(dataclasses.replace(first, opt_level="O1", compute="native", steps=PROBE_STEPS, probe=True,
-                                               update="plain", compiled=False, guard=False))
+                                               update="plain", compiled=False, compile_mode="default", guard=False))
     if size == "auto":  # the size needs the runs' count (they hold memory together): the rest is planned again
         chosen = sizing.auto(model, data, parsed_device, len(configs), configs[0].steps).name
         return plan(**{**arguments, "size": chosen})

@@ -87,7 +87,7 @@ def execute(
         wait("step")
         plan_recompute(model, x0, budget, loss_fn=lambda logits: F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]).float(), y0.reshape(-1))).apply(model)
-    forward = torch.compile(model) if config.compiled else model  # after every conversion and plan
+    forward = torch.compile(model, mode=config.compile_mode) if config.compiled else model  # after every conversion
     guard = make_guard(model, optimizer, scaler) if config.guard else None
     losses: list[float] = []
     times: list[float] = []
