@@ -118,8 +118,8 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
         refuse_nonfinite(everything, local, str(path), False, elsewhere=bool(found.item()))
     state = _states(model, optimizer)
     # an object whose state changes the model's layers (ampkit.Guard's raises) travels whole, read before the model
-    state["objects"] = {name: _packed(obj.state_dict()) if _restores_structure(obj) else obj.state_dict()
-                        for name, obj in objects.items()}
+    state["objects"] = {name: _packed(obj.state_dict()) if getattr(obj, "restores_structure", False)
+                        else obj.state_dict() for name, obj in objects.items()}
     state["quantized"] = _quantized_parts(optimizer)
     # One value each, not flattened by DCP: the names and the extra values are read back whole.
     state[_META] = json.dumps({"version": SHARDED_VERSION, "objects": sorted(objects),
@@ -155,12 +155,6 @@ def save_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
             shutil.rmtree(temporary, ignore_errors=True)
         raise
     _barrier()
-
-
-def _restores_structure(obj: Any) -> bool:
-    """Whether ``obj``'s state changes the model's layers (``ampkit.Guard``: the layers it raised), so that it is
-    restored before the model, whose saved state is that of those layers."""
-    return bool(getattr(obj, "restores_structure", False))
 
 
 def _packed(extra: dict[str, Any]) -> bytes:
@@ -256,7 +250,7 @@ def load_sharded_checkpoint(path: str | Path, model: nn.Module, optimizer: torch
     if optimizer is not None and meta.get("states") is not None:  # older checkpoints do not say
         check_same_format(meta["states"], optimizer, str(path))
     # The guard's raises first: the model's saved state is that of the layers it raised (put back on any failure)
-    shaping = {name: obj for name, obj in objects.items() if _restores_structure(obj)}
+    shaping = {name: obj for name, obj in objects.items() if getattr(obj, "restores_structure", False)}
     shaped = {name: obj.state_dict() for name, obj in shaping.items()}
     try:
         if shaping:

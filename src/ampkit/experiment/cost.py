@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import statistics
 import tempfile
@@ -13,7 +12,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from ampkit.experiment import data as data_mod
@@ -26,6 +24,7 @@ from ampkit.experiment.config import (
 )
 from ampkit.experiment.models import ModelMistake, build, check_output
 from ampkit.experiment.sizing import model_kwargs
+from ampkit.experiment.timing import synchronizer, timed_step
 from ampkit.hardware import throughput
 from ampkit.precision.decide import GEMM_OPS
 
@@ -245,31 +244,6 @@ def _setting_stepper(config: RunConfig, dataset: data_mod.Dataset, device: torch
 
     model, optimizer = prepare(config, dataset, device, lr=0.0)
     return lambda: timed_step(model, optimizer, x, y, sync, config.micro_batches)
-
-
-def synchronizer(device: torch.device) -> Callable[[], None]:
-    """A call that waits for ``device``'s queue (nothing on a CPU): a timing covers the work, not its launch."""
-    return functools.partial(torch.cuda.synchronize, device) if device.type == "cuda" else lambda: None
-
-
-def timed_step(forward: Callable[[torch.Tensor], torch.Tensor], optimizer: torch.optim.Optimizer, x: torch.Tensor,
-                y: torch.Tensor, sync: Callable[[], None], micro_batches: int = 1,
-                check: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits) -> tuple[float, float]:
-    """One training step (cross-entropy on ``check(forward(x))``, a backward per micro-batch, as the runs do);
-    returns its time and its forwards' (what the whole batch's forward costs, as evaluation runs it)."""
-    t0 = time.perf_counter()
-    forward_s = 0.0
-    optimizer.zero_grad(set_to_none=True)
-    for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
-        f0 = time.perf_counter()
-        logits = check(forward(xm))
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), ym.reshape(-1)) / micro_batches
-        sync()
-        forward_s += time.perf_counter() - f0
-        loss.backward()
-    optimizer.step()
-    sync()
-    return time.perf_counter() - t0, forward_s
 
 
 def _process_age_s() -> float:

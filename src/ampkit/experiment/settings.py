@@ -15,7 +15,6 @@ import torch
 from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import (
     COMPILE_MODES,
-    CONTEXT,
     BLOCK_RECIPES,
     FP8_RECIPES,
     GRAD_ACCUMS,
@@ -26,16 +25,14 @@ from ampkit.experiment.config import (
 )
 from ampkit.experiment import sizing
 from ampkit.experiment.hf_models import ARCHITECTURES, PREFIX, family
-from ampkit.experiment.models import build, load_factory
+from ampkit.experiment.format_checks import check_block_scaled, check_fp8, check_plan, lowest
+from ampkit.experiment.models import load_factory
 from ampkit.experiment.sizing import check_size
-from ampkit.formats.block_linear import eligible_block_scaled
-from ampkit.formats.fp8 import eligible
 from ampkit.hardware.advice import recommend_dtype, slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
 from ampkit.modes import COMPUTE_MODES, MIXED_LEVELS, OPT_LEVELS, SHORT_NAMES
 from ampkit.optim.pure16 import UPDATES
 from ampkit.optim.states import LOW_BIT, STATES, check_format
-from ampkit.planning.precision_plan import PrecisionPlan, fingerprint
 from ampkit.planning.recompute import parse_budget
 
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -239,14 +236,14 @@ def plan(
     if not 0 <= seed < 2**63:
         raise ValueError(f"seed={seed} is out of range: use an integer in [0, 2**63).")
     if precision_plan is not None:
-        tuned = _check_plan(model, data, precision_plan, opt_levels)
+        tuned = check_plan(model, data, size, precision_plan, opt_levels)
         if precisions is None and opt_levels is None:
-            precisions, opt_levels = ["fp32", tuned.base, _lowest(tuned)], ["O1"]
+            precisions, opt_levels = ["fp32", tuned.base, lowest(tuned)], ["O1"]
     if any(p in FP8_RECIPES for p in precisions or ()):
-        _check_fp8(model, data, [p for p in precisions or () if p in FP8_RECIPES])
+        check_fp8(model, data, size, [p for p in precisions or () if p in FP8_RECIPES])
     for precision in precisions or ():
         if precision in BLOCK_RECIPES:
-            _check_block_scaled(model, data, precision)
+            check_block_scaled(model, data, size, precision)
     if precisions is None and opt_levels is None:
         settings = default_settings(parsed_device)
     else:
@@ -360,53 +357,6 @@ def _states(state: str | None, precision: str, level: str, update: str, device: 
             raise ValueError(f"states=[{state!r}] uses torchao's low-bit optimizers, which are not installed: pip "
                              "install 'ampkit[fp8]', or use states=['bf16'].") from None
     return state
-
-
-def _check_fp8(model: str, data: str, precisions: list[str]) -> None:
-    """Refuse an fp8 setting before training when the model has no linear FP8 can take, or torchao is missing."""
-    if "fp8-current" in precisions:
-        try:
-            import torchao.float8  # noqa: F401
-        except ImportError as error:
-            raise ValueError("precisions=['fp8-current'] runs on torchao's float8 training, which is not installed: "
-                             "pip install 'ampkit[fp8]', or use precisions=['fp8'] (delayed scaling, ampkit's own).") \
-                from error
-    dataset = data_mod.load(data)
-    decisions = eligible(build(model, **dataset.model_kwargs(CONTEXT)))
-    if "fp8" not in decisions.values():
-        found = "; ".join(f"{name}: {why}" for name, why in decisions.items()) or "it has no nn.Linear"
-        raise ValueError(f"precisions={[precisions[0]]!r}: {model} has no linear FP8 can take ({found}). FP8 keeps the "
-                         "first and last linears and those whose dimensions are not multiples of 16 in 16 bits; "
-                         "try model='gpt' or 'mlp'.")
-
-
-def _check_block_scaled(model: str, data: str, precision: str) -> None:
-    """Refuse a block-scaled setting before training when the model has no linear its recipe can take."""
-    recipe = BLOCK_RECIPES[precision]
-    decisions = eligible_block_scaled(build(model, **data_mod.load(data).model_kwargs(CONTEXT)), recipe)
-    if "block-scaled" not in decisions.values():
-        found = "; ".join(f"{name}: {why}" for name, why in decisions.items()) or "it has no nn.Linear"
-        raise ValueError(f"precisions={[precision]!r}: {model} has no linear {recipe.label} can take ({found}); "
-                         "try model='gpt'.")
-
-
-def _check_plan(model: str, data: str, path: str, opt_levels: Sequence[str] | None) -> PrecisionPlan:
-    """The plan at ``path``, made for ``model`` (its linears' fingerprint), O1 in ``opt_levels``; else why not."""
-    if opt_levels is not None and "O1" not in opt_levels:
-        raise ValueError(f"precision_plan with opt_levels={list(opt_levels)!r}: the tuned run trains at O1, as tune "
-                         "measured it. Add 'O1' to the opt levels (--opt-level O1 ...), or leave them out.")
-    tuned = PrecisionPlan.load(path)
-    built = build(model, **data_mod.load(data).model_kwargs(CONTEXT))
-    if fingerprint(built) != tuned.fingerprint:
-        raise ValueError(f"precision_plan={str(path)!r} was made for another model ({tuned.model}); model={model!r} "
-                         f"has other linears: make a plan for it with `ampkit tune --model {model}`.")
-    return tuned
-
-
-def _lowest(tuned: PrecisionPlan) -> str:
-    """The narrowest format the plan lowers a linear to (or tried, where it lowered none)."""
-    used = set(tuned.lowered().values()) or {f for layer in tuned.layers for f in layer.loss_change}
-    return min(used or {"fp8"}, key=lambda f: (f not in ("mxfp4", "nvfp4"), f))
 
 
 def check_positive_int(value: int | None, name: str) -> None:

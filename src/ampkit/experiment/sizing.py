@@ -28,6 +28,7 @@ from ampkit.experiment import data as data_mod
 from ampkit.experiment.config import CONTEXT
 from ampkit.experiment.hf_models import PREFIX
 from ampkit.experiment.models import MODELS, build
+from ampkit.experiment.timing import synchronizer, timed_step
 from ampkit.hardware import throughput
 
 SIZES = ("auto", "small", "medium", "large")
@@ -195,8 +196,6 @@ def auto(model: str, data: str, device: torch.device, processes: int, steps: int
 
 def _float32_step_s(model: str, data: str, device: torch.device) -> float:
     """The median of ``TIMED_STEPS`` float32 training steps of ``model``'s small size (after a warm-up step)."""
-    from ampkit.experiment.cost import synchronizer, timed_step  # cost builds models at their size: imported here
-
     dataset = data_mod.load(data)
     net = build(model, **dataset.model_kwargs(CONTEXT)).to(device)
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.0)  # lr 0: timed, not trained
