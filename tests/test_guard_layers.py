@@ -673,3 +673,23 @@ def test_a_loss_spike_is_replayed_in_float32_and_a_precision_spike_raises_its_la
     assert "on this batch too: the batch's or the update's, not the precision's" in guard.events[1].where
     assert all(math.isfinite(v) for v in losses)
     assert sum(losses[40:]) / 10 < sum(losses[10:20]) / 10  # raised, the layer trains on (was: zeros from step 20)
+
+
+def test_the_region_a_compiled_forward_ran_in_is_noted_for_the_replay() -> None:
+    """A compiled model's forward noted no region (the hook returned early under compile): under torch's AMP recipe
+    the replay ran in float32, reproduced no float16 overflow, and called the fault transient. The hook is traced
+    now: the loop's torch.autocast dtype, or initialize's policy, is noted with no graph break (dynamo alone: the
+    noting is dynamo's part, not the backend's)."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    guard = ampkit.Guard(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    compiled = torch.compile(model, backend="eager", fullgraph=True)  # a graph break would fail here
+    for dtype in (torch.float16, torch.bfloat16, None):
+        with torch.autocast("cpu", dtype or torch.float16, enabled=dtype is not None):
+            compiled(torch.randn(8, 16))
+        assert guard.attribution.region[0] == dtype
+    model16, optimizer = _overflowing()
+    guard = ampkit.Guard(model16, optimizer)
+    torch.compile(model16, backend="eager")(torch.randn(8, 16))
+    assert isinstance(guard.attribution.region[0], ampkit.Policy)

@@ -124,10 +124,12 @@ class Replay:
 
 def _region_noter(region: list[Any], device_type: str) -> Callable[[nn.Module, tuple], None]:
     """A forward pre-hook that keeps in ``region[0]`` the region a training forward runs in (a closure, not a bound
-    method: the replay's deep copy of the model copies its hooks)."""
+    method: the replay's deep copy of the model copies its hooks). Compiled, dynamo traces it: the region is a
+    constant of the graph (dynamo guards on the autocast state), the list's update a side effect it replays after the
+    graph runs, with no graph break."""
     def note(module: nn.Module, args: tuple) -> None:
-        if torch.compiler.is_compiling() or not torch.is_grad_enabled():
-            return  # compiled code keeps no Python state; an evaluation's region is not the step's
+        if not torch.is_grad_enabled():
+            return  # an evaluation's region is not the step's
         policy = current_policy(device_type)
         region[0] = (policy if policy is not None else torch.get_autocast_dtype(device_type)
                      if torch.is_autocast_enabled(device_type) else None)
