@@ -45,7 +45,7 @@ def test_a_sizes_flops_are_counted_from_its_step() -> None:
     assert sizing.rung("mlp", "digits", "medium", torch.device("cpu")).flops["matmul"] > 30 * counted.flops["matmul"]
 
 
-def test_plan_sizes_the_model_and_batch_and_a_users_model_keeps_its_own(tmp_path: Path) -> None:
+def test_plan_sizes_the_model_and_batch_and_a_users_model_keeps_its_own() -> None:
     small, large = plan(model="gpt", size="small")[0], plan(model="gpt", size="large")[0]
     assert (small.batch_size, large.batch_size, small.steps, large.steps) == (32, 128, 400, 400)
     images = plan(model="resnet18", size="large")[0]
