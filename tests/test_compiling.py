@@ -775,7 +775,8 @@ def test_compare_plans_each_setting_eagerly_and_compiled_side_by_side() -> None:
     on = plan(**common, compile="on", probe=False)
     assert [c.compiled for c in on] == [True, True]
     assert not any(c.compiled for c in plan(**common, probe=False))
-    with pytest.raises(ValueError, match=r"Unknown compile mode 'sometimes'. Choose from \['off', 'on', 'both'\]"):
+    with pytest.raises(ValueError,
+                       match=r"Unknown compile mode 'sometimes'. Choose from \['off', 'on', 'both', 'reduce-overhead'\]"):
         plan(**common, compile="sometimes")
 
 
