@@ -68,8 +68,18 @@ def test_compare_at_a_size_trains_that_model_and_says_so(tmp_path: Path, capsys:
     assert "size medium" in " ".join(capsys.readouterr().out.split())
 
 
-def test_auto_says_what_it_measured_and_why() -> None:
+def test_auto_sizes_the_model_from_what_it_measures_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto's wiring: the small step and the GEMM rates it measures (given here: a GPU's, then a CPU's), the GPT's
+    sizes counted from their steps, the free memory (given too); a model of your own keeps its own."""
     sizing.auto.cache_clear()
-    chosen = sizing.auto("mlp", "digits", torch.device("cpu"), 3, 44)
-    assert chosen.name in sizing.RUNGS and "per-op work" in chosen.why
+    monkeypatch.setattr(sizing, "_available_cpu_bytes", lambda: 78 * GIB)  # this CPU stands in for an 80 GB GPU
+    monkeypatch.setattr(sizing, "_float32_step_s", lambda *args: 0.009)
+    monkeypatch.setattr(sizing, "measured_rates", lambda device: {"matmul": 5e13})
+    chosen = sizing.auto("gpt", "text", torch.device("cpu"), 3, 400)
+    assert chosen.name == "large" and "of a 9 ms step here" in chosen.why
+    sizing.auto.cache_clear()
+    monkeypatch.setattr(sizing, "_float32_step_s", lambda *args: 0.044)
+    monkeypatch.setattr(sizing, "measured_rates", lambda device: {"matmul": 1.7e11})
+    assert sizing.auto("gpt", "text", torch.device("cpu"), 3, 400).name == "small"
     assert sizing.auto("ampkit.experiment.models:MLP", "digits", torch.device("cpu"), 3, 44).name == "small"
+    sizing.auto.cache_clear()
