@@ -10,8 +10,10 @@ FLOPs (counted by torch's FlopCounterMode) at the GEMM rates ``hardware.throughp
 per-op work, which does not grow with the batch or the width. Each larger size's GEMM time follows from its
 FLOPs (counted in a step of two samples, scaled to its batch); ``choose`` takes the smallest size whose GEMMs take at
 least ``ARITHMETIC_SHARE`` of its float32 step, whose runs fit the free memory together, and whose float32 run
-stays within ``MAX_FLOAT32_RUN_S``. On a CPU the small sizes are arithmetic-bound already, so the CPU's default
-stays ``small`` (and ``auto`` measures it so).
+stays within ``MAX_FLOAT32_RUN_S``. ``auto`` is CUDA's default only: on a CPU a larger size's runs take minutes
+where the main job takes one, and the small sizes' figures stay comparable from one record to the next, so the CPU's
+default stays ``small`` (``--size auto`` there measures as anywhere, and may grow a model whose small step is mostly
+per-op work, as the MLP's is).
 """
 
 from __future__ import annotations
