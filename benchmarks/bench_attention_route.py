@@ -1,13 +1,14 @@
-"""Float32 compute's attention: CPU's private flash kernel (what ampkit calls) against the public routes to it.
+"""Float32 compute's attention: ampkit's public route against CPU's private flash kernels it called before.
 
-Issue 69 asks for a public route where it costs no more than 5% of the attention's time. float32 compute's
-attention (``float32_compute/fast_paths.py``) calls ``aten._scaled_dot_product_flash_attention_for_cpu`` and its
-backward on float32 copies of 16-bit q, k, v, and saves the 16-bit tensors and the log-sum-exp. The public
-``F.scaled_dot_product_attention`` runs the same kernel on float32 inputs, but its backward is reachable only
-through autograd, so a public route either keeps autograd's float32 graph (saving float32 copies of q, k, v and
-the output: twice the bytes) or saves the 16-bit tensors and runs the forward again in the backward. Each route,
-forward and backward of one causal attention in bf16, timed in alternation (medians of ``--repeats`` rounds), and
-the bytes each saves for backward, at two sizes: the ``ampkit compare`` GPT's attention, and a larger one.
+Issue 71 takes public ops only for float32 compute, and asks for the figure where a custom op costs more than
+10% of the private path's time. ampkit's attention (``float32_compute/single_ops.py``) runs the public
+``F.scaled_dot_product_attention`` on float32 copies of 16-bit q, k, v and saves the 16-bit tensors only; its
+backward runs that forward again under autograd (torch's attention backward kernels are private). Until issue 71
+it called ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward directly (kept here, as the
+reference, in this script only), saving the 16-bit output and the log-sum-exp as well. A third route keeps
+autograd's float32 graph (saving float32 copies of q, k, v and the output). Each route, forward and backward of
+one causal attention in bf16, timed in alternation (medians of ``--repeats`` rounds), and the bytes each saves for
+backward, at two sizes: the ``ampkit compare`` GPT's attention, and a larger one.
 
 Writes results/attention-route.json.
 
@@ -30,29 +31,33 @@ SHAPES = {"compare GPT (8, 4, 64, 16)": (8, 4, 64, 16), "larger (4, 8, 512, 64)"
 DTYPE = torch.bfloat16
 
 
-class _Recomputed(torch.autograd.Function):
-    """The public route that saves what the private one saves (16-bit q, k, v): its backward runs the float32
-    forward again under autograd."""
+class _PrivateKernels(torch.autograd.Function):
+    """What ampkit ran before issue 71: CPU's flash kernel and its backward, by their private names, on float32
+    copies; saves the 16-bit q, k, v and output and the float32 log-sum-exp."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(q, k, v)
-        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(q.dtype)
+        out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float(), k.float(), v.float(), 0.0, True)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, logsumexp)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        inputs = [t.float().requires_grad_() for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            out = F.scaled_dot_product_attention(*inputs, is_causal=True)
-        return tuple(g.to(grad.dtype) for g in torch.autograd.grad(out, inputs, grad.float()))
+        q, k, v, out, logsumexp = ctx.saved_tensors
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad.float(), q.float(), k.float(), v.float(), out.float(), logsumexp, 0.0, True)
+        return tuple(g.to(q.dtype) for g in grads[:3])
 
 
+PRIVATE = "private kernels (before issue 71)"
 ROUTES: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "private kernel (ampkit)": lambda q, k, v: fast_paths.FAST[torch.ops.aten.scaled_dot_product_attention.default](
-        q, k, v, is_causal=True),
+    PRIVATE: _PrivateKernels.apply,
+    "public, forward recomputed (ampkit)": lambda q, k, v: fast_paths.FAST[
+        torch.ops.aten.scaled_dot_product_attention.default](q, k, v, is_causal=True),
     "public, float32 graph kept": lambda q, k, v: F.scaled_dot_product_attention(
         q.float(), k.float(), v.float(), is_causal=True).to(q.dtype),
-    "public, forward recomputed": _Recomputed.apply,
 }
 
 
@@ -84,7 +89,7 @@ def main() -> None:
 
         seconds = interleaved_medians({name: step(route) for name, route in ROUTES.items()}, warmup=2,
                                       repeats=args.repeats)
-        reference = seconds["private kernel (ampkit)"]
+        reference = seconds[PRIVATE]
         results[label] = {name: {"ms": s * 1e3, "ratio_to_private": s / reference,
                                  "saved_bytes": _saved_bytes(ROUTES[name], inputs)}
                           for name, s in seconds.items()}

@@ -589,12 +589,13 @@ def gradients_section(results: dict[str, Any], relative: str) -> str:
 
 
 def attention_route_table(results: dict[str, Any]) -> str:
-    """Float32 compute's attention through CPU's private flash kernel against the public routes (issue 69)."""
+    """Float32 compute's attention: its public route against CPU's private flash kernels it called before
+    (issue 71)."""
     rows = [f"`python benchmarks/bench_attention_route.py`, {results['created']}, on "
             f"{machine_line(results['machine'])}: one causal attention in {results['dtype'].removeprefix('torch.')}, "
             f"forward and backward, medians of {results['repeats']} alternated rounds; bytes saved for backward "
             "beyond q, k and v themselves.", "",
-            "| size | route | ms | vs the private kernel | saved for backward |", "|---|---|---|---|---|"]
+            "| size | route | ms | vs the private kernels | saved for backward |", "|---|---|---|---|---|"]
     for size, routes in results["routes"].items():
         for name, row in routes.items():
             rows.append(f"| {size} | {name} | {row['ms']:.2f} | {row['ratio_to_private']:.3f}x "
@@ -965,7 +966,7 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
                      bf16_moments_section(moments), ""]
     route = load(directory, "attention-route.json")
     if route:
-        sections += [f"{level} Float32 compute's attention: the private kernel against the public routes", "",
+        sections += [f"{level} Float32 compute's attention: its public route against the private kernels", "",
                      attention_route_table(route), ""]
     head = load(directory, "gpt-head.json")
     if head:

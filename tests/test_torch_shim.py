@@ -17,12 +17,14 @@ def test_every_private_resolves_on_this_torch() -> None:
 
 
 def test_a_missing_private_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delattr(torch, "_fused_sdp_choice")
+    monkeypatch.delattr(torch, "_foreach_copy_")
     monkeypatch.delattr(torch.utils.checkpoint, "CheckpointFunction")
-    assert _torch.missing() == ["torch.utils.checkpoint entry points", "torch._fused_sdp_choice"]
+    assert _torch.missing() == ["torch.utils.checkpoint entry points", "torch._foreach_copy_"]
     assert _torch.checkpoint_entry_points() is None  # checkpointing.install then warns instead of patching
-    q = torch.randn(1, 2, 4, 8)
-    assert _torch.fused_sdp_choice(q, q, q, False, None) is None  # attention takes the generic path
+    a, b = [torch.ones(3)], [torch.full((3,), 2.0)]
+    with pytest.warns(_torch.TorchVersionWarning, match="copied one at a time"):
+        _torch.foreach_copy_(a, b)  # the fallback, said once
+    assert a[0].tolist() == [2.0, 2.0, 2.0]
 
 
 def test_the_wrappers_call_what_they_name() -> None:
@@ -122,11 +124,11 @@ def test_first_use_on_a_torch_without_a_private_warns_once_naming_it() -> None:
     import sys
 
     # ``import ampkit`` loads nothing (names load on first use); the shim checks the running torch when first loaded
-    script = ("import torch, warnings; del torch._fused_sdp_choice; warnings.simplefilter('always'); "
+    script = ("import torch, warnings; del torch._foreach_copy_; warnings.simplefilter('always'); "
               "import ampkit; ampkit.autocast; ampkit.Policy; print('imported')")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "imported", done.stderr[-2000:]
-    assert done.stderr.count("TorchVersionWarning") == 1 and "lacks torch._fused_sdp_choice" in done.stderr
+    assert done.stderr.count("TorchVersionWarning") == 1 and "lacks torch._foreach_copy_" in done.stderr
 
 
 def test_the_loans_that_wait_on_torch_still_have_no_public_route() -> None:
@@ -144,34 +146,3 @@ def test_the_loans_that_wait_on_torch_still_have_no_public_route() -> None:
         f"torch {torch.__version__} has a public setting for it: take it there instead of the private one")
     assert importlib.util.find_spec("torch.utils.pytree") is None, (
         f"torch {torch.__version__} has a public torch.utils.pytree: _torch.pytree can be taken from it")
-
-
-@pytest.mark.parametrize("kv_tokens", [8, 12], ids=["self", "cross"])
-@pytest.mark.parametrize("scale", [None, 0.3], ids=["default-scale", "scale"])
-@pytest.mark.parametrize("is_causal", [False, True], ids=["full", "causal"])
-def test_cpu_flash_attention_in_each_call_form_ampkit_makes(is_causal: bool, scale: float | None,
-                                                            kv_tokens: int) -> None:
-    # float32 compute's attention (float32_compute/fast_paths.py) calls the kernel on float32 copies in 4-D, the only
-    # rank it takes from torch 2.14.1 on (every other shape is viewed as 4-D first), positionally with dropout 0.0,
-    # is_causal and scale=, and its backward with the forward's output and log-sum-exp. Both checked against the
-    # public sdpa's math (float64) and its autograd.
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(2, 3, 8, 16, generator=generator)
-    k, v = (torch.randn(2, 3, kv_tokens, 16, generator=generator) for _ in range(2))
-    q32 = q  # contiguous queries; keys and values as the strided views a fused projection gives
-    k32, v32 = torch.cat([k, v], -1).split(16, -1)
-    assert _torch.fused_sdp_choice(q.bfloat16(), k32.bfloat16(), v32.bfloat16(), is_causal, scale) == 1  # FLASH
-    out, logsumexp = _torch.flash_attention_cpu(q32, k32, v32, 0.0, is_causal, scale=scale)
-
-    leaves = [t.double().requires_grad_() for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(*leaves, is_causal=is_causal, scale=scale)
-    scores = leaves[0] @ leaves[1].transpose(-2, -1) * (scale if scale is not None else 16 ** -0.5)
-    if is_causal:
-        scores = scores.masked_fill(~torch.ones(8, kv_tokens, dtype=torch.bool).tril(), float("-inf"))
-    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(logsumexp.double(), scores.logsumexp(-1), rtol=1e-5, atol=1e-5)
-
-    grad = torch.randn(out.shape, generator=generator)
-    grads = _torch.flash_attention_cpu_backward(grad, q32, k32, v32, out, logsumexp, 0.0, is_causal, scale=scale)
-    for got, expected in zip(grads[:3], torch.autograd.grad(want, leaves, grad.double())):
-        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)

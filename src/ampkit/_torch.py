@@ -143,37 +143,9 @@ def is_compiling() -> bool:
     return context is not None and context.try_get() is not None
 
 
-@functools.cache  # looked up once: is_compiling() runs at every float32-computed GEMM
+@functools.cache  # looked up once: is_compiling() runs at every float32-computed linear
 def _tracing_context() -> Any:
     return getattr(_module("torch._guards"), "TracingContext", None)
-
-
-def fused_sdp_choice(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                     scale: float | None) -> int | None:
-    """The attention backend torch picks for these inputs (``torch._fused_sdp_choice``, 2.4-2.15.0); None where
-    missing, and attention takes float32 compute's generic path. It answers for the shapes it is asked about:
-    from 2.14.1 on FLASH for 3-D inputs too (torch's own attention views them as 4-D), where 2.13 answered MATH."""
-    if (choice := getattr(torch, "_fused_sdp_choice", None)) is None:
-        return None
-    if is_compiling():
-        # Traced inputs are fake tensors, for which the choice answers MATH where the real kernel, and torch's
-        # own trace of attention, take FLASH: ask with real, empty tensors of the same layout.
-        with disable_current_modes():
-            q, k, v = (torch.empty_strided([int(n) for n in t.shape], [int(n) for n in t.stride()], dtype=t.dtype,
-                                           device=t.device) for t in (q, k, v))
-            return int(choice(q, k, v, None, 0.0, is_causal, scale=scale))
-    return int(choice(q, k, v, None, 0.0, is_causal, scale=scale))
-
-
-def flash_attention_cpu(*args: Any, **kwargs: Any) -> Any:
-    """``aten._scaled_dot_product_flash_attention_for_cpu`` (2.4-2.15.0): (batch, heads, tokens, width) inputs
-    only, in every release CI tests."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)
-
-
-def flash_attention_cpu_backward(*args: Any, **kwargs: Any) -> Any:
-    """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` (2.4-2.15.0)."""
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
 
 
 def amp_unscale_(tensors: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
@@ -206,10 +178,6 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "torch.utils._python_dispatch": lambda: None if isinstance(_dispatch, _Absent) else _dispatch,
     "OpOverload._schema": lambda: torch.ops.aten.mm.default._schema.is_mutable,
     "torch.utils.checkpoint entry points": lambda: checkpoint_entry_points() or None,
-    "torch._fused_sdp_choice": lambda: torch._fused_sdp_choice,
-    "aten._scaled_dot_product_flash_attention_for_cpu": lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-    "aten._scaled_dot_product_flash_attention_for_cpu_backward":
-        lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward,
     "torch._guards.TracingContext.try_get": lambda: getattr(_module("torch._guards"), "TracingContext").try_get,
     "torch._amp_foreach_non_finite_check_and_unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_,
     "torch._foreach_copy_": lambda: torch._foreach_copy_,

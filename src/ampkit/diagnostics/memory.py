@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit.float32_compute.weights import is_weight_copy, weight_storages
+from ampkit.float32_compute.weights import is_weight_copy
 from ampkit.modes import MIXED_LEVELS, OPT_LEVELS, OptLevel, check_model_and_optimizer, resolve_dtype
 from ampkit.shards import local_shard
 
@@ -72,9 +72,7 @@ def saved_bytes_of_step(model: nn.Module, step: Callable[[], torch.Tensor]) -> t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), observing_kept(count):
         loss = step()
-        # Read before the step's graph can go: float32-compute ops save aliases of weights.
-        weights = weight_storages()
-    return loss, sum(n for ptr, n in seen.items() if ptr not in weights)
+    return loss, sum(seen.values())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,11 +16,11 @@ forward and backward:
   float16 overflow to inf and subnormals included;
 - elementwise ops stay in 16 bits, where halving the bytes makes them faster.
 
-Which ops a policy computes so, ``precision/decide.py`` decides; the generic path (any op, through a dispatch
-mode) is ``generic.py``; linear, convolutions and CPU attention take ``fast_paths.py``; a linear
-after a GELU recomputes its input (``gelu_recompute.py``); ``weights.py`` tells memory
-accounting which nested-graph tensors are weights. ``run_in_float32`` below is the one
-entry point the autocast kernels call.
+Which ops a policy computes so, ``precision/decide.py`` decides; the generic path (any op on float32 copies,
+its backward recomputed) is ``generic.py``; linear, convolutions and attention take ``fast_paths.py``; a linear
+after a GELU recomputes its input (``gelu_recompute.py``); ``weights.py`` tells memory accounting which saved
+tensors are weights. Every one stands on public mechanisms: autograd Functions and ``torch.library`` custom ops
+(``single_ops.py``). ``run_in_float32`` below is the one entry point the autocast kernels call.
 """
 
 from __future__ import annotations
@@ -30,38 +30,19 @@ from typing import Any
 
 import torch
 
-from ampkit._torch import pytree
 from ampkit.float32_compute.fast_paths import FAST
-from ampkit.float32_compute.generic import Float32Compute, UpcastGemms
-from ampkit.modes import LOW_DTYPES
+from ampkit.float32_compute.generic import run_generic
 
 
 def run_in_float32(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Call ``fn(*args, **kwargs)`` with its GEMMs and convolutions computed in float32.
 
-    16-bit inputs stay 16-bit (autograd saves them as they are); each GEMM
-    kernel, forward and backward, computes on float32 copies and rounds its
-    output to the dtype the native kernel would return.
+    16-bit inputs stay 16-bit (autograd saves them as they are); the op, forward and backward, computes on
+    float32 copies and rounds its output to the dtype the native kernel would return.
     """
     fast = FAST.get(fn)
     if fast is not None:
         result = fast(*args, **kwargs)
         if result is not NotImplemented:
             return result
-    flat, spec = pytree.tree_flatten((args, kwargs))
-    if not any(isinstance(t, torch.Tensor) and t.dtype in LOW_DTYPES for t in flat):
-        return fn(*args, **kwargs)
-    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
-    if not grad:
-        with UpcastGemms():
-            return fn(*args, **kwargs)
-    out_spec: list[pytree.TreeSpec] = []
-
-    def call(inputs: list[Any]) -> list[torch.Tensor]:
-        call_args, call_kwargs = pytree.tree_unflatten(inputs, spec)
-        leaves, tree = pytree.tree_flatten(fn(*call_args, **call_kwargs))
-        out_spec.append(tree)
-        return leaves
-
-    outs = Float32Compute.apply(call, *flat)
-    return pytree.tree_unflatten(list(outs), out_spec[0])
+    return run_generic(fn, args, kwargs)

@@ -1,17 +1,13 @@
 """Fast paths: the ops that carry most of a network's arithmetic, as explicit autograd Functions.
 
-The generic path (``generic.py``) costs a millisecond or more of Python per op and step (a
-dispatch mode, a nested graph, its replay); these compute the same kernels on the same
-values for a fraction of that: linear, convolutions and CPU flash attention. Inside a selectively
-recomputed block, and while torch.compile traces, each forward runs as one custom op (``single_ops.py``),
-the same expression.
+The generic path (``generic.py``) runs an op's forward again in its backward; these compute the backward's
+GEMMs directly from the saved 16-bit tensors: linear and convolutions. Inside a selectively recomputed block, and
+while torch.compile traces, each forward runs as one custom op (``single_ops.py``), the same expression.
 
-Attention calls CPU's flash kernel and its backward by their private names (``_torch.flash_attention_cpu``), a
-loan kept by measurement (``benchmarks/bench_attention_route.py``, BENCHMARKS.md): the public
-``F.scaled_dot_product_attention`` runs the same kernel on float32 copies, but its backward is reachable only
-through autograd, which then saves the float32 copies of q, k, v and the output (several times the bytes this
-path saves, undoing what float32 compute keeps 16-bit), or, saving the 16-bit tensors, runs the forward again in
-the backward (at the benchmark's larger size, well over the 5% of the attention's time issue 69 allows).
+Attention is ``single_ops.attention``, a custom op whose backward runs the float32 forward again: torch's
+attention backward kernels are private (issue 71's third rule takes public ops only). The cost of the recompute,
+against the private kernels ampkit called before, is measured by ``benchmarks/bench_attention_route.py``
+(BENCHMARKS.md); what is saved is the 16-bit q, k and v, less than a native kernel saves.
 """
 
 from __future__ import annotations
@@ -21,12 +17,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend
 
-from ampkit import _torch
 from ampkit.float32_compute import single_ops
 from ampkit.float32_compute.gelu_recompute import gelu_input
-from ampkit.float32_compute.generic import Upcasts
 from ampkit.modes import LOW_DTYPES, without_autocast
 
 
@@ -92,30 +85,21 @@ class _Convolution(torch.autograd.Function):
 
 
 class _Attention(torch.autograd.Function):
-    """``scaled_dot_product_attention`` through CPU's flash kernel in float32 on 16-bit q, k,
-    v: what the generic path runs (the same kernel on the same float32 copies, its output
-    rounded, backward reading that rounded output), without a dispatch mode and a nested
-    graph. Saves what the native kernel saves: q, k, v, the 16-bit output and the float32
-    log-sum-exp."""
+    """``single_ops.attention`` in eager code, its backward ``single_ops.attention_grads``: an autograd Function
+    costs less Python per call than a custom op's registered gradient, which a trace needs (``single_ops.single()``)."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,  # type: ignore[override]
-                scale: float | None) -> torch.Tensor:
-        out, logsumexp = single_ops.flash_attention(q, k, v, is_causal, scale)
-        ctx.save_for_backward(q, k, v, out, logsumexp)
-        ctx.is_causal, ctx.scale = is_causal, scale
-        return out
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,  # type: ignore[override]
+                is_causal: bool, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+        ctx.save_for_backward(q, k, v, attn_mask)
+        ctx.options = is_causal, scale, enable_gqa
+        return single_ops.attention(q, k, v, attn_mask, is_causal, scale, enable_gqa)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    @without_autocast
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        q, k, v, out, logsumexp = ctx.saved_tensors
-        up = Upcasts()
-        grads = _torch.flash_attention_cpu_backward(
-            grad.float(), up(q), up(k), up(v), out.float(), logsumexp, 0.0, ctx.is_causal, scale=ctx.scale
-        )
-        return (*_rounded(grads, q.dtype, ctx.needs_input_grad[:3]), None, None)
+        q, k, v, attn_mask = ctx.saved_tensors
+        return (*single_ops.attention_grads(grad, q, k, v, attn_mask, *ctx.options), None, None, None, None)
 
 
 def _same_low_dtype(*tensors: torch.Tensor | None) -> bool:
@@ -150,27 +134,19 @@ def _convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *para
     return _Convolution.apply(x, w, b, *params)
 
 
-_FLASH = SDPBackend.FLASH_ATTENTION.value
-
-
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None = None,
                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                enable_gqa: bool = False) -> Any:
-    # The case the flash kernel serves on the CPU, as torch itself would pick it for these 16-bit
-    # inputs; masks (converted by torch before the kernel), dropout (its random draws) and
-    # grouped-query attention take the generic path, as do leading dims that broadcast.
-    if (attn_mask is not None or dropout_p or enable_gqa or not q.is_cpu or not _same_low_dtype(q, k, v)
-            or not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+    # Any shape torch's attention takes, on any device, torch choosing the float32 kernel. Dropout (its random
+    # draws, which the backward's recompute must repeat), a mask that wants a gradient and leading dims that
+    # broadcast take the generic path.
+    if (dropout_p or not _same_low_dtype(q, k, v) or k.shape[:-2] != v.shape[:-2]
+            or (q.shape[:-2] != k.shape[:-2] and not enable_gqa)
+            or attn_mask is not None and (attn_mask.requires_grad or attn_mask.dtype not in (torch.bool, q.dtype))):
         return NotImplemented
-    # The kernel takes (batch, heads, tokens, width) only, and from torch 2.14.1 on torch picks it for 3-D inputs
-    # too (2.13 picked MATH there; ampkit then passed them on as they came, and raised): any shape sdpa accepts,
-    # (tokens, width), (batch, tokens, width) or more leading dims, is asked about and run as a batch of one-head
-    # attentions, a view where the strides allow, the same arithmetic per (batch, head).
-    q4, k4, v4 = (t if t.dim() == 4 else t.reshape(-1, 1, *t.shape[-2:]) for t in (q, k, v))
-    if _torch.fused_sdp_choice(q4, k4, v4, is_causal, scale) != _FLASH:
-        return NotImplemented
-    out = _Attention.apply(q4, k4, v4, is_causal, scale)
-    return out if q.dim() == 4 else out.reshape(*q.shape[:-1], v.shape[-1])
+    if single_ops.single():
+        return single_ops.attention(q, k, v, attn_mask, is_causal, scale, enable_gqa)  # its gradient registered
+    return _Attention.apply(q, k, v, attn_mask, is_causal, scale, enable_gqa)
 
 
 FAST: dict[Any, Callable[..., Any]] = {

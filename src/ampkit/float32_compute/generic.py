@@ -1,110 +1,32 @@
-"""The generic float32-compute path: any op, through a dispatch mode and a nested graph.
+"""The generic float32-compute path: any op, on float32 copies, its backward recomputed.
 
-An allow-list op with ``float32`` compute runs inside ``Float32Compute`` (an autograd
-Function) under ``UpcastGemms`` (a TorchDispatchMode below autograd): the op's own
-decomposition is recorded in a nested graph whose GEMM/convolution kernels
-(``BACKEND_OPS``) receive the 16-bit tensors, compute on float32 copies and round their
-outputs to the dtype the native kernel would return. The Function's backward replays that
-graph under the same mode, so backward GEMMs compute in float32 too, although
-``loss.backward()`` runs outside the autocast region.
+An allow-list op with ``float32`` compute and no fast path (``fast_paths.py``) runs inside ``Float32Compute``, an
+autograd Function: its forward calls the op on float32 copies of the 16-bit inputs and rounds each floating output
+to the inputs' dtype, as the native kernel would return it; it saves the 16-bit inputs, as a native op saves its
+inputs, through ``save_for_backward`` (so others' saved-tensor hooks, activation checkpointing's and offloading's,
+pack them as any other). Its backward runs the op again on float32 copies, under autograd, and takes the gradients
+from that graph, rounded to the inputs' dtypes: backward GEMMs compute in float32 too, although
+``loss.backward()`` runs outside the autocast region. The random state of the forward is restored for the
+recompute (attention's dropout draws the same mask).
 
-Inside a non-reentrant activation checkpoint (``checkpointed_segment``) the nested graph is not kept: its
-backward is a graph task of its own, and torch recomputes a checkpointed segment once per graph task that
-unpacks a tensor saved in it, so each such op's backward recomputed the whole segment again (and a selective
-policy's recompute context, entered a second time, raised). There the Function saves its inputs as any op does
-and builds the nested graph again in its backward: one op's forward, not the segment's.
+Public mechanisms only (issue 71's third rule): an earlier design ran the op's decomposition under a dispatch mode
+below autograd that upcast each GEMM kernel's inputs, kept that nested graph and replayed it; it needed torch's
+private dispatch-mode module and saved-tensor layouts. The cost of this one is the op's forward run again in the
+backward (benchmarks/bench_attention_route.py measures it for attention) and, in a composite op (``einsum``, an
+LSTM cell), its elementwise steps computed in float32 too, not only its GEMMs (docs/policies.md).
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from ampkit import _torch, _torch_tensors
-from ampkit._torch import TorchDispatchMode, disable_current_modes, pytree
-from ampkit.float32_compute.weights import is_weight, remember_weight_alias
+from ampkit._torch import pytree
 from ampkit.modes import LOW_DTYPES, without_autocast
-
-# Kernels below autograd that do the arithmetic of those ops, forward and backward
-# (names as TorchDispatchMode sees them: torch.ops.aten.<name>). CUDA's flash and
-# cuDNN attention kernels take no float32 inputs, so they are not here: attention that
-# torch routes to them stays native (fast where they exist: on tensor-core GPUs).
-BACKEND_OPS = frozenset(
-    """
-    mm bmm addmm baddbmm addbmm _addmm_activation addmv addr mv dot vdot
-    convolution convolution_backward _convolution mkldnn_rnn_layer mkldnn_rnn_layer_backward
-    _scaled_dot_product_flash_attention_for_cpu _scaled_dot_product_flash_attention_for_cpu_backward
-    _scaled_dot_product_efficient_attention _scaled_dot_product_efficient_attention_backward
-    _native_multi_head_attention _thnn_fused_lstm_cell _thnn_fused_gru_cell
-    """.split()
-)
-# Of those, the ones whose floating inputs must share one dtype (torch refuses a
-# bfloat16 x float32 GEMM); attention's backward also takes a float32 logsumexp.
-ONE_DTYPE_OPS = frozenset(
-    "mm bmm addmm baddbmm addbmm _addmm_activation addmv addr mv dot vdot convolution convolution_backward "
-    "_convolution".split()
-)
-
-
-# ---------------------------------------------------------------------------
-# The dispatch mode: GEMM kernels on 16-bit tensors compute in float32
-
-
-def _map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
-    """``fn`` over the tensors of an op's argument (a tensor, or a list/tuple of them);
-    a lighter pytree.tree_map for the arguments ATen kernels take."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map_tensors(fn, v) for v in value)
-    return value
-
-
-def _float_dtypes(value: Any, found: set[torch.dtype]) -> set[torch.dtype]:
-    """The floating dtypes among an op's argument's tensors, added to ``found``."""
-    if isinstance(value, torch.Tensor):
-        if value.is_floating_point():
-            found.add(value.dtype)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _float_dtypes(v, found)
-    return found
-
-
-_handled: dict[_torch.OpOverload, bool] = {}
-_out_dtypes: dict[tuple, tuple[torch.dtype | None, ...]] = {}
-
-
-def _is_backend_op(func: _torch.OpOverload) -> bool:
-    found = _handled.get(func)
-    if found is None:
-        found = _handled[func] = func.overloadpacket.__name__ in BACKEND_OPS and not _torch.is_mutable(func)
-    return found
-
-
-def _native_out_dtypes(func: _torch.OpOverload, args: tuple, kwargs: dict) -> tuple[torch.dtype | None, ...]:
-    """The dtypes of ``func``'s outputs when run natively, found once per input-dtype
-    signature on meta tensors (no arithmetic)."""
-    leaves = pytree.tree_leaves((args, kwargs))
-    key = (func, tuple(t.dtype if isinstance(t, torch.Tensor) else type(t) for t in leaves))
-    found = _out_dtypes.get(key)
-    if found is None:
-        def to_meta(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-
-        meta_args = _map_tensors(to_meta, args)
-        meta_kwargs = {k: _map_tensors(to_meta, v) for k, v in kwargs.items()}
-        with disable_current_modes():  # modes below ours need not see this dry run
-            out = func(*meta_args, **meta_kwargs)
-        found = tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(out))
-        _out_dtypes[key] = found
-    return found
-
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 
@@ -133,130 +55,87 @@ class Upcasts:
         return whole.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
-class UpcastGemms(TorchDispatchMode):
-    """Run BACKEND_OPS that receive 16-bit tensors on float32 copies (``Upcasts``) and
-    round their outputs to the dtypes the native kernel returns; every other op runs
-    untouched. One instance serves one nested forward or backward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._upcast = Upcasts()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if not _is_backend_op(func) or any(
-                isinstance(t, torch.Tensor) and type(t) not in _PLAIN for t in pytree.tree_leaves((args, kwargs))):
-            # A tensor subclass (torchao's FP8 tensors, for one) computes by its own rules: leave it alone.
-            return func(*args, **kwargs)
-        dtypes = _float_dtypes((args, list(kwargs.values())), set())
-        low = dtypes & set(LOW_DTYPES)
-        # Mixed dtypes that torch refuses run natively, so the error is torch's own.
-        mixed = len(dtypes) > 1 and (len(low) > 1 or func.overloadpacket.__name__ in ONE_DTYPE_OPS)
-        if not low or mixed:
-            return func(*args, **kwargs)
-        try:
-            out_dtypes: tuple[torch.dtype | None, ...] | None = _native_out_dtypes(func, args, kwargs)
-        except NotImplementedError:  # no meta kernel (torch 2.11's aten::_convolution): read off the float32 run
-            out_dtypes = None
-        with disable_current_modes():  # the conversions are ours: modes below see the float32 kernel
-            args = _map_tensors(self._upcast, args)
-            kwargs = {k: _map_tensors(self._upcast, v) for k, v in kwargs.items()}
-        out = func(*args, **kwargs)
-        flat, spec = pytree.tree_flatten(out)
-        if out_dtypes is None:  # inputs of one 16-bit dtype: its floating outputs in that dtype, as natively
-            (only,) = low
-            out_dtypes = tuple(only if isinstance(t, torch.Tensor) and t.is_floating_point() else None for t in flat)
-        rounded = [
-            t.to(dtype) if isinstance(t, torch.Tensor) and dtype is not None and t.dtype != dtype else t
-            for t, dtype in zip(flat, out_dtypes)
-        ]
-        return pytree.tree_unflatten(rounded, spec)
+def _floating_dtypes(flat: list[Any]) -> set[torch.dtype]:
+    return {t.dtype for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point()}
 
 
-_SAVED = object()  # in a checkpointed segment's flat call: a tensor's place, filled from the saved tensors
-_segments = threading.local()  # .depth: the non-reentrant checkpointed segments this thread runs in
+def _call(fn: Callable[..., Any], spec: Any, flat: list[Any]) -> tuple[list[Any], Any]:
+    """``fn`` on the call ``flat`` unflattens to: (its output's leaves, their tree)."""
+    args, kwargs = pytree.tree_unflatten(flat, spec)
+    return pytree.tree_flatten(fn(*args, **kwargs))
 
 
-@contextlib.contextmanager
-def checkpointed_segment() -> Iterator[None]:
-    """Mark the enclosed code as a non-reentrant checkpointed segment, in its forward and in its recompute
-    alike (``precision/checkpointing.py`` enters it around the segment's function): ``Float32Compute`` then
-    keeps no nested graph (the module's docstring says why)."""
-    _segments.depth = getattr(_segments, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _segments.depth -= 1
+def _upcast_all(flat: list[Any]) -> list[Any]:
+    up = Upcasts()
+    return [up(t) if isinstance(t, torch.Tensor) else t for t in flat]
 
 
-def _drop(t: torch.Tensor) -> Any:
-    return None
+def run_generic(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` computed in float32 on its 16-bit tensors, each floating output rounded to their
+    dtype. Inputs of several floating dtypes run natively (torch refuses a bfloat16 x float32 GEMM in its own
+    words), as do calls with no 16-bit tensor and tensor subclasses (torchao's FP8 tensors compute by their own
+    rules)."""
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    dtypes = _floating_dtypes(flat)
+    if (len(dtypes) != 1 or not dtypes <= set(LOW_DTYPES)
+            or any(isinstance(t, torch.Tensor) and type(t) not in _PLAIN for t in flat)):
+        return fn(*args, **kwargs)
+    (dtype,) = dtypes
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
+    if not grad:
+        leaves, tree = _call(fn, spec, _upcast_all(flat))
+        return pytree.tree_unflatten(_rounded(leaves, dtype), tree)
+    out_tree: list[Any] = []
+    outs = Float32Compute.apply(fn, spec, dtype, out_tree, *flat)
+    return pytree.tree_unflatten(list(outs), out_tree[0])
 
 
-def _dropped(packed: Any) -> torch.Tensor:
-    raise AssertionError("a checkpointed segment's nested graph is dropped at its forward, never run backward")
+def _rounded(leaves: list[Any], dtype: torch.dtype) -> list[Any]:
+    return [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in leaves]
 
 
-def _nested(fn: Callable[[list[Any]], Any], flat: tuple[Any, ...]) -> tuple[list[Any], Any]:
-    """``fn`` on detached aliases of ``flat``'s tensors, under ``UpcastGemms`` with grad: (the aliases, the
-    outputs, whose graph is the nested one)."""
-    inputs = [t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t for t in flat]
-    for outer, inner in zip(flat, inputs):
-        if isinstance(outer, torch.Tensor) and is_weight(outer):
-            remember_weight_alias(inner)
-    with torch.enable_grad(), UpcastGemms():
-        return inputs, fn(inputs)
+_SAVED = object()  # in the flattened call a backward keeps: a tensor's place, filled from the saved tensors
 
 
 class Float32Compute(torch.autograd.Function):
-    """``fn`` on float32-computing kernels; its backward replays the nested graph
-    under the same mode. Inputs are the flattened call (tensors and constants)."""
+    """``fn`` in float32 on the 16-bit tensors of the flattened call ``flat``; its backward runs it again in
+    float32, under autograd (the module's docstring). ``out_tree`` receives the outputs' tree."""
 
     @staticmethod
-    def forward(ctx: Any, fn: Callable[[list[Any]], Any], *flat: Any) -> Any:  # type: ignore[override]
-        if getattr(_segments, "depth", 0):
-            # The graph goes with this call; saved-tensor hooks (the checkpoint's) see only the inputs saved here.
-            with torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
-                inputs, outs = _nested(fn, flat)
-            ctx.save_for_backward(*(t for t in flat if isinstance(t, torch.Tensor)))
-            ctx.fn, ctx.flat = fn, [_SAVED if isinstance(t, torch.Tensor) else t for t in flat]
-            ctx.inputs = ctx.outputs = None
-        else:
-            inputs, outs = _nested(fn, flat)
-            ctx.fn, ctx.inputs, ctx.outputs = None, inputs, outs
+    def forward(ctx: Any, fn: Callable[..., Any], spec: Any, dtype: torch.dtype, out_tree: list[Any],  # type: ignore[override]
+                *flat: Any) -> Any:
+        devices = {t.device for t in flat if isinstance(t, torch.Tensor)}
+        ctx.cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+        ctx.rng = torch.get_rng_state(), [torch.cuda.get_rng_state(i) for i in ctx.cuda]
+        leaves, tree = _call(fn, spec, _upcast_all(list(flat)))
+        out_tree.append(tree)
+        ctx.fn, ctx.spec = fn, spec
+        ctx.flat = [_SAVED if isinstance(t, torch.Tensor) else t for t in flat]
+        ctx.save_for_backward(*(t for t in flat if isinstance(t, torch.Tensor)))
         ctx.set_materialize_grads(False)  # outputs nobody used get None, not zeros to multiply
-        detached = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in outs)
-        ctx.mark_non_differentiable(
-            *(d for t, d in zip(outs, detached) if isinstance(t, torch.Tensor) and t.grad_fn is None)
-        )
-        return detached
+        rounded = _rounded(leaves, dtype)
+        ctx.mark_non_differentiable(*(t for t in rounded if isinstance(t, torch.Tensor) and not t.is_floating_point()))
+        return tuple(rounded)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     @without_autocast
     def backward(ctx: Any, *grads: Any) -> Any:
-        if ctx.fn is not None:  # a checkpointed segment's (once: the saved tensors go with the first backward)
-            saved = iter(ctx.saved_tensors)
-            ctx.inputs, ctx.outputs = _nested(ctx.fn, tuple(next(saved) if t is _SAVED else t for t in ctx.flat))
-            ctx.fn = ctx.flat = None
-        if ctx.outputs is None:
-            raise RuntimeError(
-                "Trying to backward through a float32-compute op a second time: these ops support one "
-                "backward per forward (their nested graph is freed by the first, as a native op's saved "
-                "tensors are). For retain_graph=True or double backward, use Policy(compute='native')."
-            )
-        pairs = [
-            (o, g) for o, g in zip(ctx.outputs, grads)
-            if g is not None and isinstance(o, torch.Tensor) and o.grad_fn is not None
-        ]
-        wanted = [i for i, t in enumerate(ctx.inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        saved = iter(ctx.saved_tensors)
+        inputs = [next(saved) if t is _SAVED else t for t in ctx.flat]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[4:]) if need]
+        copies = [t.detach().float().requires_grad_(i in wanted) if isinstance(t, torch.Tensor) and t.dtype in
+                  LOW_DTYPES else t for i, t in enumerate(inputs)]
+        with torch.random.fork_rng(devices=ctx.cuda), torch.enable_grad():
+            torch.set_rng_state(ctx.rng[0])
+            for index, state in zip(ctx.cuda, ctx.rng[1]):
+                torch.cuda.set_rng_state(state, index)
+            outs, _ = _call(ctx.fn, ctx.spec, copies)
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and isinstance(o, torch.Tensor)
+                 and o.requires_grad]
         found: dict[int, torch.Tensor | None] = {}
         if pairs and wanted:
-            with UpcastGemms():
-                grads_in = torch.autograd.grad(
-                    [o for o, _ in pairs], [ctx.inputs[i] for i in wanted], [g for _, g in pairs], allow_unused=True
-                )
-            found = dict(zip(wanted, grads_in))
-        count = len(ctx.inputs)
-        ctx.inputs = ctx.outputs = None  # the nested graph and its saved tensors go now
-        return (None, *(found.get(i) for i in range(count)))
+            grads_in = torch.autograd.grad([o for o, _ in pairs], [copies[i] for i in wanted],
+                                           [g.to(o.dtype) for o, g in pairs], allow_unused=True)
+            found = {i: None if g is None else g.to(inputs[i].dtype) for i, g in zip(wanted, grads_in)}
+        return (None, None, None, None, *(found.get(i) for i in range(len(inputs))))

@@ -15,7 +15,8 @@ activation bytes (the GPT of ``ampkit compare``: 34.8 MiB against 17.7; inductor
 conversions inside an opaque op cannot be merged, so the 16-bit tensors are what is saved. The cost is the
 fusion inductor did of those conversions (BENCHMARKS.md, "torch.compile under every kind of policy").
 Elsewhere the same functions run as plain ops. The fast paths call ``linear``, ``convolution`` and
-``flash_attention`` here either way: one expression each.
+``attention`` here either way: one expression each. Attention's op carries its gradient (``attention_grads``,
+its forward run again under autograd: torch's attention backward kernels are private), so a trace takes it whole.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 from ampkit import _torch
 from ampkit.float32_compute.generic import Upcasts
+from ampkit.modes import without_autocast
 
 _state = threading.local()
 
@@ -61,40 +63,70 @@ def _convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, strid
     return out.to(x.dtype)
 
 
-def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                     scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+@without_autocast
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+               scale: float | None, enable_gqa: bool) -> torch.Tensor:
     up = Upcasts()  # q, k and v are often views of one tensor: one conversion
-    out, logsumexp = _torch.flash_attention_cpu(up(q), up(k), up(v), 0.0, is_causal, scale=scale)
-    return out.to(q.dtype), logsumexp
+    out = F.scaled_dot_product_attention(up(q), up(k), up(v), attn_mask=_mask(attn_mask), is_causal=is_causal,
+                                         scale=scale, enable_gqa=enable_gqa)
+    return out.to(q.dtype)
 
 
-# The same three as custom ops (the names planning/selective.py classifies), each calling the plain one.
+def _attention_contiguous(*args: Any) -> torch.Tensor:
+    # The layout the fake kernel gives, whichever kernel torch picked (CPU's flash returns (batch, tokens, heads)).
+    return _attention(*args).contiguous()
+
+
+def _mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A boolean mask as it is; a 16-bit additive one in float32, as the float32 attention adds it."""
+    return mask if mask is None or mask.dtype == torch.bool else mask.float()
+
+
+@without_autocast
+def attention_grads(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    attn_mask: torch.Tensor | None, is_causal: bool, scale: float | None,
+                    enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``attention`` for q, k and v, rounded to their dtype: its forward run again in float32
+    under autograd (torch's attention backward kernels are private, and the forward saved the 16-bit q, k and v
+    only; ``benchmarks/bench_attention_route.py`` times what this costs)."""
+    up = Upcasts()
+    q32, k32, v32 = (up(t).detach().requires_grad_() for t in (q, k, v))
+    with torch.enable_grad():
+        out = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=_mask(attn_mask), is_causal=is_causal,
+                                             scale=scale, enable_gqa=enable_gqa)
+    grads = torch.autograd.grad(out, (q32, k32, v32), grad.float())
+    return grads[0].to(q.dtype), grads[1].to(k.dtype), grads[2].to(v.dtype)
+
+
+# The same as custom ops (the names planning/selective.py classifies), each calling the plain one.
 _linear_op = torch.library.custom_op("ampkit::linear_in_float32", _linear, mutates_args=())
 _convolution_op = torch.library.custom_op("ampkit::convolution_in_float32", _convolution, mutates_args=())
-_flash_attention_op = torch.library.custom_op("ampkit::flash_attention_in_float32", _flash_attention,
-                                              mutates_args=())
+# Attention's op has its gradient registered (``attention_grads``): the fast path calls it with grad on.
+_attention_op = torch.library.custom_op("ampkit::attention_in_float32", _attention_contiguous, mutates_args=(),
+                                        schema="(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, bool is_causal, "
+                                               "float? scale, bool enable_gqa) -> Tensor")
 
 
-def _single() -> bool:
+def single() -> bool:
     """One op each: inside a selectively recomputed block, and while torch.compile traces."""
     return active() or _torch.is_compiling()
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` in float32 on 16-bit tensors, rounded to ``x``'s dtype: one op where ``_single()``."""
-    return (_linear_op if _single() else _linear)(x, w, b)
+    """``F.linear`` in float32 on 16-bit tensors, rounded to ``x``'s dtype: one op where ``single()``."""
+    return (_linear_op if single() else _linear)(x, w, b)
 
 
 def convolution(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, *params: Any) -> torch.Tensor:
-    """``aten.convolution`` in float32 on 16-bit tensors, rounded: one op where ``_single()``."""
-    return (_convolution_op if _single() else _convolution)(x, w, b, *params)
+    """``aten.convolution`` in float32 on 16-bit tensors, rounded: one op where ``single()``."""
+    return (_convolution_op if single() else _convolution)(x, w, b, *params)
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                    scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU flash attention in float32 on 16-bit q, k, v: (the output rounded to q's dtype, the float32
-    log-sum-exp); one op where ``_single()``."""
-    return (_flash_attention_op if _single() else _flash_attention)(q, k, v, is_causal, scale)
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+              scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """Attention in float32 on 16-bit q, k, v, rounded to q's dtype: one op, with its gradient, where
+    ``single()``; else without a graph (the fast path's autograd Function holds it)."""
+    return (_attention_op if single() else _attention)(q, k, v, attn_mask, is_causal, scale, enable_gqa)
 
 
 @_linear_op.register_fake
@@ -108,8 +140,20 @@ def _(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, stride: list[int
     return torch.ops.aten.convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups)
 
 
-@_flash_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-      scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    out, logsumexp = _torch.flash_attention_cpu(q.float(), k.float(), v.float(), 0.0, is_causal, scale=scale)
-    return out.to(q.dtype), logsumexp
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None, is_causal: bool,
+      scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+def _save_attention_inputs(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    q, k, v, attn_mask, *ctx.options = inputs
+    ctx.save_for_backward(q, k, v, attn_mask)
+
+
+def _attention_grads(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    q, k, v, attn_mask = ctx.saved_tensors
+    return (*attention_grads(grad, q, k, v, attn_mask, *ctx.options), None, None, None, None)
+
+
+_attention_op.register_autograd(_attention_grads, setup_context=_save_attention_inputs)

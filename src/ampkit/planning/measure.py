@@ -19,7 +19,7 @@ from torch import nn
 from ampkit._torch import pytree
 from ampkit.diagnostics.memory import observing_kept
 from ampkit.float32_compute.single_ops import single_ops
-from ampkit.float32_compute.weights import is_weight_copy, weight_storages
+from ampkit.float32_compute.weights import is_weight_copy
 from ampkit.planning.segments import installed
 from ampkit.planning.selective import OpRecorder, contexts
 from ampkit.precision.op_lists import DEVICE_TYPES
@@ -157,7 +157,6 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
                         stack.enter_context(single_ops())
                         stack.enter_context(recorder)
                     loss = loss_fn(model(*args))
-                    weights = weight_storages()
                 del loss  # the graph goes: nothing is kept between repeats
             for handle in handles:  # (and again below, where an error leaves early)
                 handle.remove()
@@ -165,8 +164,6 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
     finally:
         for handle in handles:
             handle.remove()
-    for ptr in weights:
-        sizes.pop(ptr, None)
     kept = {name: recorder.kept.get(name, {}) for name, _ in chosen}
     costs = []
     for name, _ in candidates:

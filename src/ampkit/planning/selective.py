@@ -45,7 +45,7 @@ _CLASSES = {
     **dict.fromkeys(_overloads(torch.ops.aten, _GEMM_NAMES), "gemm"),
     **dict.fromkeys(_overloads(torch.ops.ampkit, ("linear_in_float32", "convolution_in_float32")), "gemm"),
     **dict.fromkeys(_overloads(torch.ops.aten, _ATTENTION_NAMES), "attention"),
-    **dict.fromkeys(_overloads(torch.ops.ampkit, ("flash_attention_in_float32",)), "attention"),
+    **dict.fromkeys(_overloads(torch.ops.ampkit, ("attention_in_float32",)), "attention"),
 }
 def op_class(op: Any) -> str:
     """``"gemm"``, ``"attention"`` or ``"other"`` (elementwise, normalization, conversions, views)."""

@@ -7,9 +7,7 @@ Why not the public route. ``checkpoint(fn, use_reentrant=False, context_fn=...)`
 recompute context a caller passes, but it reaches only the callers who pass it, not a checkpoint inside a model's own code (a
 ``gradient_checkpointing`` flag), and ``use_reentrant=True`` refuses ``context_fn``
 (``tests/test_checkpointing.py`` shows both). So ampkit wraps the segment function where
-torch hands it over, in both modes: ``_torch.checkpoint_entry_points``. A non-reentrant segment also runs
-marked as one (``float32_compute.generic.checkpointed_segment``), so that float32 compute's generic ops keep no
-nested graph there, whose backward would make torch recompute the segment once more for each.
+torch hands it over, in both modes: ``_torch.checkpoint_entry_points``.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from typing import Any
 import torch
 
 from ampkit import _torch
-from ampkit.float32_compute.generic import checkpointed_segment
 from ampkit.precision import op_lists
 from ampkit.precision.kernels import kernel_ops, registry
 from ampkit.precision.policy import Policy
@@ -72,17 +69,7 @@ def _reentering(fn: Callable[..., Any], enter: EnterRegion) -> Callable[..., Any
 @functools.cache  # one class per process: torch's entry points and ``enter`` are the same at every region
 def _replacements(original: Any, generator: Any, enter: EnterRegion) -> tuple[Any, Any]:
     def without_reentrant(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Iterator[Any]:
-        # torch runs the forward between this generator's two steps, the recompute through the function: both
-        # run marked as a segment's.
-        segment = _reentering(fn, enter)
-
-        @functools.wraps(segment)
-        def recompute(*args: Any, **kwargs: Any) -> Any:
-            with checkpointed_segment():
-                return segment(*args, **kwargs)
-
-        with checkpointed_segment():
-            yield from generator(recompute, *args, **kwargs)
+        yield from generator(_reentering(fn, enter), *args, **kwargs)
 
     class CheckpointFunction(original):  # type: ignore[misc, valid-type]
         @staticmethod
