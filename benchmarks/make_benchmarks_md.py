@@ -603,6 +603,24 @@ def attention_route_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def policy_mechanism_section(results: dict[str, Any]) -> str:
+    """An edited policy through a TorchFunctionMode against the Autocast-key kernels (issue 71's first rule)."""
+    edits = ", ".join(f"{kind} {' '.join(ops)}" for kind, ops in results["edits"].items())
+    rows = [f"`python benchmarks/bench_policy_mechanism.py`, {results['created']}, on "
+            f"{machine_line(results['machine'])}: the GPT of `bench_autocast.py` in eager, one training step, medians "
+            f"of {results['repeats']} alternated rounds; the edit: {edits}. A mode sees "
+            f"{results['torch_calls_per_step']} torch-function calls a step. The edited step's loss: "
+            f"{results['losses']['kernels']:.5f} through the kernels, {results['losses']['mode']:.5f} through the "
+            "mode.", "", "| variant | ms/step | vs torch.autocast (quartiles) |", "|---|---|---|"]
+    for label, row in results["variants"].items():
+        quartiles = row["quartiles"]
+        spread = f" ({quartiles[0]:.3f}-{quartiles[1]:.3f})" if quartiles else ""
+        rows.append(f"| {label} | {row['ms_per_step']:.1f} | {row['ratio_to_torch_autocast']:.3f}x{spread} |")
+    rows += ["", "Per call, 10,000 64x64 linears without grad:", "", "| variant | us a linear |", "|---|---|"]
+    rows += [f"| {label} | {us:.2f} |" for label, us in results["us_per_linear"].items()]
+    return "\n".join(rows)
+
+
 def gpt_head_section(results: dict[str, Any]) -> str:
     """The ablation of what bf16 O1/O2 keep in float32 on the GPT."""
     settings = results["settings"]
@@ -968,6 +986,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     if route:
         sections += [f"{level} Float32 compute's attention: its public route against the private kernels", "",
                      attention_route_table(route), ""]
+    mechanism = load(directory, "policy-mechanism.json")
+    if mechanism:
+        sections += [f"{level} An edited policy: a TorchFunctionMode against the Autocast-key kernels", "",
+                     policy_mechanism_section(mechanism), ""]
     head = load(directory, "gpt-head.json")
     if head:
         sections += [f"{level} GPT: what bf16 keeps in float32 (an ablation)", "", gpt_head_section(head), ""]
