@@ -140,6 +140,26 @@ def test_a_loss_spike_beyond_its_recent_history_is_skipped() -> None:
     del weights
 
 
+@pytest.mark.parametrize("spike_factor", [3.0, math.inf], ids=["factor-3", "factor-off"])
+def test_a_loss_over_k_times_its_running_median_is_a_spike_where_the_band_misses_it(spike_factor: float) -> None:
+    """Issue 66's spike rule: a loss over ``spike_factor`` times its running median. A noisy run (losses 1 and 3 in
+    turn: mean 2, standard deviation 1) puts the 6-sigma band at 8; a loss of 7 is over 3 times the median (6)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    guard = ampkit.Guard(model, optimizer, window=10, spike_factor=spike_factor)  # the default, 10, misses it
+    for step in range(24):
+        optimizer.zero_grad(set_to_none=True)
+        value = 7.0 if step == 20 else (1.0, 3.0)[step % 2]
+        loss = model(torch.ones(2, 4)).sum() * 0 + value
+        loss.backward()
+        guard.step(loss)
+    found = [(e.step, e.signal, e.action) for e in guard.events]
+    assert found == ([(20, "loss-spike", "skipped")] if spike_factor == 3.0 else [])
+    if found:
+        assert "(median 2) over the last 10 steps" in guard.events[0].where
+
+
 def test_repeated_skips_of_a_float16_scaler_are_recorded() -> None:
     """A scaler that skips every step (the loss overflows float16 at any scale): the guard records it once it has
     skipped max_skips in a row; the scaler keeps its own decisions."""
@@ -189,6 +209,7 @@ def test_the_timeline_and_the_plot_are_written(tmp_path: Path) -> None:
     (dict(action="lower"), r"Unknown action 'lower'. Choose one of \['skip', 'restore', 'raise'\]"),
     (dict(scaler=torch.amp.GradScaler("cpu")), r"torch.amp.GradScaler does not say whether it skipped a step"),
     (dict(spike_sigmas=0), r"spike_sigmas=0 is invalid"),
+    (dict(spike_factor=1), r"spike_factor=1 is invalid: a number > 1"),
     (dict(window=2), r"window=2 is invalid: an integer >= 4"),
     (dict(keep_every=0), r"keep_every=0 is invalid"),
     (dict(sample_every=-1), r"sample_every=-1 is invalid: an integer >= 0"),

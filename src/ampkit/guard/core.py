@@ -5,7 +5,8 @@ overflow poisons the weights, a loss spike hours in, a NaN-poisoned checkpoint s
 GradScaler skips a step and says nothing of where; ``detect_anomaly`` is backward-only and slow. The guard sits
 where the step is taken:
 
-- **watches**, each step: the loss (finite? a spike beyond ``spike_sigmas`` standard deviations of its last
+- **watches**, each step: the loss (finite? a spike over ``spike_factor`` times its running median, or beyond
+  ``spike_sigmas`` standard deviations of its last
   ``window`` values?), the gradients (finite? one summing pass and one host read, where no loss scaler checks
   them), and the scaler's skipped steps in a row;
 - **attributes** a non-finite loss or gradient: the batch itself (a NaN in the inputs), else a replay of the batch
@@ -73,6 +74,9 @@ class Guard:
             (default: ``find_nonfinite``'s: cross-entropy for integer targets, mean square error for floating ones).
         spike_sigmas: a finite loss above the mean of the last ``window`` losses by more than this many of their
             standard deviations is a spike (default 6; ``math.inf``: never).
+        spike_factor: a finite loss over this many times the median of the last ``window`` losses is a spike too
+            (default 10; ``math.inf``: never). It catches a spike in a noisy run whose spread
+            widens the standard deviations' band past it.
         window: the losses a spike is measured against (default 50; spikes are looked for once it is half full).
         keep_every: good steps between the states kept for ``"restore"`` (default 50); the kept copy of the model's
             and the optimizer's state takes their memory once more.
@@ -125,14 +129,15 @@ class Guard:
                  saturation: float = 0.01, underflow: float = 0.05, near_overflow: float = 0.5,
                  process_group: Any = None, checkpoint: str | Path | None = None, max_refused: int = 10,
                  replay: Callable[[nn.Module, Any], torch.Tensor] | None = None, suspect_after: int = 3,
-                 quiet_window: int | None = 200) -> None:
+                 quiet_window: int | None = 200, spike_factor: float = 10.0) -> None:
         sharded = check_settings(model, optimizer, scaler, action, checkpoint, process_group, dict(
-            spike_sigmas=spike_sigmas, window=window, keep_every=keep_every, max_skips=max_skips,
+            spike_sigmas=spike_sigmas, spike_factor=spike_factor, window=window, keep_every=keep_every, max_skips=max_skips,
             sample_every=sample_every, max_refused=max_refused, suspect_after=suspect_after,
             quiet_window=1 if quiet_window is None else quiet_window, saturation=saturation, underflow=underflow,
             near_overflow=near_overflow))
         self.model, self.optimizer, self.scaler, self.action = model, optimizer, scaler, action
-        self.spike_sigmas, self.keep_every, self.max_skips = spike_sigmas, keep_every, max_skips
+        self.spike_sigmas, self.spike_factor = spike_sigmas, spike_factor
+        self.keep_every, self.max_skips = keep_every, max_skips
         self.max_refused, self.suspect_after = max_refused, suspect_after
         self.transients: list[int] = []  # the steps of the transient faults
         self.checkpoint = Path(checkpoint) if checkpoint is not None else None
@@ -290,11 +295,15 @@ class Guard:
         or not), or None."""
         if len(self._recent) >= self._recent.maxlen // 2:  # type: ignore[operator]
             mean, spread = statistics.fmean(self._recent), statistics.pstdev(self._recent)
-            limit = mean + self.spike_sigmas * max(spread, 1e-3 * abs(mean))  # a flat loss: 0.1% is no spike
+            median = statistics.median(self._recent)
+            band = mean + self.spike_sigmas * max(spread, 1e-3 * abs(mean))  # a flat loss: 0.1% is no spike
+            # a loss at or below zero has no multiple to exceed: the band alone decides
+            factor = self.spike_factor * median if median > 0 else math.inf
+            limit = min(band, factor)
             if value > limit:
                 source, layer = self.attribution.spike(batches, limit)
-                return "loss-spike", (f"loss {value:.4g} against {mean:.4g} +- {spread:.2g} over the last "
-                                      f"{len(self._recent)} steps; {source}"), layer
+                return "loss-spike", (f"loss {value:.4g} against {mean:.4g} +- {spread:.2g} (median {median:.4g}) "
+                                      f"over the last {len(self._recent)} steps; {source}"), layer
         return None
 
     def _attribute(self, batches: list[Any], bad_batches: list[int]) -> tuple[str, str | None]:

@@ -35,9 +35,10 @@ def check_settings(model: nn.Module, optimizer: Any, scaler: Any, action: str, c
                                                                                               None))):
         raise ValueError(f"scaler={type(scaler).__name__} has no step() and update(): pass an ampkit loss scaler "
                          "or None.")
-    spike_sigmas = numbers["spike_sigmas"]
-    if not (isinstance(spike_sigmas, (int, float)) and spike_sigmas > 0):
-        raise ValueError(f"spike_sigmas={spike_sigmas!r} is invalid: a number > 0 (math.inf: never a spike).")
+    for name, least in (("spike_sigmas", 0), ("spike_factor", 1)):
+        value = numbers[name]
+        if isinstance(value, bool) or not (isinstance(value, (int, float)) and value > least):
+            raise ValueError(f"{name}={value!r} is invalid: a number > {least} (math.inf: never a spike).")
     for name, least in _LEAST.items():
         value = numbers[name]
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
