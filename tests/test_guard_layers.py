@@ -24,11 +24,11 @@ from ampkit.scaling.scaler import NonFiniteError
 STEPS = 40
 
 
-def _growing(rate: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+def _growing(rate: float, level: str = "O1") -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), GrowingLinear(32, 32, rate=rate), nn.LayerNorm(32), nn.ReLU(),
                           nn.Linear(32, 4))
-    return ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O1", torch.float16,
+    return ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), level, torch.float16,
                              compute="native")
 
 
@@ -72,6 +72,42 @@ def test_a_layer_overflowing_float16_is_named_within_one_step_and_raised_to_floa
     assert len(guard.events) == 1 and guard.raised == {"1": "float32"}
     assert all(math.isfinite(v) for v in guarded[event.step + 1:])
     assert _final(guarded) == pytest.approx(_final(unfaulted), rel=0.02)
+
+
+def test_at_o2_an_overflowing_layer_computes_from_its_float32_masters_and_returns_rounded() -> None:
+    """Fault (a) at O2 (issue 66's second item; refused before: the layer's weights are float16): the layer is named
+    at the first overflowing step and raised, its weights now its masters' float32 values, which the optimizer goes
+    on stepping (the layer's gradients float32, its masters' own); after its quiet window the layer returns, its
+    weights rounded to float16 from the masters again, and (the fault persisting) is raised again; the run ends
+    within 2% of the unfaulted O2 run."""
+    unfaulted = _train(*_growing(rate=1.0, level="O2"), None, ampkit.DynamicLossScaler(), steps=100)
+    model, optimizer = _growing(rate=2.0, level="O2")
+    scaler = ampkit.DynamicLossScaler()
+    guard = ampkit.Guard(model, optimizer, scaler, action="raise", quiet_window=60)
+    layer, master = model[1], optimizer.master_params[2]  # the growing layer's weight's master
+    held: list[tuple[torch.dtype, bool, bool]] = []
+
+    def plant(step: int) -> None:  # before each step: the layer's weight's dtype, whether it is its master's value,
+        # and whether it is its master's value rounded to that dtype
+        weight = layer.weight.detach()
+        held.append((weight.dtype, torch.equal(weight.float(), master), torch.equal(weight, master.to(weight.dtype))))
+
+    guarded = _train(model, optimizer, guard, scaler, plant=plant, steps=100)
+    raised, returned, again = guard.events
+    assert (raised.signal, raised.layer, raised.action) == ("nonfinite-loss", "1", "raised to float32 and skipped")
+    assert not math.isfinite(guarded[raised.step]) and all(math.isfinite(v) for v in guarded[:raised.step])
+    # float16 until the raise, then float32 and the master's own values until it returns after 60 quiet steps
+    assert {dtype for dtype, _, _ in held[:raised.step + 1]} == {torch.float16}
+    assert held[raised.step + 1:returned.step + 1] == [(torch.float32, True, True)] * 60
+    assert (returned.signal, returned.step, returned.action) == ("layer-returned", raised.step + 60,
+                                                                 "returned to 16 bits")
+    assert held[returned.step + 1] == (torch.float16, False, True)  # rounded from the master when it returned
+    # the fault still there (its gain stays at 2**24): raised again at the next step, its window now doubled
+    assert (again.step, again.layer, again.action) == (returned.step + 1, "1", "raised to float32 and skipped")
+    assert "should it fail again: 120" in returned.where
+    finite = [v for v in guarded[raised.step + 1:] if math.isfinite(v)]
+    assert len(finite) == len(guarded) - raised.step - 2  # the two raised steps skipped, nothing else
+    assert again.step < 81 and sum(guarded[-19:]) / 19 == pytest.approx(sum(unfaulted[-19:]) / 19, rel=0.02)
 
 
 def _outlier_model() -> tuple[nn.Module, torch.optim.Optimizer, ChannelScale, nn.Module]:
@@ -157,14 +193,16 @@ def test_float16_figures_are_read_from_the_output() -> None:
     assert layers.sixteen_figures([out.bfloat16(), out.float()]).tolist() == [1.0, 0.0, 1.0]  # bf16: no underflow
 
 
-def test_raise_is_refused_for_a_16_bit_model() -> None:
+def test_raise_is_refused_for_a_16_bit_model_without_masters() -> None:
+    """O3 keeps no float32 masters: nothing of a layer's own holds float32 values to raise it to (O2 is taken)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters()), "O2", torch.bfloat16,
+    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters()), "O3", torch.bfloat16,
                                          compute="native")
     hooks = [len(m._forward_hooks) for m in model.modules()]
     with pytest.raises(ValueError, match=r"action='raise' cannot raise a 16-bit layer of this model to float32: its "
-                                         r"weights are 16-bit \(0.weight: torch.bfloat16"):
+                                         r"weights are 16-bit \(0.weight: torch.bfloat16\) and the optimizer keeps "
+                                         r"no float32 masters of them"):
         ampkit.Guard(model, optimizer, action="raise")
     assert [len(m._forward_hooks) for m in model.modules()] == hooks  # refused before any hook
 

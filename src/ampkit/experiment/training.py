@@ -174,9 +174,10 @@ def execute(
 
 def make_guard(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: DynamicLossScaler) -> Guard:
     """The run's guard: it raises a failing layer's precision where the run's weights are float32 under autocast
-    (O1) or the layer is FP8 or block-scaled; else (float32, O2, O3) it skips the bad step."""
+    (O1) or have float32 masters (O2), or the layer is FP8 or block-scaled; else (float32, O3) it skips the bad
+    step."""
     mixed = OPT_LEVELS[getattr(model, "_ampkit_opt_level", "O0")].mixed
-    action = "raise" if mixed and not sixteen_bit_weights(model) else "skip"
+    action = "raise" if mixed and not sixteen_bit_weights(model, getattr(optimizer, "master_of", None)) else "skip"
     return Guard(model, optimizer, scaler, action=action, loss_fn=lambda logits, y: F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)))
 

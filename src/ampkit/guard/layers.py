@@ -20,8 +20,11 @@ the same Parameters (the 16-bit format of the run's region or model: the optimiz
 computes in float32: its forward runs with autocast off on float32 inputs (eagerly in a compiled model, a graph
 break: see ``raise_layer``). Not a policy's per-module override: the guard does not own the region the model runs in
 (``initialize``'s, a user's ``ampkit.autocast`` or a plain ``torch.autocast`` all take this), and the change is one
-module's, as the layer that failed is one. A 16-bit layer of a 16-bit model (O2, O3) has 16-bit weights, so nothing
-of its own computes in float32 there: ``Guard`` refuses ``action="raise"`` for them.
+module's, as the layer that failed is one. A 16-bit layer of an O2 model has 16-bit weights whose float32 masters
+the optimizer steps: raised, its weights take their masters' values in float32 (the optimizer goes on stepping
+the masters and writes them back, now without rounding; the layer's float32 gradients are the masters' own), and
+a return rounds them to 16 bits again. Without masters (O3) nothing of the layer's own holds float32 values:
+``Guard`` refuses ``action="raise"`` there (``sixteen_bit_weights``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import functools
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -208,16 +212,21 @@ def format_of(module: nn.Module) -> str:
     return module.recipe.label if isinstance(module, BlockScaledLinear) else "16 bits"
 
 
-def sixteen_bit_weights(model: nn.Module) -> list[str]:
-    """The names of ``model``'s 16-bit parameters outside FP8 and block-scaled linears (O2, O3 cast them): the layers
-    ``raise_layer`` cannot raise to float32."""
+MasterOf = Callable[[torch.Tensor], "torch.Tensor | None"]  # a parameter's float32 master (O2's optimizer), or None
+
+
+def sixteen_bit_weights(model: nn.Module, master_of: MasterOf | None = None) -> list[str]:
+    """The names of ``model``'s 16-bit parameters outside FP8 and block-scaled linears without a float32 master
+    (``master_of``: O2's optimizer's; O3 keeps none): the layers ``raise_layer`` cannot raise to float32."""
     narrow = {id(p) for m in model.modules() if isinstance(m, (Fp8Linear, BlockScaledLinear))
               for p in m.parameters()}
-    return [n for n, p in model.named_parameters() if p.dtype in SIXTEEN and id(p) not in narrow]
+    return [n for n, p in model.named_parameters() if p.dtype in SIXTEEN and id(p) not in narrow
+            and (master_of is None or master_of(p) is None)]
 
 
-def raise_layer(model: nn.Module, name: str) -> nn.Module:
-    """Raise ``model``'s layer ``name`` one step (see the module's docstring); returns the module now there."""
+def raise_layer(model: nn.Module, name: str, master_of: MasterOf | None = None) -> nn.Module:
+    """Raise ``model``'s layer ``name`` one step (see the module's docstring); returns the module now there. A
+    16-bit weight takes its float32 master's values (``master_of``)."""
     module = model.get_submodule(name)
     if isinstance(module, (Fp8Linear, BlockScaledLinear)):
         raised = _Raised16.__new__(_Raised16)
@@ -238,15 +247,29 @@ def raise_layer(model: nn.Module, name: str) -> nn.Module:
             return run(*_float32(args), **_float32(kwargs))
 
     in_float32.before = forward  # type: ignore[attr-defined]  # what lower_layer puts back
+    in_float32.weights = _weights_in_float32(module, master_of)  # type: ignore[attr-defined]  # and their dtypes
     run_eagerly = in_float32
     if "torch._dynamo" in sys.modules:  # a compiled model's raised layer runs eagerly, a graph break at it: a backward
         # AOTAutograd traced would run under the forward's outer autocast (16-bit GEMMs), and the float16 overflow it
         # was raised for came back at every step (a dynamic scaler skipped on, down to a scale of 1)
         run_eagerly = torch.compiler.disable(in_float32)
-        run_eagerly.before = forward  # type: ignore[attr-defined]
+        run_eagerly.before, run_eagerly.weights = forward, in_float32.weights  # type: ignore[attr-defined]
     # bound to the module, so that a deep copy (the guard's replay) runs the copy's own forward
     module.forward = types.MethodType(run_eagerly, module)  # type: ignore[method-assign]
     return module
+
+
+@torch.no_grad()
+def _weights_in_float32(module: nn.Module, master_of: MasterOf | None) -> list[tuple[nn.Parameter, torch.dtype]]:
+    """Give ``module``'s 16-bit parameters their float32 masters' values (a copy: the optimizer writes the master
+    back into it at each step); each with its dtype before, for ``lower_layer``."""
+    changed = []
+    for param in module.parameters():
+        master = master_of(param) if master_of is not None and param.dtype in SIXTEEN else None
+        if master is not None:
+            changed.append((param, param.dtype))
+            param.data = master.detach().clone()
+    return changed
 
 
 def lower_layer(model: nn.Module, name: str, original: nn.Module) -> nn.Module:
@@ -264,7 +287,11 @@ def lower_layer(model: nn.Module, name: str, original: nn.Module) -> nn.Module:
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, original)
         return original
-    before = module.__dict__["forward"].__func__.before
+    raised = module.__dict__["forward"].__func__
+    with torch.no_grad():
+        for param, dtype in raised.weights:  # rounded from their masters' values, as a step writes them back
+            param.data = param.data.to(dtype)
+    before = raised.before
     if before is None:
         del module.forward
     else:

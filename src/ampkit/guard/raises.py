@@ -18,10 +18,12 @@ class Raises:
         model: the guarded model.
         watch: the guard's layer watch, which follows each layer's module through a raise and a return.
         quiet_window: the steps a raised layer runs quiet before it returns (None: never).
+        master_of: a 16-bit parameter's float32 master (O2's optimizer's ``master_of``), or None.
     """
 
-    def __init__(self, model: nn.Module, watch: layers.LayerWatch, quiet_window: int | None) -> None:
-        self.model, self.watch, self.quiet_window = model, watch, quiet_window
+    def __init__(self, model: nn.Module, watch: layers.LayerWatch, quiet_window: int | None,
+                 master_of: layers.MasterOf | None = None) -> None:
+        self.model, self.watch, self.quiet_window, self.master_of = model, watch, quiet_window, master_of
         self.raised: dict[str, str] = {}
         self._originals: dict[str, nn.Module] = {}  # each raised layer's module before its first raise
         self._raised_at: dict[str, int] = {}  # each raised layer's step of its last raise
@@ -38,7 +40,7 @@ class Raises:
             if layer in self._windows:  # it failed again after a return: a window twice as long
                 self._windows[layer] *= 2
         self._windows.setdefault(layer, self.quiet_window or 0)
-        self.watch.watch(layer, layers.raise_layer(self.model, layer))
+        self.watch.watch(layer, layers.raise_layer(self.model, layer, self.master_of))
         self.raised[layer], self._raised_at[layer] = to, step
         return f"raised to {to}"
 
