@@ -193,6 +193,28 @@ def test_float16_figures_are_read_from_the_output() -> None:
     assert layers.sixteen_figures([out.bfloat16(), out.float()]).tolist() == [1.0, 0.0, 1.0]  # bf16: no underflow
 
 
+def test_an_o2_run_with_a_raised_layer_resumes_from_its_checkpoint_loss_for_loss(tmp_path: Path) -> None:
+    """The raised layer's float32 weights and its masters come back through ``save_checkpoint`` / ``load_checkpoint``
+    (the guard restored before the model): the resumed run is the uninterrupted one, loss for loss."""
+    def guarded() -> tuple[nn.Module, torch.optim.Optimizer, ampkit.DynamicLossScaler, ampkit.Guard]:
+        model, optimizer = _growing(rate=2.0, level="O2")
+        scaler = ampkit.DynamicLossScaler()
+        return model, optimizer, scaler, ampkit.Guard(model, optimizer, scaler, action="raise")
+
+    def later(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _batch(step + 30)
+
+    model, optimizer, scaler, guard = guarded()
+    test_guard._train(model, optimizer, guard, _batch, scaler, steps=30)
+    assert guard.raised == {"1": "float32"}
+    ampkit.save_checkpoint(tmp_path / "run.pt", model=model, optimizer=optimizer, scaler=scaler, guard=guard)
+    uninterrupted = test_guard._train(model, optimizer, guard, later, scaler, steps=20)
+    model, optimizer, scaler, guard = guarded()
+    ampkit.load_checkpoint(tmp_path / "run.pt", model=model, optimizer=optimizer, scaler=scaler, guard=guard)
+    assert guard.raised == {"1": "float32"} and model[1].weight.dtype == torch.float32
+    assert test_guard._train(model, optimizer, guard, later, scaler, steps=20) == uninterrupted
+
+
 def test_raise_is_refused_for_a_16_bit_model_without_masters() -> None:
     """O3 keeps no float32 masters: nothing of a layer's own holds float32 values to raise it to (O2 is taken)."""
     torch.manual_seed(0)
