@@ -269,3 +269,82 @@ def test_a_tensor_that_is_not_floating_or_an_axis_it_lacks_is_refused() -> None:
         fake_quantize(torch.arange(32))
     with pytest.raises(ValueError, match=r"axis=2 is not a dimension of x \(shape \(4, 32\)\)"):
         fake_quantize(torch.randn(4, 32), axis=2)
+
+
+# -- Transformer Engine's NVFP4 quantizer, step for step (issue 68's second item) -----------------------------------
+
+_E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _te_e2m1(v: torch.Tensor) -> torch.Tensor:
+    """E2M1 as Transformer Engine's reference bins a scaled value: each grid point takes the values nearer to it
+    than to its neighbours, a tie going to the even code (0.25 to 0, 0.75 to 1, 1.25 to 1, 1.75 to 2, 2.5 to 2, 3.5
+    to 4, 5 to 4)."""
+    a, code = v.abs(), torch.zeros(v.shape, dtype=torch.long)
+    for i, (edge, tie_down) in enumerate([(0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True),
+                                          (3.5, False), (5.0, True)]):
+        code = torch.where(a > edge if tie_down else a >= edge, i + 1, code)
+    return torch.copysign(_E2M1_GRID[code], v)
+
+
+def _te_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements, block scales) of 1x16 blocks as Transformer Engine's reference NVFP4 quantizer computes them
+    (transformer_engine/pytorch/custom_recipes/quantization_nvfp4.py, ``_quantize_blockwise_reference``, whose
+    numbers its CUDA kernels match exactly; its steps written out here): s = 448 * 6 / amax (float32's largest at
+    most; 1 for an all-zero tensor); a block's scale is its amax times (s * (1/6)), clamped to 448 and cast to
+    E4M3 (round to nearest: a scale below half of E4M3's smallest subnormal becomes 0); the elements are the block
+    times 1 / (scale * (1/s)) (float32's largest at most), clamped to 6 and binned onto E2M1."""
+    x = x.float().reshape(-1, 16)
+    largest = torch.finfo(torch.float32).max
+    s = torch.clamp(448.0 * 6.0 / x.abs().max(), max=largest)
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    one_sixth = 1.0 / torch.tensor(6.0)
+    scale = torch.clamp(x.abs().amax(-1, keepdim=True) * (s * one_sixth), max=largest)
+    scale = torch.clamp(scale, -448.0, 448.0).to(torch.float8_e4m3fn).float()
+    factor = torch.clamp(1.0 / (scale * (1.0 / s)), max=largest)
+    return _te_e2m1(torch.clamp(x * factor, -6.0, 6.0)), scale
+
+
+def _nvfp4_inputs() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "random": torch.randn(256, 256, generator=g),
+        "eight decades": torch.randn(256, 256, generator=g) * torch.logspace(-4, 4, 256)[:, None],
+        "tiny": torch.randn(64, 64, generator=g) * 1e-30,
+        "huge": torch.randn(64, 64, generator=g) * 1e30,
+        "on the grid's ties": (torch.randint(0, 13, (64, 64), generator=g).float() * 0.25 - 1.5)
+        * torch.randint(1, 8, (64, 1), generator=g).float(),
+        "bfloat16 values": torch.randn(128, 128, generator=g).bfloat16().float(),
+    }
+
+
+@pytest.mark.parametrize("case", list(_nvfp4_inputs()))
+def test_the_nvfp4_cast_is_transformer_engines_value_for_value(case: str) -> None:
+    """Every block scale and every element of a block with a nonzero scale equal to Transformer Engine's (a zero
+    scale decodes the block to zero there whatever its elements: here too). Before, the elements' factor was
+    s / scale, one rounding from Transformer Engine's 1 / (scale * (1/s)): on bfloat16 values 0.08% of the elements
+    landed on the other side of a tie (3.5 against 3.4999998)."""
+    x = _nvfp4_inputs()[case]
+    q = quantize_nvfp4(x)
+    elements, scales = _te_nvfp4(x)
+    assert torch.equal(q.scales.reshape(-1, 1), scales)
+    nonzero = scales.expand_as(elements) > 0
+    assert torch.equal(q.elements.reshape(-1, 16)[nonzero], elements[nonzero])
+    assert torch.equal(q.values.reshape(-1, 16)[~nonzero], torch.zeros(int((~nonzero).sum())))
+
+
+def test_nvfp4_against_torchao_differs_only_where_a_block_scale_is_below_e4m3s_smallest_normal() -> None:
+    """torchao clamps a block scale to at least E4M3's smallest normal, 2**-6 (``E4M3_EPS``); Transformer Engine and
+    ampkit round it onto E4M3's subnormals and flush a block whose scale is below half the smallest (docs/block-
+    scaled.md). Everywhere else the two casts agree to a float32 rounding of the decode."""
+    nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    x = _nvfp4_inputs()["eight decades"]
+    q = quantize_nvfp4(x)
+    theirs = nvfp4.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=nvfp4.per_tensor_amax_to_scale(x.abs().max()))
+    theirs = theirs.dequantize(torch.float32).reshape(-1, 16)
+    ours = q.values.reshape(-1, 16)
+    apart = (ours - theirs).abs() > 2 * torch.finfo(torch.float32).eps * theirs.abs()  # two roundings of a decode
+    subnormal = q.scales.reshape(-1, 1).expand_as(ours) < 2.0**-6
+    assert apart.any() and not (apart & ~subnormal).any()  # every disagreement in a block of a subnormal scale
+    flushed = (q.scales.reshape(-1, 1) == 0).expand_as(ours) & (x.reshape(-1, 16) != 0)
+    assert (ours[flushed] == 0).all() and (theirs[flushed] != 0).any()  # flushed here, kept at 2**-6 by torchao

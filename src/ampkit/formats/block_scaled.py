@@ -260,9 +260,13 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
         blocks, pad = _blocks(x, axis, 16)
     bad = (~torch.isfinite(blocks)).any(-1, keepdim=True)
     block_amax = torch.where(torch.isfinite(blocks), blocks.abs(), torch.zeros_like(blocks)).amax(-1, keepdim=True)
-    scale = (block_amax / e2m1_max * tensor_scale).clamp(max=e4m3_max).to(E4M3).float()
-    # Transformer Engine's order of float32 operations: the elements' factor is s / scale, one division.
-    factor = torch.where(scale > 0, (tensor_scale / scale.clamp(min=torch.finfo(torch.float32).tiny)).clamp(
+    # Transformer Engine's float32 operations, in its order (its reference quantizer, quantization_nvfp4.py, which
+    # its kernels match bit for bit): the block scale is the block's amax times (s x 1/6); the elements' factor is
+    # 1 / (scale x (1/s)). One rounding apart from s / scale, it decides a tie: a bfloat16 input landing on one
+    # (x * factor = 3.5 exactly, or 3.4999998) rounded to 4 here and to 3 in Transformer Engine (0.08% of a
+    # bfloat16 tensor's values; tests/test_block_scaled.py).
+    scale = (block_amax * (tensor_scale * (1.0 / e2m1_max))).clamp(max=e4m3_max).to(E4M3).float()
+    factor = torch.where(scale > 0, (1.0 / (scale * (1.0 / tensor_scale))).clamp(
         max=torch.finfo(torch.float32).max), torch.zeros_like(scale))  # finite: a zero times it stays zero
     scaled = blocks * factor
     elements = round_e2m1(scaled, generator, stochastic)
