@@ -348,3 +348,75 @@ def test_nvfp4_against_torchao_differs_only_where_a_block_scale_is_below_e4m3s_s
     assert apart.any() and not (apart & ~subnormal).any()  # every disagreement in a block of a subnormal scale
     flushed = (q.scales.reshape(-1, 1) == 0).expand_as(ours) & (x.reshape(-1, 16) != 0)
     assert (ours[flushed] == 0).all() and (theirs[flushed] != 0).any()  # flushed here, kept at 2**-6 by torchao
+
+
+def _te_mx(x: torch.Tensor, element: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(elements, scales) of 32-value blocks as Transformer Engine computes MX scales, which round up: MXFP8 as its
+    kernels do (the block's amax times float32's 1/448, rounded up to a power of two: ``float_to_e8m0(amax *
+    max_norm_rcp)``), MXFP4 as its reference quantizer does (``cast_to_e8``: 2**ceil(log2(amax / 6)), clamped to
+    2**-127..2**127); the elements the block times the scale's reciprocal, E4M3 saturating at 448, E2M1 binned."""
+    x = x.float().reshape(-1, 32)
+    amax = x.abs().amax(-1, keepdim=True)
+    if element == "e4m3":
+        mantissa, exponent = torch.frexp(amax * (1.0 / torch.tensor(448.0)))  # m in [0.5, 1): 2**e rounds it up
+        e = torch.where(mantissa == 0.5, exponent - 1, exponent).float()
+        e = torch.where(amax == 0, torch.full_like(e, -127.0), e).clamp(-127, 127)
+    else:
+        e = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    scale = torch.exp2(e)
+    scaled = x * (1.0 / scale)
+    if element == "e4m3":
+        return torch.clamp(scaled, -448.0, 448.0).to(torch.float8_e4m3fn).float(), scale
+    return _te_e2m1(torch.clamp(scaled, -6.0, 6.0)), scale
+
+
+def _mx_inputs() -> dict[str, torch.Tensor]:
+    """``_nvfp4_inputs``'s and blocks whose amax is a scale boundary (448 or 6 times 2**k) or one float32 step
+    either side of it, k from -100 to 100."""
+    edges = torch.tensor([top * 2.0**k for top in (448.0, 6.0) for k in range(-100, 101, 7)])
+    steps = torch.cat([edges, torch.nextafter(edges, torch.zeros(())), torch.nextafter(edges, edges * 2)])
+    g = torch.Generator().manual_seed(1)
+    boundary = torch.rand(len(steps), 32, generator=g) * steps[:, None]
+    boundary[:, 5] = steps
+    return {**{k: v.reshape(-1, 32) for k, v in _nvfp4_inputs().items()}, "scale boundaries": boundary}
+
+
+def _one_step_above_a_power_of_two(q: torch.Tensor) -> torch.Tensor:
+    mantissa, _ = torch.frexp(q)
+    return mantissa == torch.nextafter(torch.tensor(0.5), torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e2m1"])
+def test_mx_rceil_is_transformer_engines_value_for_value(element: str) -> None:
+    """``scale_mode="rceil"`` (Transformer Engine's and torchao's option, its scale rounded up) gives Transformer
+    Engine's scales and elements on every input. At the scale boundaries MXFP8's are its kernels' (the quotient
+    rounded up exactly); Transformer Engine's MXFP4 reference takes log2 in float32, which rounds a quotient one
+    float32 step above 2**k (k + 1.7e-7) to k where |k| >= 2: there it is a binade lower and the block's largest
+    element saturates by that step (docs/block-scaled.md); every other block agrees."""
+    for case, x in _mx_inputs().items():
+        q = quantize_mx(x, element, mode="rceil")
+        elements, scales = _te_mx(x, element)
+        kept = torch.ones(len(x), dtype=torch.bool)
+        if element == "e2m1":
+            kept = ~_one_step_above_a_power_of_two(x.abs().amax(-1) / 6.0)
+            assert case != "scale boundaries" or (~kept).sum() >= 25  # what the exception covers, present
+        assert torch.equal(q.scales[kept].reshape(-1, 1), scales[kept]), case
+        assert torch.equal(q.elements.reshape(-1, 32)[kept], elements[kept]), case
+
+
+@pytest.mark.parametrize("element", ["e4m3", "e2m1"])
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+def test_mx_casts_agree_with_torchaos_value_for_value(element: str, mode: str) -> None:
+    """Both scale modes, every value of every input; for MXFP4's RCEIL torchao too takes log2 in float32 (the test
+    above says what that does at a scale boundary)."""
+    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    config = pytest.importorskip("torchao.prototype.mx_formats.config")
+    dtype = {"e4m3": torch.float8_e4m3fn, "e2m1": torch.float4_e2m1fn_x2}[element]
+    scaling = {"floor": config.ScaleCalculationMode.FLOOR, "rceil": config.ScaleCalculationMode.RCEIL}[mode]
+    for case, x in _mx_inputs().items():
+        theirs = mx.MXTensor.to_mx(x, dtype, block_size=32, scaling_mode=scaling).dequantize(torch.float32)
+        ours = quantize_mx(x, element, mode=mode).values
+        kept = torch.ones(len(x), dtype=torch.bool)
+        if (element, mode) == ("e2m1", "rceil"):
+            kept = ~_one_step_above_a_power_of_two(x.abs().amax(-1) / 6.0)
+        assert torch.equal(ours[kept], theirs[kept]), case

@@ -188,10 +188,11 @@ def mx_scale_exponent(amax: torch.Tensor, element: str, mode: str) -> torch.Tens
     if mode == "floor":
         _, exponent = torch.frexp(amax)  # amax = m * 2**k, m in [0.5, 1): floor(log2(amax)) = k - 1, exactly
         e = (exponent - 1 - emax).float()
-    else:  # the least e with amax <= largest * 2**e: log2's estimate, corrected exactly in float32
-        e = torch.ceil(torch.log2(amax / largest))
-        e = torch.where(torch.ldexp(torch.full_like(amax, largest), e - 1) >= amax, e - 1, e)
-        e = torch.where(torch.ldexp(torch.full_like(amax, largest), e) < amax, e + 1, e)
+    else:  # the float32 quotient amax / largest rounded up to a power of two, as Transformer Engine's MXFP8 kernels
+        # do: the least e with amax <= largest * 2**e, exactly (for 448, 57344 and 6 a float32 step of amax moves
+        # the quotient by more than half a step, so it never rounds onto 2**e from above it)
+        mantissa, exponent = torch.frexp(amax / largest)  # mantissa in [0.5, 1)
+        e = torch.where(mantissa == 0.5, exponent - 1, exponent).float()
     e = torch.where(amax == 0, torch.full_like(e, E8M0_MIN), e).clamp(E8M0_MIN, E8M0_MAX)
     return torch.where(torch.isfinite(amax), e, torch.full_like(e, math.nan))
 
