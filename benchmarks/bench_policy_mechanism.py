@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 import ampkit
 from bench_autocast import EDITS, step_fn, workload
-from common import interleaved_medians, paired_ratio_quartiles, save
+from common import interleaved_medians, save, timed_against
 
 
 def _functions(name: str) -> list[Callable[..., Any]]:
@@ -103,14 +103,7 @@ def main() -> None:
     assert kernels[0] == mode[0] and abs(kernels[1] - mode[1]) < 1e-2 * abs(kernels[1]), (kernels, mode)
 
     steps = {label: step_fn(model, x, y, region) for label, region in regions.items()}
-    samples: dict[str, list[float]] = {}
-    medians = interleaved_medians(steps, warmup=2, repeats=args.repeats, samples=samples)
-    reference = "torch.autocast bf16"
-    rows = {label: {"ms_per_step": s * 1e3, "ratio_to_torch_autocast": s / medians[reference],
-                    "quartiles": paired_ratio_quartiles(samples[label], samples[reference])}
-            for label, s in medians.items()}
-    for label, row in rows.items():
-        print(f"{label:40s} {row['ms_per_step']:8.2f} ms  {row['ratio_to_torch_autocast']:.3f}x torch.autocast")
+    rows = timed_against(steps, "torch.autocast bf16", args.repeats)
     print(f"losses: kernels {kernels[1]:.5f}, mode {mode[1]:.5f}")
     calls = _count_calls(steps["torch.autocast + mode, nothing moved"])
     print(f"torch-function calls a step: {calls}")

@@ -69,3 +69,18 @@ def paired_ratio_quartiles(times: list[float], reference: list[float]) -> list[f
         return None
     q1, _, q3 = statistics.quantiles([t / r for t, r in zip(times, reference)], n=4)
     return [q1, q3]
+
+
+def timed_against(steps: dict[str, Callable[[], Any]], reference: str, repeats: int,
+                  warmup: int = 2) -> dict[str, dict[str, Any]]:
+    """Each of ``steps`` timed in alternation (``interleaved_medians``) and printed against ``reference``: per
+    label, ``ms_per_step``, ``ratio`` (to the reference's median) and the ratio's ``quartiles`` over the rounds."""
+    samples: dict[str, list[float]] = {}
+    medians = interleaved_medians(steps, warmup=warmup, repeats=repeats, samples=samples)
+    rows = {label: {"ms_per_step": s * 1e3, "ratio": s / medians[reference],
+                    "quartiles": paired_ratio_quartiles(samples[label], samples[reference])}
+            for label, s in medians.items()}
+    for label, row in rows.items():
+        print(f"{label:40s} {row['ms_per_step']:8.2f} ms  {row['ratio']:.3f}x {reference}")
+    return rows
+

@@ -603,6 +603,19 @@ def attention_route_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def block_scaled_section(results: dict[str, Any]) -> str:
+    """Emulated block-scaled steps against bf16, the casts compiled and eager (issue 68)."""
+    rows = [f"`python benchmarks/bench_block_scaled.py`, {results['created']}, on {machine_line(results['machine'])}: "
+            f"`ampkit compare`'s GPT, one training step at O1 bf16, its linears block-scaled as compare converts them; "
+            f"medians of {results['repeats']} alternated rounds.", "",
+            "| variant | ms/step | vs bf16 (quartiles) |", "|---|---|---|"]
+    for label, row in results["variants"].items():
+        quartiles = row["quartiles"]
+        spread = f" ({quartiles[0]:.2f}-{quartiles[1]:.2f})" if quartiles else ""
+        rows.append(f"| {label} | {row['ms_per_step']:.1f} | {row['ratio']:.2f}x{spread} |")
+    return "\n".join(rows)
+
+
 def policy_mechanism_section(results: dict[str, Any]) -> str:
     """An edited policy through a TorchFunctionMode against the Autocast-key kernels (issue 71's first rule)."""
     edits = ", ".join(f"{kind} {' '.join(ops)}" for kind, ops in results["edits"].items())
@@ -615,7 +628,7 @@ def policy_mechanism_section(results: dict[str, Any]) -> str:
     for label, row in results["variants"].items():
         quartiles = row["quartiles"]
         spread = f" ({quartiles[0]:.3f}-{quartiles[1]:.3f})" if quartiles else ""
-        rows.append(f"| {label} | {row['ms_per_step']:.1f} | {row['ratio_to_torch_autocast']:.3f}x{spread} |")
+        rows.append(f"| {label} | {row['ms_per_step']:.1f} | {row['ratio']:.3f}x{spread} |")
     rows += ["", "Per call, 10,000 64x64 linears without grad:", "", "| variant | us a linear |", "|---|---|"]
     rows += [f"| {label} | {us:.2f} |" for label, us in results["us_per_linear"].items()]
     return "\n".join(rows)
@@ -986,6 +999,9 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     if route:
         sections += [f"{level} Float32 compute's attention: its public route against the private kernels", "",
                      attention_route_table(route), ""]
+    block = load(directory, "block-scaled.json")
+    if block:
+        sections += [f"{level} Emulated block-scaled steps against bf16", "", block_scaled_section(block), ""]
     mechanism = load(directory, "policy-mechanism.json")
     if mechanism:
         sections += [f"{level} An edited policy: a TorchFunctionMode against the Autocast-key kernels", "",

@@ -4,6 +4,7 @@ instruments of inspect_numerics, and the compare settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -209,3 +210,25 @@ def test_a_gpt_trains_a_few_steps_in_each_format_with_finite_losses() -> None:
         result = execute(RunConfig(model="gpt", data="text", precision=precision, opt_level="O1", steps=4,
                                    batch_size=4))
         assert all(math.isfinite(loss) for loss in result.losses), precision
+
+
+@pytest.mark.parametrize("recipe", [BlockScaledRecipe("mxfp8"), BlockScaledRecipe("mxfp8", "e5m2", "rceil"),
+                                    BlockScaledRecipe("mxfp4"), BlockScaledRecipe("nvfp4")], ids=lambda r: r.label)
+def test_compiled_casts_give_the_eager_values_bit_for_bit(recipe: BlockScaledRecipe) -> None:
+    """``compiled_casts`` (the default) fuses the quantization through torch.compile: every operand an emulated GEMM
+    reads (NVFP4's tiles and stochastically rounded gradients included) is the eager cast's, bit for bit, on
+    random, eight-decade, tiny, huge and bfloat16 values of several shapes (one graph: dynamic shapes)."""
+    from ampkit.formats.block_linear import operand_values
+
+    g = torch.Generator().manual_seed(0)
+    eager = dataclasses.replace(recipe, compiled_casts=False)
+    step = torch.tensor(3)
+    for x in (torch.randn(64, 256, generator=g), torch.randn(48, 96, generator=g) * torch.logspace(-4, 4, 96),
+              torch.randn(32, 64, generator=g) * 1e-30, torch.randn(32, 64, generator=g) * 1e30,
+              torch.randn(40, 128, generator=g).bfloat16().float(), torch.randn(16, 32, generator=g).T):
+        variants = [dict()]
+        if recipe.format == "nvfp4":
+            variants += [dict(tiles=True), dict(seed=5, step=step, stream=1, stochastic=True)]
+        for kwargs in variants:
+            assert torch.equal(operand_values(x, recipe, **kwargs), operand_values(x, eager, **kwargs)), kwargs
+

@@ -65,6 +65,42 @@ def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, generator: torc
     return quantize_mx(t, element, -1, recipe.block, recipe.scale_mode)
 
 
+def _operand_values(t: torch.Tensor, format: str, element: str, block: int, mode: str, tiles: bool,
+                    stochastic: bool, seed: torch.Tensor, step: torch.Tensor | None, stream: int) -> torch.Tensor:
+    """``quantize_operand``'s decoded values, all an emulated GEMM reads: what ``torch.compile`` fuses. The draws'
+    seed is a tensor, so that one graph serves every layer (an integer would be a constant of each)."""
+    if format == "nvfp4":
+        draws = counter_draws(seed, step, stream) if stochastic and step is not None else None  # type: ignore[arg-type]
+        return quantize_nvfp4(t, -1, 16 if tiles else None, draws, stochastic).values
+    return quantize_mx(t, element, -1, block, mode).values
+
+
+_compiled: list[Any] = []  # torch.compile(_operand_values), built at the first use (it imports dynamo)
+
+
+def operand_values(t: torch.Tensor, recipe: BlockScaledRecipe, seed: int = 0, step: torch.Tensor | None = None,
+                   stream: int = 0, stochastic: bool = False, tiles: bool = False) -> torch.Tensor:
+    """A GEMM operand quantized along its last axis in ``recipe``'s format, decoded (see ``quantize_operand``);
+    through ``torch.compile`` where ``recipe.compiled_casts`` (one graph, dynamic shapes) and the caller is not
+    traced itself (a compiled model's trace takes the plain function)."""
+    element = recipe.element if recipe.format == "mxfp8" else MX_ELEMENTS.get(recipe.format, "e2m1")
+    args = (t.detach().contiguous(), recipe.format, element, recipe.block, recipe.scale_mode, tiles, stochastic,
+            torch.tensor(seed, dtype=torch.int64, device=t.device), step, stream)
+    if not recipe.compiled_casts or torch.compiler.is_compiling():
+        return _operand_values(*args)
+    if not _compiled:
+        _compiled.append(torch.compile(_operand_values, dynamic=True))
+    if _compiled[0] is None:
+        return _operand_values(*args)
+    try:
+        return _compiled[0](*args)
+    except Exception as error:  # noqa: BLE001 - a compiler missing or failing here: the eager cast is the same
+        _compiled[0] = None
+        _torch.fallback_once("a working torch.compile for block-scaled casts",
+                             f"they run eagerly, several times slower ({type(error).__name__}: {str(error)[:200]})")
+        return _operand_values(*args)
+
+
 def _gemm(a: Quantized, b: Quantized, recipe: BlockScaledRecipe) -> torch.Tensor:
     """``a @ b.T`` of two operands quantized along their last axis."""
     if recipe.gemm is not None:
@@ -78,11 +114,17 @@ class _BlockScaledMatmul(torch.autograd.Function):
                 step: torch.Tensor | None) -> torch.Tensor:
         recipe = module.recipe
         x2 = x.reshape(-1, x.shape[-1]).float()
-        tiles = recipe.format == "nvfp4" and recipe.weight_tiles
-        w = quantize_operand(weight.float(), recipe, tiles=bool(tiles))
-        out = _gemm(quantize_operand(x2, recipe), w, recipe)
+        tiles = bool(recipe.format == "nvfp4" and recipe.weight_tiles)
+        if recipe.gemm is not None:  # a native kernel takes the quantized operands themselves
+            w = quantize_operand(weight.float(), recipe, tiles=tiles)
+            out = _gemm(quantize_operand(x2, recipe), w, recipe)
+            ctx.tiled = w.values if tiles else None
+        else:
+            w_values = operand_values(weight.float(), recipe, tiles=tiles)
+            out = operand_values(x2, recipe) @ w_values.T
+            ctx.tiled = w_values if tiles else None
         ctx.save_for_backward(x, weight, step)
-        ctx.module, ctx.tiled = module, (w if tiles else None)
+        ctx.module = module
         return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
     @staticmethod
@@ -94,17 +136,36 @@ class _BlockScaledMatmul(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]).float()
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).float()
         stochastic = step is not None
-        draws_x, draws_w = ((counter_draws(module.seed, step, 0), counter_draws(module.seed, step, 1)) if stochastic
-                            else (None, None))
+        if recipe.gemm is not None:
+            return _native_backward(ctx, x, weight, x2, g2, step)
         # Input gradient: reduction over the output features. The tiled weight's transpose is its tiles'.
-        wt = _transposed(ctx.tiled) if ctx.tiled is not None else quantize_operand(weight.float().T, recipe)
-        grad_x = _gemm(quantize_operand(g2, recipe, draws_x, stochastic), wt, recipe)
+        wt = ctx.tiled.T if ctx.tiled is not None else operand_values(weight.float().T, recipe)
+        grad_x = operand_values(g2, recipe, module.seed, step, 0, stochastic) @ wt.T
         # Weight gradient: reduction over the tokens.
         if recipe.format == "nvfp4" and recipe.hadamard:
             g2, x2 = _hadamard_rows(g2, module.transform), _hadamard_rows(x2, module.transform)
-        grad_w = _gemm(quantize_operand(g2.T.contiguous(), recipe, draws_w, stochastic),
-                       quantize_operand(x2.T.contiguous(), recipe), recipe)
+        grad_w = (operand_values(g2.T.contiguous(), recipe, module.seed, step, 1, stochastic)
+                  @ operand_values(x2.T.contiguous(), recipe).T)
         return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(weight.dtype), None, None
+
+
+def _native_backward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, g2: torch.Tensor,
+                     step: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    """The backward with ``recipe.gemm``: its kernel takes the quantized operands themselves."""
+    module = ctx.module
+    recipe = module.recipe
+    stochastic = step is not None
+    draws_x, draws_w = ((counter_draws(module.seed, step, 0), counter_draws(module.seed, step, 1)) if step is not None
+                        else (None, None))
+    tiles = bool(recipe.format == "nvfp4" and recipe.weight_tiles)
+    w = quantize_operand(weight.float(), recipe, tiles=tiles)
+    wt = _transposed(w) if tiles else quantize_operand(weight.float().T, recipe)
+    grad_x = _gemm(quantize_operand(g2, recipe, draws_x, stochastic), wt, recipe)
+    if recipe.format == "nvfp4" and recipe.hadamard:
+        g2, x2 = _hadamard_rows(g2, module.transform), _hadamard_rows(x2, module.transform)
+    grad_w = _gemm(quantize_operand(g2.T.contiguous(), recipe, draws_w, stochastic),
+                   quantize_operand(x2.T.contiguous(), recipe), recipe)
+    return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(weight.dtype), None, None
 
 
 def _transposed(q: Quantized) -> Quantized:

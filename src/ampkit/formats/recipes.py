@@ -100,6 +100,10 @@ class BlockScaledRecipe:
         gemm: None (default: emulated, float32 GEMMs on the decoded values) or a native kernel
             ``gemm(a, b) -> a @ b.T`` taking two ``Quantized`` operands quantized along their last axis
             (Blackwell-class GPUs, compute capability 10.0; none is tested here).
+        compiled_casts: emulated GEMMs quantize their operands through ``torch.compile`` (default True: the
+            quantization's thirty-odd elementwise passes fused into a few; the same values, bit for bit; a
+            one-time compile of several seconds per format). Where torch.compile cannot build them (no C++
+            compiler), ampkit says so once and quantizes eagerly.
     """
 
     format: str = "mxfp8"
@@ -112,6 +116,7 @@ class BlockScaledRecipe:
     keep: tuple[str, ...] = ()
     keep_first_last: bool | None = None
     gemm: object = dataclasses.field(default=None, compare=False)
+    compiled_casts: bool = True
 
     def __post_init__(self) -> None:
         if self.format not in BLOCK_FORMATS:
@@ -137,6 +142,9 @@ class BlockScaledRecipe:
         if isinstance(self.keep, str) or not all(isinstance(k, str) for k in self.keep):
             raise ValueError(f"BlockScaledRecipe(keep={self.keep!r}) must be a tuple of name patterns, e.g. "
                              "('lm_head', 'blocks.0.*').")
+        if not isinstance(self.compiled_casts, bool):
+            raise ValueError(f"BlockScaledRecipe(compiled_casts={self.compiled_casts!r}) is not a bool: pass True or "
+                             "False.")
         if self.gemm is not None and not callable(self.gemm):
             raise ValueError(f"BlockScaledRecipe(gemm={self.gemm!r}) is not callable: pass a native kernel or None.")
         object.__setattr__(self, "keep", tuple(self.keep))
