@@ -4,8 +4,9 @@ The generic path (``generic.py``) runs an op's forward again in its backward; th
 GEMMs directly from the saved 16-bit tensors: linear and convolutions. Inside a selectively recomputed block, and
 while torch.compile traces, each forward runs as one custom op (``single_ops.py``), the same expression.
 
-Attention is ``single_ops.attention``, a custom op whose backward runs the float32 forward again: torch's
-attention backward kernels are private (issue 71's third rule takes public ops only). The cost of the recompute,
+Attention runs torch's public attention on float32 copies (``single_ops.attention``), and its backward that
+forward again under autograd (``single_ops.attention_grads``): torch's attention backward kernels are private
+(issue 71's third rule takes public ops only). The cost of the recompute,
 against the private kernels ampkit called before, is measured by ``benchmarks/bench_attention_route.py``
 (BENCHMARKS.md); what is saved is the 16-bit q, k and v, less than a native kernel saves.
 """

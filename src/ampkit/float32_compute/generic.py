@@ -13,7 +13,7 @@ Public mechanisms only (issue 71's third rule): an earlier design ran the op's d
 below autograd that upcast each GEMM kernel's inputs, kept that nested graph and replayed it; it needed torch's
 private dispatch-mode module and saved-tensor layouts. The cost of this one is the op's forward run again in the
 backward (benchmarks/bench_attention_route.py measures it for attention) and, in a composite op (``einsum``, an
-LSTM cell), its elementwise steps computed in float32 too, not only its GEMMs (docs/policies.md).
+LSTM cell), its elementwise steps computed in float32 too, not only its GEMMs (docs/compute-modes.md).
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 ELEMENTS = {"e4m3": (E4M3_MAX, 8, E4M3), "e5m2": (E5M2_MAX, 15, E5M2), "e2m1": (E2M1_MAX, 2, None)}
 
 
-# The code below reads the constants above through element_type() and _E2M1_GRID_TENSOR, never as module floats:
+# The code below reads the constants above through element_type(), never as module floats:
 # under torch.compile(dynamic=True) dynamo makes every float it reads from a module a symbolic input, and one read
 # inside a block-scaled layer's autograd.Function was reused by the next layer's, where dynamo failed an assertion
 # ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer"; torch 2.11-2.15).
@@ -51,7 +51,6 @@ def element_type(name: str) -> tuple[float, int, torch.dtype | None]:
 _compile_torch.mark(globals(), "element_type", torch.compiler.assume_constant_result)  # when dynamo is imported
 
 
-_E2M1_GRID_TENSOR = torch.tensor(E2M1_GRID)
 SCALE_MODES = ("floor", "rceil")
 E8M0_MIN, E8M0_MAX = -127, 127
 
@@ -262,9 +261,9 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
     block_amax = torch.where(torch.isfinite(blocks), blocks.abs(), torch.zeros_like(blocks)).amax(-1, keepdim=True)
     # Transformer Engine's float32 operations, in its order (its reference quantizer, quantization_nvfp4.py, which
     # its kernels match bit for bit): the block scale is the block's amax times (s x 1/6); the elements' factor is
-    # 1 / (scale x (1/s)). One rounding apart from s / scale, it decides a tie: a bfloat16 input landing on one
-    # (x * factor = 3.5 exactly, or 3.4999998) rounded to 4 here and to 3 in Transformer Engine (0.08% of a
-    # bfloat16 tensor's values; tests/test_block_scaled.py).
+    # 1 / (scale x (1/s)). s / scale, one rounding apart, decided ties the other way: a bfloat16 input scaled to
+    # 3.5 exactly with it and to 3.4999998 in Transformer Engine rounded to 4 instead of 3 (0.08% of a bfloat16
+    # tensor's values; tests/test_block_scaled.py).
     scale = (block_amax * (tensor_scale * (1.0 / e2m1_max))).clamp(max=e4m3_max).to(E4M3).float()
     factor = torch.where(scale > 0, (1.0 / (scale * (1.0 / tensor_scale))).clamp(
         max=torch.finfo(torch.float32).max), torch.zeros_like(scale))  # finite: a zero times it stays zero
