@@ -389,7 +389,7 @@ def test_attention_forward_and_backward_compute_as_the_mode_says(mode: str) -> N
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 def test_attention_takes_a_fast_path_bit_identical_to_the_generic_one(dtype: torch.dtype) -> None:
-    """The custom op (public attention on float32 copies, its backward the forward run again under autograd) gives
+    """The fast path (public attention on float32 copies, its backward the forward run again under autograd) gives
     the generic path's bits, and float32 attention's rounded: any shape torch takes, 3-D included."""
     torch.manual_seed(0)
     qkv = torch.randn(2, 16, 3, 2, 8).to(dtype).requires_grad_()  # q, k, v: views of one tensor, as in a GPT
@@ -546,11 +546,18 @@ def test_the_gelu_recompute_under_activation_checkpointing_gives_the_same_bits()
 def test_an_op_of_the_generic_path_computes_in_float32_and_rounds_to_its_inputs_dtype() -> None:
     """``aten::_convolution`` (no fast path; torch 2.11 has no meta kernel for it) computes in float32 and returns
     its inputs' 16-bit dtype."""
-    x, w = torch.randn(1, 2, 6, 6), torch.randn(3, 2, 3, 3)
+    x, w = torch.randn(1, 2, 6, 6), torch.randn(3, 2, 3, 3, requires_grad=True)
     policy = ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")
-    with warnings.catch_warnings(), ampkit.autocast(policy):
-        warnings.simplefilter("ignore")
-        out = torch.ops.aten._convolution.deprecated(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1, False,
-                                                     False, False)
-    assert out.dtype == torch.bfloat16
-    assert torch.equal(out, F.conv2d(x.bfloat16().float(), w.bfloat16().float()).bfloat16())
+    found: list[torch.Tensor] = []
+
+    def step() -> None:
+        with warnings.catch_warnings(), ampkit.autocast(policy):
+            warnings.simplefilter("ignore")
+            found.append(torch.ops.aten._convolution.deprecated(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1,
+                                                                False, False, False))
+        found[0].float().sum().backward()
+
+    assert gemm_dtypes(step) == {torch.float32}  # its backward's convolution kernels: float32
+    out = found[0]
+    assert out.dtype == torch.bfloat16 and w.grad is not None
+    assert torch.equal(out, F.conv2d(x.bfloat16().float(), w.detach().bfloat16().float()).bfloat16())
