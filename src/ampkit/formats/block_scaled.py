@@ -262,8 +262,8 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
     # Transformer Engine's float32 operations, in its order (its reference quantizer, quantization_nvfp4.py, which
     # its kernels match bit for bit): the block scale is the block's amax times (s x 1/6); the elements' factor is
     # 1 / (scale x (1/s)). s / scale, one rounding apart, decided ties the other way: a bfloat16 input scaled to
-    # 3.5 exactly with it and to 3.4999998 in Transformer Engine rounded to 4 instead of 3 (0.08% of a bfloat16
-    # tensor's values; tests/test_block_scaled.py).
+    # 3.5 exactly with it and to 3.4999998 in Transformer Engine rounded to 4 instead of 3
+    # (tests/test_block_scaled.py).
     scale = (block_amax * (tensor_scale * (1.0 / e2m1_max))).clamp(max=e4m3_max).to(E4M3).float()
     factor = torch.where(scale > 0, (1.0 / (scale * (1.0 / tensor_scale))).clamp(
         max=torch.finfo(torch.float32).max), torch.zeros_like(scale))  # finite: a zero times it stays zero
