@@ -45,7 +45,7 @@ def _regions(model: torch.nn.Module, x: torch.Tensor) -> None:
     default = ampkit.Policy.default("cpu", torch.bfloat16, compute="native")
     for policy in (default.with_ops(deny=["gelu"], allow=["softmax"]), default.with_modules("lm_head", dtype="fp32"),
                    ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")):
-        with ampkit.autocast(policy):
+        with ampkit.autocast(policy, model=model):
             logits = model(x)
         F.cross_entropy(logits.float().flatten(0, 1), x.flatten()).backward()
         model.zero_grad(set_to_none=True)

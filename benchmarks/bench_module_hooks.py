@@ -1,13 +1,15 @@
-"""What a module call costs once ampkit's override hooks stay for the process (issue 38).
+"""What per-module overrides cost a module call outside their regions, and a region's entry (issues 38 and 71).
 
-Module overrides (``Policy.with_modules``) run through two global module hooks (precision/overrides.py). Once a
-compiled call has traced them they stay for the process: dynamo's graphs guard on the hooks' keys in torch's table,
-and installed anew at each region they failed that guard at every step. Outside regions they return at once, but
-every module call in the process then takes ``nn.Module``'s path for hooks. Measured, in this order (the last state
-cannot be left): a module call with no global hook (what a fresh process has), with two no-op Python hooks of the
-same kinds registered (torch's part of the cost: any global hook pays it), and after a model was compiled (``eager``
-backend) under a module-override region, no region open. 100 ``nn.Identity`` in a Sequential, best of 9 blocks of
-200 calls, microseconds per module call (the Sequential counts as one).
+Until issue 71 module overrides (``Policy.with_modules``) ran through two global module hooks that, once a compiled
+call had traced them, stayed for the process: every module call in it then took ``nn.Module``'s path for hooks. Now
+an override is a forward wrapper that the region sets on the matching modules of its model and takes off at its exit.
+Measured, in this order: a module call with no global hook (what a fresh process has), with two no-op Python hooks
+of the same kinds registered (what the old design's hooks cost at least: torch's part, any global hook pays it),
+and after a model was compiled (``eager`` backend) under a module-override region, no region open. 100
+``nn.Identity`` in a Sequential, best of 9 blocks of 200 calls, microseconds per module call (the Sequential counts
+as one). Then what entering and leaving a region costs on that chain with an override matching one module (its
+modules walked and matched, one wrapper set and taken off) against the same policy without the override, medians
+of 2,000 in alternation.
 
 Writes results/module-hooks.json.
 
@@ -23,8 +25,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 import ampkit
-from ampkit.precision import overrides
-from common import save
+from common import interleaved_medians, save
 
 
 def _best_us(chain: torch.nn.Module, x: torch.Tensor) -> float:
@@ -40,21 +41,30 @@ def _best_us(chain: torch.nn.Module, x: torch.Tensor) -> float:
 def main() -> None:
     warnings.simplefilter("ignore")
     chain, x = torch.nn.Sequential(*[torch.nn.Identity() for _ in range(100)]), torch.randn(2)
-    assert not overrides._hook_handles  # nothing of ampkit's installed yet
     found = {"no hooks": _best_us(chain, x)}
     handles = [nn_module.register_module_forward_pre_hook(lambda module, args: None),
                nn_module.register_module_forward_hook(lambda module, args, output: None, always_call=True)]
     found["two no-op hooks"] = _best_us(chain, x)
     for handle in handles:
         handle.remove()
-    policy = ampkit.Policy.default("cpu", torch.bfloat16, compute="native").with_modules("3", dtype="fp32")
-    with ampkit.autocast(policy):
+    native = ampkit.Policy.default("cpu", torch.bfloat16, compute="native")
+    policy = native.with_modules("3", dtype="fp32")
+    with ampkit.autocast(policy, model=chain):
         torch.compile(chain, backend="eager")(x)
-    assert overrides._hook_handles  # traced: they stay
+    assert not nn_module._global_forward_pre_hooks and "forward" not in chain[3].__dict__  # nothing stays
     found["ampkit's, after a compiled override region"] = _best_us(chain, x)
-    path = save("module-hooks", {"us_per_module_call": found})
+
+    def region(p: ampkit.Policy) -> None:
+        with ampkit.autocast(p, model=chain):
+            pass
+
+    entry = interleaved_medians({"with the override": lambda: region(policy), "without": lambda: region(native)},
+                                warmup=50, repeats=2000)
+    path = save("module-hooks", {"us_per_module_call": found,
+                                 "region_entry_us": {name: s * 1e6 for name, s in entry.items()}})
     print("a module call, no region open: " + ", ".join(f"{name} {us:.2f} us" for name, us in found.items())
-          + f"; {path}")
+          + "; a region's entry and exit on 100 modules: " + ", ".join(f"{name} {s * 1e6:.1f} us"
+                                                                      for name, s in entry.items()) + f"; {path}")
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ RUN = USE + """
 model = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64))
 policy = ampkit.Policy.default("cpu", torch.bfloat16, compute="float32").with_ops(deny=["gelu"]).with_modules(
     nn.LayerNorm, dtype=torch.float32)
-with ampkit.autocast(policy):
+with ampkit.autocast(policy, model=model):
     loss = model(torch.randn(8, 64)).float().sum()
 ampkit.DynamicLossScaler().scale(loss).backward()
 """

@@ -335,12 +335,18 @@ def against_commit_table(results: dict[str, Any]) -> str:
 
 def module_hooks_paragraph(results: dict[str, Any]) -> str:
     found = results["us_per_module_call"]
-    return (f"`python benchmarks/bench_module_hooks.py`, {results['created']}, on {machine_line(results['machine'])}. "
-            "What stays for the process after a model is compiled under a module-override region: ampkit's two global "
-            "module hooks (dynamo's graphs guard on their keys in torch's table). A module call, no region open (100 "
-            "`nn.Identity`, best of 9 blocks): " + ", ".join(f"{name} {us:.2f} us" for name, us in found.items())
-            + ". The no-op hooks are torch's part: any global hook sends every module call through `nn.Module`'s "
-            "path for hooks.")
+    text = (f"`python benchmarks/bench_module_hooks.py`, {results['created']}, on {machine_line(results['machine'])}. "
+            "What a module call costs, no region open, after a model was compiled under a module-override region "
+            "(100 `nn.Identity`, best of 9 blocks): " + ", ".join(f"{name} {us:.2f} us" for name, us in found.items())
+            + ". The no-op hooks are torch's part of what global hooks cost: until issue 71 ampkit's two stayed for "
+            "the process once traced, sending every module call through `nn.Module`'s path for hooks; overrides are "
+            "now forward wrappers taken off at the region's exit.")
+    entry = results.get("region_entry_us")
+    if entry:  # records from 2026-12-06 on
+        text += (" A region's entry and exit on those 100 modules (medians of 2,000, alternated): "
+                 + ", ".join(f"{name} {us:.1f} us" for name, us in entry.items())
+                 + " (the modules walked and matched, one wrapper set and taken off).")
+    return text
 
 
 def region_cost_paragraph(results: dict[str, Any]) -> str:
@@ -613,6 +619,25 @@ def block_scaled_section(results: dict[str, Any]) -> str:
         quartiles = row["quartiles"]
         spread = f" ({quartiles[0]:.2f}-{quartiles[1]:.2f})" if quartiles else ""
         rows.append(f"| {label} | {row['ms_per_step']:.1f} | {row['ratio']:.2f}x{spread} |")
+    return "\n".join(rows)
+
+
+def block_quality_section(results: dict[str, Any]) -> str:
+    """Block-scaled formats' final train loss against bf16 over seeds, and the NVFP4 recipe's ablation (issue 68)."""
+    rows = [f"`python benchmarks/bench_block_quality.py`, {results['created']}, on {machine_line(results['machine'])}: "
+            f"each `ampkit compare` setting at O1 trained {results['steps']} steps per seed, one process per run; final "
+            "train loss as compare's (the mean of the last steps); the ratio is the mean over seeds against bf16's "
+            "mean over the same seeds. `nvfp4` is the full recipe, `nvfp4-plain` the format alone, `nvfp4-no-X` the "
+            "recipe without one part.", "", "| model | setting | seeds | final loss per seed | mean | vs bf16 |",
+            "|---|---|---|---|---|---|"]
+    for label, row in results["summary"].items():
+        model, setting = label.rsplit(" ", 1)
+        finals = " / ".join("diverged" if v is None else f"{v:.4f}" for v in row["finals"].values())
+        if row.get("diverged"):
+            rows.append(f"| {model} | {setting} | {len(row['finals'])} | {finals} | - | - |")
+            continue
+        ratio = f"{(row['vs_bf16'] - 1) * 100:+.1f}%" if row["vs_bf16"] is not None and setting != "bf16" else "-"
+        rows.append(f"| {model} | {setting} | {row['seeds']} | {finals} | {row['mean']:.4f} | {ratio} |")
     return "\n".join(rows)
 
 
@@ -1002,6 +1027,10 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     block = load(directory, "block-scaled.json")
     if block:
         sections += [f"{level} Emulated block-scaled steps against bf16", "", block_scaled_section(block), ""]
+    quality = load(directory, "block-quality.json")
+    if quality:
+        sections += [f"{level} Block-scaled formats against bf16 over seeds, and the NVFP4 recipe's ablation", "",
+                     block_quality_section(quality), ""]
     mechanism = load(directory, "policy-mechanism.json")
     if mechanism:
         sections += [f"{level} An edited policy: a TorchFunctionMode against the Autocast-key kernels", "",

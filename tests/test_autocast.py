@@ -179,7 +179,7 @@ def test_module_override_by_type_keeps_layernorm_in_float32() -> None:
     captured: dict[str, torch.dtype] = {}
     model[1].register_forward_hook(lambda m, i, o: captured.__setitem__("ln_in", i[0].dtype))
     model[3].register_forward_hook(lambda m, i, o: captured.__setitem__("head", o.dtype))
-    with autocast(CPU.with_modules(nn.Linear, dtype=torch.float32)):
+    with autocast(CPU.with_modules(nn.Linear, dtype=torch.float32), model=model):
         model(torch.randn(2, 8))
     assert captured == {"ln_in": torch.float32, "head": torch.float32}
 
@@ -191,51 +191,132 @@ def test_module_override_by_name_pattern() -> None:
     outs: dict[str, torch.dtype] = {}
     for name, module in model.named_children():
         module.register_forward_hook(lambda m, i, o, name=name: outs.__setitem__(name, o.dtype))
-    with autocast(CPU.with_modules("lm_*", dtype=torch.float32)):
+    with autocast(CPU.with_modules("lm_*", dtype=torch.float32), model=model):
         model(torch.randn(2, 8))
     assert outs == {"body": torch.bfloat16, "lm_head": torch.float32}
 
 
-def test_outside_regions_the_module_hooks_return_before_their_eager_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the global hooks stay (after a compiled call traced them), a module call outside regions pays the two
-    hook calls alone, not their eager path's disabled wrapper as well (issue 38; benchmarks/bench_module_hooks.py)."""
-    entered: list[str] = []
-    pre, post = overrides._eager_pre_hook, overrides._eager_post_hook
+def test_overrides_wrap_the_matching_modules_forward_inside_the_region_only() -> None:
+    """Issue 71's rule 2: an override is a forward wrapper on the matching module, set by the region that names the
+    model and put back at its end; no global module hook, and the model outside the region runs as before it."""
+    from torch.nn.modules import module as module_mod
 
-    def counted_pre(module: nn.Module, args: tuple) -> tuple | None:
-        entered.append("pre")
-        return pre(module, args)
-
-    def counted_post(module: nn.Module) -> None:
-        entered.append("post")
-        post(module)
-
-    monkeypatch.setattr(overrides, "_eager_pre_hook", counted_pre)
-    monkeypatch.setattr(overrides, "_eager_post_hook", counted_post)
-    model = nn.Sequential(nn.Linear(8, 8), nn.GELU())
-    overrides.install_hooks()  # as a region with overrides does; here no region is open
-    try:
-        model(torch.randn(2, 8))
-        assert entered == []
-        with autocast(CPU.with_modules(nn.GELU, dtype=torch.float32)):
-            assert model(torch.randn(2, 8)).dtype == torch.float32
-        assert entered == ["pre"] * 3 + ["post"]  # the Sequential and its two layers; the GELU's region closes
-    finally:
-        overrides.release_hooks()
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4))
+    own = lambda x: x * 2  # noqa: E731 - a forward of the module's own, as wrap_forward and libraries set one
+    model[2].forward = own
+    x = torch.randn(2, 8)
+    expected = model(x)
+    policy = CPU.with_modules(nn.GELU, "2", dtype=torch.float32)
+    with autocast(policy, model=model):
+        assert model[1].__dict__["forward"] is not None and model[2].forward is not own  # wrapped
+        assert "forward" not in model[0].__dict__  # not matched: not touched
+        assert not module_mod._global_forward_pre_hooks and not module_mod._global_forward_hooks
+        out = model(x)
+    assert out.dtype == torch.float32 and torch.allclose(out, expected, atol=0.05)  # own forward, inside its region
+    assert "forward" not in model[1].__dict__ and model[2].forward is own  # put back as it was
+    assert torch.equal(model(x), expected)
 
 
-def test_module_override_to_low_dtype_runs_deny_ops_in_16_bits(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(overrides, "_traceable", True)  # a torch whose dynamo can trace the hooks (2.13 on)
-    monkeypatch.setattr(overrides, "_traced", False)  # where no compiled call has traced them
+def test_a_region_with_overrides_and_no_model_is_refused_at_entry_with_the_fix() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    region = autocast(CPU.with_modules(nn.LayerNorm, "head", dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"\(LayerNorm, 'head'\).*autocast\(policy, model=model\)"):
+        with region:
+            model(torch.randn(2, 8))
+    assert state.state.stack == [] and "forward" not in model[1].__dict__
+    with pytest.raises(ValueError, match="model=list is not an nn.Module"):
+        autocast(CPU, model=[model])  # type: ignore[arg-type]
+
+
+def test_an_override_name_that_matches_no_module_is_said_once() -> None:
+    model = nn.Sequential(nn.Linear(8, 8))
+    with pytest.warns(UserWarning, match="'lm_hed' matches no module of the region's Sequential.*'0'"):
+        with autocast(CPU.with_modules("lm_hed", dtype=torch.float32), model=model):
+            model(torch.randn(2, 8))
+
+
+def test_a_float32_override_casts_keyword_inputs_too() -> None:
+    """Rule 6: a forward wrapper sees keyword arguments (torch's global pre-hooks saw positional ones only)."""
+
+    class Scale(nn.Module):
+        def forward(self, x: torch.Tensor, *, weight: torch.Tensor) -> torch.Tensor:
+            return x.dtype, weight.dtype  # type: ignore[return-value]
+
+    model = nn.Sequential(Scale())
+    with autocast(CPU.with_modules(Scale, dtype=torch.float32), model=model):
+        got = model[0](torch.randn(2).bfloat16(), weight=torch.randn(2).bfloat16())
+    assert got == (torch.float32, torch.float32)
+
+
+def test_overrides_apply_in_the_thread_whose_region_wrapped_the_modules_only() -> None:
+    """The wrappers are the module's attributes, seen by every thread: another thread without a region (or with a
+    region of its own) calls the module's own forward meanwhile."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    inside, outside = threading.Event(), threading.Event()
+    seen: dict[str, torch.dtype] = {}
+
+    def other() -> None:
+        inside.wait()
+        seen["other, no region"] = model(torch.randn(2, 8)).dtype
+        with autocast(CPU):
+            seen["other, default region"] = model(torch.randn(2, 8)).dtype
+        outside.set()
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    with autocast(CPU.with_modules("1", dtype=torch.float32), model=model):
+        inside.set()
+        outside.wait()
+        seen["region"] = model(torch.randn(2, 8)).dtype
+    thread.join()
+    assert seen == {"other, no region": torch.float32, "other, default region": torch.bfloat16,
+                    "region": torch.float32}
+    assert "forward" not in model[1].__dict__
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpointed_segment_recomputes_its_overridden_module_in_its_dtype(reentrant: bool) -> None:
+    """The recompute in the backward, after the region closed, re-enters it with its model: the overridden module's
+    wrapper is set again, so the recomputed forward is the forward's, and the gradients equal a run without
+    checkpointing bit for bit (a non-reentrant recompute stops once it has what the backward needs: torch compares
+    what it saves with the forward's)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self, checkpointed: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+            self.head = nn.Linear(8, 2)
+            self.checkpointed = checkpointed
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = checkpoint(self.block, x, use_reentrant=reentrant) if self.checkpointed else self.block(x)
+            return self.head(h)
+
+    policy = CPU.with_ops(deny=["gelu"]).with_modules("block.2", dtype=torch.float32)
+    x = torch.randn(4, 8, requires_grad=reentrant)
+    grads = []
+    for checkpointed in (False, True):
+        model = Net(checkpointed)
+        seen: list[torch.dtype] = []
+        model.block[2].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+        with autocast(policy, model=model):
+            loss = model(x).float().pow(2).sum()
+        loss.backward()
+        assert seen[0] == torch.float32 and set(seen) == {torch.float32}  # the forward, and any recompute's end
+        grads.append([p.grad for p in model.parameters()])
+        assert "forward" not in model.block[2].__dict__
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_module_override_to_low_dtype_runs_deny_ops_in_16_bits() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.Softmax(-1))
     policy = CPU.with_ops(deny=["softmax"])
     with autocast(policy):
         assert model(torch.randn(2, 8)).dtype == torch.float32
-    with autocast(policy.with_modules(nn.Softmax, dtype=torch.bfloat16)):
+    with autocast(policy.with_modules(nn.Softmax, dtype=torch.bfloat16), model=model):
         assert model(torch.randn(2, 8)).dtype == torch.bfloat16
-    # the two global hooks go with the last region where no trace went through them (once one has, they stay:
-    # installed anew, they failed a compiled model's guard at every step; test_compiling.py counts its graphs)
-    assert overrides._hook_handles == []
     x = torch.randn(2, 8)
     assert torch.equal(model(x), model[1](model[0](x))) and model(x).dtype == torch.float32
 
@@ -680,7 +761,7 @@ if sys.argv[1] == "after":
     for policy in (default.with_ops(deny=["linear", "gelu"], allow=["softmax", "mse_loss"]),
                    default.with_modules("2", dtype=torch.float32), default.with_modules(nn.LayerNorm, dtype="bf16"),
                    ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")):
-        with ampkit.autocast(policy):
+        with ampkit.autocast(policy, model=model):
             F.mse_loss(model(x), y).backward()
     model.zero_grad()
 with torch.autocast("cpu", torch.bfloat16):

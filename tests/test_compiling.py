@@ -29,15 +29,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ampkit
-from ampkit import Policy, _compile_torch, _torch, autocast
+from ampkit import Policy, _torch, autocast
 from ampkit.experiment.models import GPT
 from ampkit.formats import block_linear
 
-# What this torch's dynamo can do (torch 2.11 cannot either; the fallbacks are tested below): trace per-module
-# overrides into the graph, and trace a block-scaled linear's backward as eager runs it.
-TRACES_OVERRIDES = _compile_torch.can_trace_module_regions()
+# What this torch's dynamo can do (torch 2.11 cannot; the fallback is tested below): trace a block-scaled linear's
+# backward as eager runs it.
 TRACES_BLOCK_SCALED = block_linear._TRACED
-_overrides_traced = pytest.mark.skipif(not TRACES_OVERRIDES, reason="this torch runs overrides' hooks eagerly")
 # Where a feature falls back on eager code, a graph break at each module it touches: more graphs, eager's numbers.
 _BROKEN = (2, 64)
 
@@ -140,7 +138,7 @@ def test_six_threads_each_under_its_own_policy_share_one_compiled_model_with_eag
 
     def run(i: int) -> None:
         try:
-            with autocast(policies[i]):
+            with autocast(policies[i], model=model):
                 got = [compiled(x) for _ in range(3)]
                 eager = model(x)
             found[i] = all(g.dtype == eager.dtype and torch.equal(g, eager) for g in got), eager.dtype
@@ -158,25 +156,26 @@ def test_six_threads_each_under_its_own_policy_share_one_compiled_model_with_eag
 
 def test_a_model_compiled_under_a_module_override_compiles_once_over_ten_steps() -> None:
     """Issue 39: each region installed the override hooks anew, which failed dynamo's guard on the global hooks:
-    8 graphs over 10 steps (the recompile limit, then eager; with inductor every step compiled again)."""
+    8 graphs over 10 steps (the recompile limit, then eager; with inductor every step compiled again). Each region
+    sets the module's one wrapper again: dynamo's guards on it hold."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
-    policy = CPU.with_modules("2", dtype=torch.float32)
+    model = _gpt()
+    policy = CPU.with_modules("lm_head", dtype=torch.float32)
     counter = _counter()
     compiled = torch.compile(model, backend=counter)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     graphs = []
     for _ in range(10):
-        with autocast(policy):
-            out = compiled(torch.randn(8, 16))
+        with autocast(policy, model=model):
+            out = compiled(torch.randint(0, 256, (2, 16)))
         assert out.dtype == torch.float32  # the overridden head
         out.pow(2).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
         graphs.append(counter.frame_count)
-    # where overrides are traced, one graph; where not (torch 2.11), a graph between module calls, compiled once
-    assert graphs == [1 if TRACES_OVERRIDES else graphs[0]] * 10
+    # the graph before the overridden head, compiled at the first step only
+    assert graphs == [graphs[0]] * 10 and graphs[0] >= 1
 
 
 def test_nested_regions_compiled_give_eager_dtypes_and_the_outer_region_alone_its_own_graph() -> None:
@@ -231,8 +230,9 @@ def _gpt() -> nn.Module:
     return GPT(context=16, d_model=32, n_layers=1, n_heads=2)
 
 
-def _region(policy: Policy | None) -> Callable[[], Any]:
-    return (lambda: autocast(policy)) if policy is not None else contextlib.nullcontext
+def _region(policy: Policy | None) -> Callable[..., Any]:
+    """A region factory taking the model (whose modules a policy's overrides name)."""
+    return (lambda model=None: autocast(policy, model=model)) if policy is not None else contextlib.nullcontext
 
 
 class _Checkpointed(nn.Module):
@@ -267,16 +267,16 @@ def _decorated() -> nn.Module:
 
 # name: (model factory, region around the forward, graphs dynamo makes of it: a count, or its range)
 FEATURES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], int | tuple[int, int]]] = {
-    "torch.autocast": (_gpt, lambda: torch.autocast("cpu", torch.bfloat16), 1),  # the reference count
+    "torch.autocast": (_gpt, lambda model: torch.autocast("cpu", torch.bfloat16), 1),  # the reference count
     "default policy": (_gpt, _region(CPU), 1),
     "edited lists": (_gpt, _region(EDITED), 1),
     "float32 compute": (_gpt, _region(CPU.with_compute("float32")), 1),
     "edited and float32 compute": (_gpt, _region(EDITED.with_compute("float32")), 1),
     "decorated forward": (_decorated, contextlib.nullcontext, 1),
     "checkpoint inside a region": (_Checkpointed, _region(EDITED), 1),
-    "module overrides": (_gpt, _region(OVERRIDES), 1 if TRACES_OVERRIDES else _BROKEN),
-    "module overrides under float32 compute": (_gpt, _region(OVERRIDES.with_compute("float32")),
-                                               1 if TRACES_OVERRIDES else _BROKEN),
+    # a graph ends at each overridden module's call, whose own forward compiles apart (issue 71's rule 2)
+    "module overrides": (_gpt, _region(OVERRIDES), _BROKEN),
+    "module overrides under float32 compute": (_gpt, _region(OVERRIDES.with_compute("float32")), _BROKEN),
     "O1 float32 compute": (_initialized("O1", "float32"), contextlib.nullcontext, 1),
     # O2/O3: the output cast is a forward hook of the model, which torch.compile(model) compiles apart
     "O2 native": (_initialized("O2", "native"), contextlib.nullcontext, 2),
@@ -302,7 +302,7 @@ FEATURES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], int | tupl
 def _step(model: nn.Module, region: Callable[[], Any], idx: torch.Tensor, targets: torch.Tensor,
           call: Callable[..., torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One forward (through ``call``: the model or its compiled wrapper) and backward: the loss and grads."""
-    with region():
+    with region(model):
         logits = (call if call is not None else model)(idx)
     loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
     loss.backward()
@@ -349,36 +349,34 @@ def test_an_edited_policy_breaks_the_graph_no_more_often_than_torch_autocast() -
     """``torch._dynamo.explain`` on the GPT: the same graph and break counts under both."""
     model, idx = _gpt(), torch.randint(0, 256, (2, 16))
     counts = {}
-    for name, region in (("torch.autocast", lambda: torch.autocast("cpu", torch.bfloat16)),
+    for name, region in (("torch.autocast", lambda model: torch.autocast("cpu", torch.bfloat16)),
                          ("edited", _region(EDITED)), ("float32 compute", _region(CPU.with_compute("float32"))),
                          ("module overrides", _region(OVERRIDES))):
         torch._dynamo.reset()
-        with region():
+        with region(model):
             explained = torch._dynamo.explain(model)(idx)
         counts[name] = (explained.graph_count, explained.graph_break_count)
-    if not TRACES_OVERRIDES:  # a break at each overridden module's call (the fallback's own test is below)
-        assert counts.pop("module overrides")[1] > 0
-    assert counts == {"torch.autocast": (1, 0), "edited": (1, 0), "float32 compute": (1, 0),
-                      **({"module overrides": (1, 0)} if TRACES_OVERRIDES else {})}
+    assert counts.pop("module overrides")[1] > 0  # a break at each overridden module's call (rule 2, docs/compile.md)
+    assert counts == {"torch.autocast": (1, 0), "edited": (1, 0), "float32 compute": (1, 0)}
 
 
-@_overrides_traced
-def test_module_overrides_compile_into_one_graph_with_each_module_in_its_dtype() -> None:
-    """The hooks that open a region per matching module are traced (they broke the graph at every module call,
-    5 to 16 graphs): fullgraph, the head in float32 and the MLP's GELU in bfloat16, as eagerly. Names are the
-    model's own also when the compiled wrapper is called (``_orig_mod.lm_head`` would match no pattern)."""
+def test_module_overrides_compile_with_each_module_in_its_dtype() -> None:
+    """Each overridden module's forward wrapper runs eagerly and the module's own forward compiles inside its
+    override's region: the head in float32 and the MLP's GELU in bfloat16, as eagerly, the same values."""
     torch._dynamo.reset()
     idx = torch.randint(0, 256, (2, 16))
     model = _gpt()
     seen: list[tuple[str, torch.dtype]] = []
     for name in ("lm_head", "blocks.0.mlp.1", "blocks.0.ln1"):
         model.get_submodule(name).register_forward_hook(lambda m, a, out, name=name: seen.append((name, out.dtype)))
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    with autocast(OVERRIDES):
+    counter = _counter()
+    compiled = torch.compile(model, backend=counter)
+    with autocast(OVERRIDES, model=model):
         eager, got = model(idx), compiled(idx)
     assert torch.equal(eager, got)
     expected = [("blocks.0.ln1", torch.float32), ("blocks.0.mlp.1", torch.bfloat16), ("lm_head", torch.float32)]
-    assert seen == expected * 2  # eager, then compiled (the hooks run while dynamo traces)
+    assert seen == expected * 2  # eager, then compiled
+    assert counter.frame_count > 1
 
 
 class _BreakingHead(nn.Module):
@@ -404,59 +402,30 @@ class _BreakingModel(nn.Module):
         return self.last(self.head(self.first(x)).relu())
 
 
-@_overrides_traced
-def test_a_graph_break_inside_an_overridden_module_keeps_the_module_in_its_dtype() -> None:
-    """dynamo meets the break after it traced the module's hook into the graph, then traces again, breaking
-    before the module's call: the region the first trace opened is closed (dynamo's cleanup hooks), and the
-    module runs under its eager hooks. Eager dtypes and values; the thread's region stack is left as it was."""
+@pytest.mark.parametrize("nested_graph_breaks", [False, True])
+def test_a_graph_break_inside_an_overridden_module_keeps_the_module_in_its_dtype(nested_graph_breaks: bool) -> None:
+    """The module's own forward compiles as a frame of its own inside its override's region, so a graph break
+    inside it splits that frame's graph there, in the region: eager dtypes and values, the thread's region stack
+    as it was. (Rule 6: with dynamo's ``nested_graph_breaks`` this was refused, the graph ending inside the
+    module with the module's region traced open.)"""
     from ampkit.precision.state import state
 
+    if nested_graph_breaks and not hasattr(torch._dynamo.config, "nested_graph_breaks"):
+        pytest.skip(f"torch {torch.__version__}'s dynamo has no nested_graph_breaks")
     torch._dynamo.reset()
     model, x = _BreakingModel(), torch.randn(3, 8)
     seen: list[torch.dtype] = []
     for module in (model.first, model.head.a, model.head.b, model.last):
         module.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
-    with autocast(CPU.with_modules("head", dtype=torch.float32)):
-        eager = model(x)
-        got = torch.compile(model, backend="aot_eager")(x)
-        assert len(state.stack) == 1 and state.traced_modules == []
-    assert seen == [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16] * 2
-    assert torch.equal(eager, got)
-    assert state.stack == [] and not torch.is_autocast_enabled("cpu")
-
-
-@_overrides_traced
-def test_a_graph_ending_inside_an_overridden_module_is_refused_at_every_call() -> None:
-    """With ``nested_graph_breaks`` dynamo ends the graph inside the module: the rest of it would run outside
-    its override. A RuntimeError naming the way out, at every call (nothing is cached), the stack intact."""
-    from ampkit.precision.state import state
-
-    torch._dynamo.reset()
-    model, x = _BreakingModel(), torch.randn(3, 8)
     compiled = torch.compile(model, backend="aot_eager")
-    with torch._dynamo.config.patch(nested_graph_breaks=True), autocast(CPU.with_modules("head", dtype=torch.float32)):
-        for _ in range(2):
-            with pytest.raises(RuntimeError, match="inside a module that a per-module override.*nested_graph_breaks"):
-                compiled(x)
-            assert len(state.stack) == 1 and torch.get_autocast_dtype("cpu") == torch.bfloat16
-
-
-def test_without_the_dynamo_privates_overrides_break_the_graph_at_module_calls_with_eager_results(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where this torch lacks what tracing the hooks needs, they run eagerly inside compiled code, as before."""
-    from ampkit import _compile_torch
-    from ampkit.precision import overrides
-
-    monkeypatch.setattr(_compile_torch, "can_trace_module_regions", lambda: False)
-    monkeypatch.setattr(overrides, "_traceable", False)
-    torch._dynamo.reset()
-    idx, targets = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
-    eager_model, compiled_model = _gpt(), _gpt()
-    counter = _counter()
-    eager = _step(eager_model, _region(OVERRIDES), idx, targets)
-    compiled = _step(compiled_model, _region(OVERRIDES), idx, targets, torch.compile(compiled_model, backend=counter))
-    assert counter.frame_count > 1  # a break at module calls
-    assert torch.equal(eager[0], compiled[0]) and all(torch.equal(eager[1][n], compiled[1][n]) for n in eager[1])
+    settings = torch._dynamo.config.patch(nested_graph_breaks=True) if nested_graph_breaks else contextlib.nullcontext()
+    with settings, autocast(CPU.with_modules("head", dtype=torch.float32), model=model):
+        eager = model(x)
+        got = [compiled(x) for _ in range(2)]
+        assert len(state.stack) == 1
+    assert seen == [torch.bfloat16, torch.float32, torch.float32, torch.bfloat16] * 3
+    assert all(torch.equal(eager, g) for g in got)
+    assert state.stack == [] and not torch.is_autocast_enabled("cpu")
 
 
 def test_a_region_opened_inside_compiled_code_gives_its_dtypes() -> None:
@@ -608,7 +577,7 @@ def test_compiled_float32_compute_saves_its_activations_in_16_bits_as_eager_does
                 float32[storage.data_ptr()] = storage.nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), region():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), region(model):
             call(idx)
         saved[mode] = sum(float32.values())
     assert 0 < saved["compiled"] <= saved["eager"]
@@ -626,7 +595,7 @@ def test_inductor_compiles_each_policy_to_its_dtypes_within_tolerance(policy: Po
     model, idx = _gpt(), torch.randint(0, 256, (2, 16))
     compiled = torch.compile(model, backend="inductor")
     for region in (policy, CPU, policy):
-        with autocast(region):
+        with autocast(region, model=model):
             got, eager = compiled(idx), model(idx)
         assert got.dtype == eager.dtype == (torch.float32 if region is OVERRIDES else torch.bfloat16)  # the head
         torch.testing.assert_close(got.float(), eager.float(), atol=0.05, rtol=0.05)

@@ -320,7 +320,7 @@ def test_edited_policies_and_overrides_work_in_float32_compute() -> None:
     model[2].register_forward_hook(lambda m, i, o: seen.__setitem__("head", o.dtype))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with ampkit.autocast(policy.with_ops(deny=["gelu"]).with_modules("2", dtype=torch.float32)):
+        with ampkit.autocast(policy.with_ops(deny=["gelu"]).with_modules("2", dtype=torch.float32), model=model):
             out = model(torch.randn(2, 8))
     assert seen == {"gelu": torch.float32, "head": torch.float32}
     out.sum().backward()

@@ -589,3 +589,19 @@ def test_compile_reduce_overhead_compiles_every_run_with_cuda_graphs_and_the_est
     timed.clear()
     cost.estimate([dataclasses.replace(configs[0], compile_mode="default")])
     assert asked[1:] == ["reduce-overhead", "default"] and plain - len(timed) == cost.CUDA_GRAPH_STEPS - 1
+
+
+def test_the_nvfp4_ablation_settings_each_remove_one_part_of_the_recipe_and_plain_removes_all() -> None:
+    """compare's NVFP4 settings (the ablation of benchmarks/bench_block_quality.py): the recipe has its four parts,
+    each ``nvfp4-no-X`` lacks exactly its own, ``nvfp4-plain`` every one."""
+    from ampkit.experiment.config import BLOCK_RECIPES, PRECISIONS
+
+    parts = {"tiles": "weight_tiles", "sr": "stochastic_gradients", "hadamard": "hadamard", "kept": "keep_first_last"}
+
+    def on(name: str) -> set[str]:
+        return {part for part, field in parts.items() if getattr(BLOCK_RECIPES[name], field)}
+
+    assert on("nvfp4") == set(parts) and on("nvfp4-plain") == set()
+    for part in parts:
+        assert on(f"nvfp4-no-{part}") == set(parts) - {part} and f"nvfp4-no-{part}" in PRECISIONS
+    assert "nvfp4-plain" in PRECISIONS and BLOCK_RECIPES["nvfp4-plain"].format == "nvfp4"

@@ -212,14 +212,14 @@ def test_a_module_override_compiles_once_and_gives_eagers_result(case: Case) -> 
 
     last = [name for name, m in case.model.named_modules() if isinstance(m, nn.Linear)][-1]
     policy = BF16.with_modules(last, dtype=torch.float32)
-    with ampkit.autocast(policy):
+    with ampkit.autocast(policy, model=case.model):
         eager, _ = _step(case)
     torch._dynamo.reset()
     counter = CompileCounter()
     compiled = torch.compile(case.model, backend=counter)
     graphs = []
     for _ in range(3):
-        with ampkit.autocast(policy):
+        with ampkit.autocast(policy, model=case.model):
             loss, _ = _step(case, compiled)
         graphs.append(counter.frame_count)
     assert graphs == [graphs[0]] * 3

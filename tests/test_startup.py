@@ -34,7 +34,7 @@ for name in ampkit.__all__:
 model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
 policy = ampkit.Policy.default("cpu", torch.bfloat16, compute="float32").with_ops(deny=["gelu"]).with_modules(
     nn.LayerNorm, dtype=torch.float32)
-with ampkit.autocast(policy):
+with ampkit.autocast(policy, model=model):
     loss = model(torch.randn(2, 8)).float().sum()
 scaler = ampkit.DynamicLossScaler()
 scaler.scale(loss).backward()
@@ -58,7 +58,7 @@ for argv in (["--help"], ["ops", "--help"]):
 
 @pytest.mark.slow  # a compile: over 5 s here
 def test_compiling_after_eager_use_marks_ampkit_for_dynamo_as_it_is_imported() -> None:
-    """The marks (``torch.compiler.disable`` on a region's entry, the override hooks' constants) are made when
+    """The marks (``torch.compiler.disable`` on a region's entry and on the override wrappers' code) are made when
     torch.compile first imports dynamo, before it traces: a model whose forward opens a region, compiled after
     eager regions ran, gives the eager dtypes, and the region's entry is not traced. (A decorator imports dynamo
     when it decorates: the function dynamo must skip is the one it returns.)"""
@@ -77,7 +77,7 @@ class Net(nn.Module):
         self.linear, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
 
     def forward(self, x):
-        with ampkit.autocast(policy):
+        with ampkit.autocast(policy, model=self):
             return self.norm(self.linear(x)).to(torch.bfloat16) @ self.linear.weight.T
 
 model, x = Net(), torch.randn(4, 8)
@@ -91,18 +91,17 @@ print(getattr(ampkit.autocast.__enter__, "_torchdynamo_disable", False))
     assert _run(code).splitlines() == ["False", "True True", "True"]
 
 
-def test_override_hooks_installed_before_dynamo_is_imported_give_way_to_the_ones_it_traces() -> None:
-    """An override region open when torch.compile first imports dynamo: its global hooks, installed as plain
-    functions, are replaced by the stand-ins dynamo never compiles as frames of their own (``overrides.
-    _on_dynamo_import``). A graph break inside the overridden module then runs it under its eager hooks, in its
-    dtype, and leaves the region stack as it was (compiled as frames, the plain hooks made a graph end inside the
-    module's region: refused)."""
+def test_override_wrappers_set_before_dynamo_is_imported_are_never_traced() -> None:
+    """An override region open when torch.compile first imports dynamo: the module's wrapper, made before, runs its
+    override eagerly (its code is marked as dynamo is imported), and a graph break inside the overridden module
+    runs it in its dtype and leaves the region stack as it was."""
     code = """
 import sys, warnings
 warnings.simplefilter("ignore")
 import torch
 from torch import nn
 import ampkit
+from ampkit.precision import overrides
 from ampkit.precision.state import state
 
 class Head(nn.Module):
@@ -121,14 +120,14 @@ seen = []
 for module in (model[1].a, model[1].b, model[2]):
     module.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
 policy = ampkit.Policy.default("cpu", torch.bfloat16, compute="native").with_modules("1", dtype=torch.float32)
-with ampkit.autocast(policy):
+with ampkit.autocast(policy, model=model):
     eager = model(x)
     print("torch._dynamo" in sys.modules)
     got = torch.compile(model, backend="aot_eager")(x)
-    print(len(state.stack))
+    print(len(state.stack), getattr(overrides._overridden, "_torchdynamo_disable", False))
 print(seen == [torch.float32, torch.float32, torch.bfloat16] * 2, torch.equal(eager, got), state.stack == [])
 """
-    assert _run(code).splitlines() == ["False", "1", "True True True"]
+    assert _run(code).splitlines() == ["False", "1 True", "True True True"]
 
 
 def test_dynamo_imported_after_a_library_only_asked_for_its_spec_still_gets_the_marks() -> None:

@@ -131,18 +131,10 @@ def test_first_use_on_a_torch_without_a_private_warns_once_naming_it() -> None:
     assert done.stderr.count("TorchVersionWarning") == 1 and "lacks torch._foreach_copy_" in done.stderr
 
 
-def test_the_loans_that_wait_on_torch_still_have_no_public_route() -> None:
-    # Two of the privates ampkit keeps (issue 38) wait on torch itself: each assert fails on the first torch release
-    # CI tests that gives the public route, naming the loan that can go from that release on.
+def test_the_loan_that_waits_on_torch_still_has_no_public_route() -> None:
+    # A private ampkit keeps (issue 38) waits on torch itself: the assert fails on the first torch release CI tests
+    # that gives the public route, naming the loan that can go from that release on.
     import importlib.util
 
-    import torch._functorch.config as functorch_config
-
-    assert functorch_config.backward_pass_autocast == "same_as_forward", (
-        f"torch {torch.__version__} traces a compiled backward without autocast by default (pytorch/pytorch#177287): "
-        "_compile_torch.trace_backward_without_autocast, which sets torch._functorch.config.backward_pass_autocast "
-        "to 'off' for a graph with a float32 module, is not needed on it")
-    assert "backward_pass_autocast" not in torch.compiler.config.get_config_copy(), (
-        f"torch {torch.__version__} has a public setting for it: take it there instead of the private one")
     assert importlib.util.find_spec("torch.utils.pytree") is None, (
         f"torch {torch.__version__} has a public torch.utils.pytree: _torch.pytree can be taken from it")

@@ -10,8 +10,8 @@ instead of switching a feature off silently.
 Checked on the torch releases CI tests, ``CHECKED`` (pyproject.toml's ``[tool.ampkit] tested-torch``;
 ``tests/test_torch_versions.py`` keeps the two equal): ``tests/test_torch_shim.py`` runs on each. A range
 in a docstring below is where the name was found; where releases differ, the wrapper says how.
-This module imports nothing of ampkit. dynamo's and inductor's privates are wrapped in
-``_compile_torch.py`` (ampkit's hooks into torch.compile) and checked here, in ``missing()``.
+This module imports nothing of ampkit. None of dynamo's privates is used (``_compile_torch.py`` holds the public
+marks that keep torch.compile off ampkit's own code).
 """
 
 from __future__ import annotations
@@ -181,30 +181,13 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "torch._guards.TracingContext.try_get": lambda: getattr(_module("torch._guards"), "TracingContext").try_get,
     "torch._amp_foreach_non_finite_check_and_unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_,
     "torch._foreach_copy_": lambda: torch._foreach_copy_,
-    "torch._dynamo.eval_frame.OptimizedModule":
-        lambda: getattr(_module("torch._dynamo.eval_frame"), "OptimizedModule", None),
-    "InstructionTranslator.current_tx": lambda: __import__("torch._dynamo.symbolic_convert").
-        _dynamo.symbolic_convert.InstructionTranslator.current_tx,
-    "OutputGraph.add_cleanup_hook, compile_and_call_fx_graph": lambda: (
-        getattr(_module("torch._dynamo.output_graph"), "OutputGraph", None) and all(
-            hasattr(torch._dynamo.output_graph.OutputGraph, name)
-            for name in ("add_cleanup_hook", "compile_and_call_fx_graph")) or None),
-    "torch._functorch.config.backward_pass_autocast": lambda: hasattr(_module("torch._functorch.config"),
-                                                                      "backward_pass_autocast") or None,
 }
 
 
-# Looking these up imports torch.compile's modules (slow): the check at import leaves them to the features using them.
-_COMPILE_MODULES = ("torch._dynamo", "torch._functorch", "torch.distributed", "Instruc", "OutputG")
-
-
-def missing(*, compile_modules: bool = True) -> list[str]:
-    """The privates above that the running torch lacks (empty on a supported torch); without
-    ``compile_modules``, those in torch.compile's modules are not looked up."""
+def missing() -> list[str]:
+    """The privates above that the running torch lacks (empty on a supported torch)."""
     absent = []
     for name, get in _NEEDED.items():
-        if not compile_modules and name.startswith(_COMPILE_MODULES):
-            continue
         try:
             if get() is None:
                 absent.append(name)
@@ -214,8 +197,8 @@ def missing(*, compile_modules: bool = True) -> list[str]:
 
 
 # Checked once, at import, against the running torch: one warning naming what is missing (each feature
-# then says what it does without it, at its first call; torch.compile's are said by the features that use them).
-if absent := missing(compile_modules=False):
+# then says what it does without it, at its first call).
+if absent := missing():
     warnings.warn(f"torch {torch.__version__} lacks {', '.join(absent)}, which ampkit was checked with "
                   f"({_CHECKED_ON}); the features that need them fall back or refuse at their first call, saying so.",
                   TorchVersionWarning, stacklevel=2)

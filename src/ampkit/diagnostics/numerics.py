@@ -165,7 +165,7 @@ def policy_region(model: nn.Module, policy: Policy | torch.autocast | None) -> c
     if isinstance(policy, torch.autocast):
         return policy
     if policy is not None:
-        return autocast(policy)
+        return autocast(policy, model=model)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     return torch.autocast(device.type, enabled=False)
 

@@ -30,7 +30,6 @@ a return rounds them to 16 bits again. Without masters (O3) nothing of the layer
 from __future__ import annotations
 
 import functools
-import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ampkit import _compile_torch
 from ampkit._torch import pytree
 from ampkit.formats.block_linear import BlockScaledLinear, quantize_operand
 from ampkit.formats.fp8 import Fp8Linear, cast_fractions, fp8_max
@@ -249,7 +249,7 @@ def raise_layer(model: nn.Module, name: str, master_of: MasterOf | None = None) 
     in_float32.before = forward  # type: ignore[attr-defined]  # what lower_layer puts back
     in_float32.weights = _weights_in_float32(module, master_of)  # type: ignore[attr-defined]  # and their dtypes
     run_eagerly = in_float32
-    if "torch._dynamo" in sys.modules:  # a compiled model's raised layer runs eagerly, a graph break at it: a backward
+    if _compile_torch.dynamo_imported():  # a compiled model's raised layer runs eagerly, a graph break at it: a backward
         # AOTAutograd traced would run under the forward's outer autocast (16-bit GEMMs), and the float16 overflow it
         # was raised for came back at every step (a dynamic scaler skipped on, down to a scale of 1)
         run_eagerly = torch.compiler.disable(in_float32)

@@ -74,9 +74,11 @@ class _AmpkitCore:
         self._exact: dict[int, torch.Tensor] = {}  # O2: float32 weights before the cast, for exact masters
         self._stepped: dict[int, bool] = {}  # id(inner optimizer) -> whether its last step was taken
         self._logged: tuple[float, float] | None = None  # (skipped steps, scale) as last logged
+        self._model: nn.Module | None = None  # convert_module's: the policy's overrides name its modules
 
     def _region(self) -> contextlib.AbstractContextManager[Any]:
-        return forward_context(self.level, self.device, self.dtype, self.compute, self.policy)  # initialize's
+        return forward_context(self.level, self.device, self.dtype, self.compute, self.policy,  # initialize's
+                               model=self._model)
 
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
@@ -157,6 +159,7 @@ class AmpkitPrecision(_AmpkitCore, Precision):
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         """FP8 linears if asked; O2/O3: cast the model as ``ampkit.initialize`` does (in place: DDP wraps it next)."""
+        self._model = module
         if self.fp8 is not None:
             dist = torch.distributed
             group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
@@ -266,6 +269,7 @@ class AmpkitFabricPrecision(_AmpkitCore, FabricPrecision):
         self._configure(opt_level, dtype, policy=policy, scaler=scaler, compute=compute, device=device)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
+        self._model = module
         initialized = getattr(module, "_ampkit_opt_level", None)
         if self.level.masters:
             if initialized != self.opt_level:

@@ -203,14 +203,14 @@ def cast_model_(model: nn.Module, level: OptLevel, dtype: torch.dtype,
 
 
 def forward_region(level: OptLevel, device_type: str, dtype: torch.dtype, compute: str,
-                   policy: Policy | None = None) -> autocast | None:
+                   policy: Policy | None = None, model: nn.Module | None = None) -> autocast | None:
     """The ampkit region a model's forward runs in at ``level``: O1's policy (``policy``, or the default one); at
     O2 and O3 the 16-bit model's policy where it computes some ops in float32; else None. With
     ``level.losses_in_float32`` the forward also runs under ``kept.Float32Losses``: ``initialize`` and
     ``fully_shard`` wrap the forward in both (``forward_wrappers``), the Lightning plugins enter both around each
-    step (``forward_context``)."""
+    step (``forward_context``, with the ``model`` the policy's overrides name)."""
     if level.policy_region:
-        return autocast(policy or Policy.default(device_type, dtype, compute=compute))
+        return autocast(policy or Policy.default(device_type, dtype, compute=compute), model=model)
     if not level.weights_16bit:
         return None
     model16 = Policy.for_16bit_model(device_type, dtype, compute)
@@ -227,12 +227,12 @@ def forward_wrappers(level: OptLevel, device_type: str, dtype: torch.dtype, comp
 
 @contextlib.contextmanager
 def forward_context(level: OptLevel, device_type: str, dtype: torch.dtype, compute: str,
-                    policy: Policy | None = None) -> Iterator[None]:
+                    policy: Policy | None = None, model: nn.Module | None = None) -> Iterator[None]:
     """What ``forward_wrappers`` wraps a forward in, as one context for code that runs the forward itself."""
     with contextlib.ExitStack() as stack:
         if level.losses_in_float32:
             stack.enter_context(Float32Losses())
-        region = forward_region(level, device_type, dtype, compute, policy)
+        region = forward_region(level, device_type, dtype, compute, policy, model)
         if region is not None:
             stack.enter_context(region)
         yield

@@ -25,7 +25,7 @@ from ampkit.planning.selective import OpRecorder, contexts
 from ampkit.precision.op_lists import DEVICE_TYPES
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
-from ampkit.precision.state import current_policy
+from ampkit.precision.state import current_region
 
 WHOLE = ""  # the whole model as a segment: its name in named_modules()
 _OUTSIDE = "(outside the model)"  # what the loss saves: no plan reaches it
@@ -102,7 +102,8 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
     inputs: dict[str, dict[int, int]] = {}
     times: dict[str, list[float]] = {name: [] for name, _ in chosen}
     started: dict[str, float] = {}
-    seen: dict[str, tuple[tuple, dict, list[Policy]]] = {}  # block -> its inputs and the policies it ran under
+    # block -> its inputs and the policies it ran under, each with the model its overrides name
+    seen: dict[str, tuple[tuple, dict, list[tuple[Policy, nn.Module | None]]]] = {}
     recorder = OpRecorder(lambda: active[-1] if active and active[-1] != WHOLE else None)
     recording = [False]
 
@@ -124,7 +125,8 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
                             for a in module_args if isinstance(a, torch.Tensor)}
             if recording[0] and name != WHOLE:
                 _check_replayable(name, module_args, module_kwargs)
-                seen[name] = (module_args, module_kwargs, [p for p in map(current_policy, DEVICE_TYPES) if p is not None])
+                seen[name] = (module_args, module_kwargs, [(r.policy, r.model) for r in map(current_region, DEVICE_TYPES)
+                                                            if r is not None and r.policy is not None])
             active.append(name)
             _sync(module_args)
             started[name] = time.perf_counter()
@@ -142,7 +144,7 @@ def measure(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
     times[WHOLE] = []
     handles = [h for name, m in candidates for h in (m.register_forward_pre_hook(before(name), with_kwargs=True),
                                                       m.register_forward_hook(after(name)))]
-    region = autocast(policy) if policy is not None else contextlib.nullcontext()
+    region = autocast(policy, model=model) if policy is not None else contextlib.nullcontext()
     try:
         with untouched(model):
             for repeat in range(repeats + 1):
@@ -183,7 +185,7 @@ def step_ms(model: nn.Module, sample_inputs: Any, loss_fn: Callable[[Any], torch
     args = sample_inputs if isinstance(sample_inputs, tuple) else (sample_inputs,)
     loss_fn = loss_fn or (lambda out: out.float().pow(2).mean())
     params = [p for p in model.parameters() if p.requires_grad]
-    region = autocast(policy) if policy is not None else contextlib.nullcontext()
+    region = autocast(policy, model=model) if policy is not None else contextlib.nullcontext()
 
     def step(plan: tuple[list[tuple[str, ...]], set[str]]) -> float:
         with installed(model, *plan), region:
@@ -247,7 +249,7 @@ def _detached(value: Any) -> Any:
     return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
 
 
-def _recompute_ms(module: nn.Module, args: tuple, kwargs: dict, policies: list[Policy],
+def _recompute_ms(module: nn.Module, args: tuple, kwargs: dict, policies: list[tuple[Policy, nn.Module | None]],
                   repeats: int) -> tuple[float, float]:
     """What recomputing ``module`` adds to a step, whole and selective (ms): its own forward and backward
     on ``args`` and ``kwargs`` under ``policies``, checkpointed less plain, paired runs in alternating order,
@@ -255,8 +257,8 @@ def _recompute_ms(module: nn.Module, args: tuple, kwargs: dict, policies: list[P
     def step(context_fn: Callable[[], Any] | None) -> float:
         inputs, keywords = _detached(args), _detached(kwargs)
         with contextlib.ExitStack() as stack:
-            for policy in policies:
-                stack.enter_context(autocast(policy))
+            for policy, model in policies:  # each with the model its overrides name
+                stack.enter_context(autocast(policy, model=model))
             _sync(inputs)
             started = time.perf_counter()
             if context_fn is None:

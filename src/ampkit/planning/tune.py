@@ -139,7 +139,7 @@ def _run(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
     run = _Run([], [], 0)
     for measured in ([False] if warm_up else []) + [True]:
         for i, (x, y) in enumerate(batches):
-            with autocast(policy):
+            with autocast(policy, model=model):
                 if measured and i == 0:
                     loss, run.saved_bytes = saved_bytes_of_step(model, lambda: loss_fn(model(x), y))
                 else:
@@ -159,7 +159,7 @@ def _layer_ms(variants: dict[str, nn.Module], x: torch.Tensor, policy: Policy, r
     def step(module: nn.Module) -> float:
         inputs = x.detach().requires_grad_()
         started = time.perf_counter()
-        with autocast(policy):
+        with autocast(policy.ops_only):  # one linear: the model's module names are not its own
             out = module(inputs)
         torch.autograd.grad(out, [inputs, *module.parameters()], torch.ones_like(out), allow_unused=True)
         if out.is_cuda:
@@ -185,7 +185,7 @@ def _inputs(model: nn.Module, names: list[str], batch: Any, policy: Policy) -> d
     handles = [modules[name].register_forward_pre_hook(
         lambda m, args, name=name: seen.setdefault(name, args[0].detach())) for name in names]
     try:
-        with torch.no_grad(), autocast(policy):
+        with torch.no_grad(), autocast(policy, model=model):
             model(batch[0])
     finally:
         for handle in handles:

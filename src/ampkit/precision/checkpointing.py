@@ -29,9 +29,9 @@ from ampkit.precision.state import current_policy, current_region, warn_once
 
 # Activation checkpointing
 
-# Enters a region for a policy: ampkit.autocast, handed over by regions.py (which imports
-# this module, so it cannot be imported here).
-EnterRegion = Callable[[Policy], contextlib.AbstractContextManager[Any]]
+# Enters a region for a policy and the model its overrides name: ampkit.autocast, handed over by regions.py (which
+# imports this module, so it cannot be imported here).
+EnterRegion = Callable[..., contextlib.AbstractContextManager[Any]]
 
 _lock = threading.Lock()
 _count = 0  # the open regions that need the replacements
@@ -45,14 +45,15 @@ def _reentering(fn: Callable[..., Any], enter: EnterRegion) -> Callable[..., Any
     policies = [region.policy for region in regions if region.policy is not None]
     if not policies:  # no region, or one under a plain torch.autocast of its own: torch's own recompute is right
         return fn
+    models = [region.model for region in regions if region.policy is not None]
 
     @functools.wraps(fn)
     def recompute(*args: Any, **kwargs: Any) -> Any:
         with contextlib.ExitStack() as stack:
-            for policy in policies:
+            for policy, model in zip(policies, models):
                 # In the forward, and in a backward inside the region, the policy is in force already.
                 if current_policy(policy.device_type) is not policy:
-                    stack.enter_context(enter(policy))
+                    stack.enter_context(enter(policy, model=model))
             return fn(*args, **kwargs)
 
     if not torch.compiler.is_dynamo_compiling():

@@ -71,8 +71,8 @@ def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> Ca
         if policy is None:
             return bwd(ctx, *grads)
         # Inside torch's restored autocast state (the forward's), the forward's policy entered again: the
-        # backward usually runs after its region has closed.
-        with autocast(policy):
+        # backward usually runs after its region has closed (its per-module overrides apply to forwards only).
+        with autocast(policy.ops_only):
             return bwd(ctx, *grads)
 
     return torch.amp.custom_bwd(under_policy, device_type=device_type)

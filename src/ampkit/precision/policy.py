@@ -266,6 +266,11 @@ class Policy:
         added = tuple(ModuleOverride(p, dtype) for p in patterns)
         return dataclasses.replace(self, overrides=self.overrides + added)
 
+    @functools.cached_property
+    def ops_only(self) -> Policy:
+        """This policy without its module overrides (for code that calls no module of the model: a backward)."""
+        return dataclasses.replace(self, overrides=()) if self.overrides else self
+
     def with_compute(self, compute: str) -> Policy:
         """This policy with another compute mode (``"auto"``, ``"native"``, ``"float32"``)."""
         return dataclasses.replace(self, compute=check_compute(compute))

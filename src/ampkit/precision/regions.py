@@ -2,8 +2,8 @@
 
 ``autocast`` enters torch.autocast with the policy's dtype and pushes a region on the
 calling thread's stack (``state.py``); the ops the policy handles unlike torch.autocast
-get dispatcher kernels (``kernels.py``), per-module overrides get module hooks
-(``overrides.py``), and checkpointed segments recompute under the region
+get dispatcher kernels (``kernels.py``), the model's modules that per-module overrides match
+get forward wrappers (``overrides.py``), and checkpointed segments recompute under the region
 (``checkpointing.py``).
 """
 
@@ -43,6 +43,8 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         policy: the Policy; defaults to ``Policy.default()`` for the CPU.
         enabled: False (or a disabled policy) turns autocasting off inside the
             region, also inside an enclosing enabled region. Default True.
+        model: the module whose modules the policy's per-module overrides match (names relative to it).
+            Needed by a ``with`` region whose policy has overrides; a decorated ``forward`` takes its own module.
 
     Nestable, re-entrant and thread-safe: one instance can decorate a
     ``forward`` that runs in several threads at once. Casts of float32 weights
@@ -65,7 +67,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         into its graph and runs only under that policy (docs/compile.md).
     """
 
-    def __init__(self, policy: Policy | None = None, *, enabled: bool = True) -> None:
+    def __init__(self, policy: Policy | None = None, *, enabled: bool = True, model: nn.Module | None = None) -> None:
         policy = policy if policy is not None else Policy.default("cpu")
         if not isinstance(policy, Policy):
             raise ValueError(
@@ -74,6 +76,10 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             )
         if not isinstance(enabled, bool):
             raise ValueError(f"enabled={enabled!r} is not a bool: pass True or False (as torch.autocast).")
+        if model is not None and not isinstance(model, nn.Module):
+            raise ValueError(f"model={type(model).__name__} is not an nn.Module: pass the model whose modules the "
+                             "policy's overrides name, or leave it out.")
+        self.model = model
         if policy.enabled and policy.device_type == "cuda" and not torch.cuda.is_available():
             # torch.autocast warns and disables itself here; so does ampkit (a decorated function must not
             # break the import of its module on a machine without CUDA).
@@ -83,7 +89,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         self.policy = policy if enabled else policy.disabled()
         self.float32_ops = float32_ops(self.policy) if self.policy.enabled else frozenset()
         self._kernel_ops = kernel_ops(self.policy, self.float32_ops) if self.policy.enabled else frozenset()
-        self._hooks = bool(self.policy.enabled and self.policy.overrides)  # module overrides need the global hooks
+        self._overrides = bool(self.policy.enabled and self.policy.overrides)  # wrap the model's matching modules
         # torch.compile guards on torch.autocast's state: a policy that differs carries a guard of its own
         self._guard = (compiling.guard_for(self.policy, self.float32_ops)
                        if self.policy.enabled and compiling.needs_guard(self.policy, self._kernel_ops) else None)
@@ -96,16 +102,29 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
                       SlowPrecisionWarning)
 
     def __enter__(self) -> autocast:
+        self._enter(self.model, root=True)
+        return self
+
+    def _enter(self, model: nn.Module | None, root: bool) -> None:
+        """Open the region; with overrides, wrap ``model``'s matching modules (``model`` itself with ``root``)."""
         policy = self.policy
+        modules = None
+        if self._overrides:
+            if model is None:
+                raise ValueError(
+                    f"This policy's per-module overrides ({', '.join(map(overrides.pattern_name, policy.overrides))}) "
+                    "name modules of a model the region does not know: pass it, ampkit.autocast(policy, "
+                    "model=model), or decorate the model's forward with ampkit.autocast(policy).")
+            modules = overrides.matches(model, policy, root=root)
         if policy.enabled:
             ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
         else:
             ctx = torch.autocast(policy.device_type, enabled=False)
-        if self._hooks:
-            overrides.install_hooks()
         if self._kernel_ops:
             registry.acquire(policy.device_type, self._kernel_ops)
             checkpointing.acquire(autocast)  # torch restores its own autocast state on recompute, not ampkit's
+        if modules:
+            overrides.install(modules)
         ctx.__enter__()
         guard_type = self._guard
         if guard_type is None and any(region.guard is not None for region in state.stack):
@@ -114,8 +133,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             guard_type = compiling.guard_for(self.policy, self.float32_ops)
         guard = compiling.enter(guard_type) if guard_type is not None else None
         state.stack.append(Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops,
-                                  guard))
-        return self
+                                  guard, model, modules))
 
     def __exit__(self, *exc: object) -> None:
         if not state.stack:
@@ -124,8 +142,8 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         if region.guard is not None:
             region.guard.__exit__(*exc)
         region.ctx.__exit__(*exc)
-        if self._hooks:
-            overrides.release_hooks()
+        if region.modules:
+            overrides.uninstall(region.modules)
         if self._kernel_ops:
             registry.release(self.policy.device_type, self._kernel_ops)
             checkpointing.release()
@@ -141,10 +159,13 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         @functools.partial(torch.compiler.disable, recursive=False)
         @functools.wraps(fn)  # torch.jit.script cannot compile an ampkit region: use torch.autocast in scripted code
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if self.policy.overrides and args and isinstance(args[0], nn.Module):
-                overrides.name_modules(args[0])  # a decorated forward: names are relative to its module
-            with self:
+            # a decorated forward: overrides name its own module's modules (it runs already: not itself)
+            own = args[0] if self._overrides and args and isinstance(args[0], nn.Module) else None
+            self._enter(own if own is not None else self.model, root=own is None)
+            try:
                 return fn(*args, **kwargs)
+            finally:
+                self.__exit__(None, None, None)
 
         # torch.jit.script would compile the undecorated function (it follows __wrapped__) and
         # silently drop the policy; this attribute makes it refuse instead.
@@ -155,4 +176,5 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
 # The region opens and closes eagerly; what runs inside it compiles. Marked when dynamo is first imported (by
 # torch.compile, a decorator above, or torch's own optimizers): code that only enters regions never imports it.
 _compile_torch.mark(autocast, "__enter__", torch.compiler.disable)
+_compile_torch.mark(autocast, "_enter", torch.compiler.disable)
 _compile_torch.mark(autocast, "__exit__", torch.compiler.disable)

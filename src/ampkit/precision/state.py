@@ -28,18 +28,16 @@ class Region(NamedTuple):
     ctx: torch.autocast
     float32_ops: frozenset[str]  # ops computed in float32 on 16-bit values
     guard: Any = None  # the torch function mode torch.compile guards this region's policy by (compiling.py)
+    model: nn.Module | None = None  # the module whose modules its overrides match
+    modules: Any = None  # overrides.Matches: the modules its overrides run in another dtype, with their forward wrapped
 
 
 class ThreadState(threading.local):
-    """Per thread: the open regions, the modules inside overrides, the weight-cast cache."""
+    """Per thread: the open regions and the weight-cast cache."""
 
     def __init__(self) -> None:
         # Innermost last.
         self.stack: list[Region] = []
-        # Modules whose forward entered an override: (module, torch.autocast ctx).
-        self.module_stack: list[tuple[nn.Module, torch.autocast]] = []
-        # Modules whose override region a torch.compile trace has opened and not yet closed (overrides.py).
-        self.traced_modules: list[nn.Module] = []
         # Leaf float32 tensor id -> (tensor, cast copy), dropped when the outermost region exits.
         self.weight_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
