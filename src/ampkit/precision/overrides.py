@@ -39,6 +39,7 @@ _ABSENT = object()  # a module without a forward of its own (the class's runs)
 _lock = threading.Lock()
 _installed: dict[int, list[Any]] = {}  # id(module) -> [module, regions using it, its own forward or _ABSENT]
 _wrappers: weakref.WeakKeyDictionary[nn.Module, Callable[..., Any]] = weakref.WeakKeyDictionary()
+_by_id: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()  # a wrapper's module, by its id
 
 
 def override_for(name: str, module: nn.Module, policy: Policy) -> torch.dtype | None:
@@ -113,22 +114,23 @@ def uninstall(found: Matches) -> None:
 
 
 def _wrapper(module: nn.Module) -> Callable[..., Any]:
-    """The one forward wrapper of ``module``: ``_forward`` bound to a weak reference to it (the module holds the
-    wrapper), a ``functools.partial``."""
+    """The one forward wrapper of ``module``: ``_forward`` bound to its id (the module holds the wrapper, which holds
+    it only so: a weak reference, torch 2.11's dynamo passed on as the module itself at a graph break)."""
     found = _wrappers.get(module)
     if found is None:
-        _wrappers[module] = found = functools.partial(_forward, weakref.ref(module))
+        _by_id[id(module)] = module
+        _wrappers[module] = found = functools.partial(_forward, id(module))
     return found
 
 
-def _forward(ref: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
-    return _overridden(ref, *args, **kwargs)  # looked up at each call: marked for dynamo once it is imported
+def _forward(key: int, *args: Any, **kwargs: Any) -> Any:
+    return _overridden(key, *args, **kwargs)  # looked up at each call: marked for dynamo once it is imported
 
 
-def _overridden(ref: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
+def _overridden(key: int, *args: Any, **kwargs: Any) -> Any:
     """Run a module's own forward, inside its override's region where the calling thread's innermost region
     installed the override. Under torch.compile only the forward itself compiles (a frame of its own)."""
-    forward, opened = _open(ref, args, kwargs)
+    forward, opened = _open(key, args, kwargs)
     if opened is None:
         return forward(*args, **kwargs)
     try:
@@ -137,11 +139,10 @@ def _overridden(ref: weakref.ref[nn.Module], *args: Any, **kwargs: Any) -> Any:
         _close(opened[2], opened[3])
 
 
-def _open(ref: weakref.ref[nn.Module], args: tuple, kwargs: dict[str, Any]) -> tuple[Callable[..., Any], Any]:
+def _open(key: int, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable[..., Any], Any]:
     """The module's own forward and, where its override applies, its (args, kwargs) as the region casts them and
     the region opened (torch.autocast's state, the guard); else None."""
-    module = ref()
-    assert module is not None  # the module calls its own wrapper
+    module = _by_id[key]  # alive: it calls its own wrapper
     entry = _installed.get(id(module))
     own = entry[2] if entry is not None and entry[0] is module else module.__dict__.get("forward", _ABSENT)
     forward = type(module).forward.__get__(module) if own is _ABSENT or own is _wrappers.get(module) else own
