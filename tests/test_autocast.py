@@ -274,12 +274,11 @@ def test_overrides_apply_in_the_thread_whose_region_wrapped_the_modules_only() -
     assert "forward" not in model[1].__dict__
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_a_checkpointed_segment_recomputes_its_overridden_module_in_its_dtype(reentrant: bool) -> None:
-    """The recompute in the backward, after the region closed, re-enters it with its model: the overridden module's
-    wrapper is set again, so the recomputed forward is the forward's, and the gradients equal a run without
-    checkpointing bit for bit (a non-reentrant recompute stops once it has what the backward needs: torch compares
-    what it saves with the forward's)."""
+def test_a_checkpointed_segment_recomputes_its_overridden_module_in_its_dtype() -> None:
+    """Given ``ampkit.checkpoint_context_fn``, the recompute in the backward, after the region closed, re-enters it
+    with its model: the overridden module's wrapper is set again, so the recomputed forward is the forward's, and the
+    gradients equal a run without checkpointing bit for bit (a non-reentrant recompute stops once it has what the
+    backward needs: torch compares what it saves with the forward's)."""
     from torch.utils.checkpoint import checkpoint
 
     class Net(nn.Module):
@@ -291,11 +290,12 @@ def test_a_checkpointed_segment_recomputes_its_overridden_module_in_its_dtype(re
             self.checkpointed = checkpointed
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            h = checkpoint(self.block, x, use_reentrant=reentrant) if self.checkpointed else self.block(x)
+            h = (checkpoint(self.block, x, use_reentrant=False, context_fn=ampkit.checkpoint_context_fn)
+                 if self.checkpointed else self.block(x))
             return self.head(h)
 
     policy = CPU.with_ops(deny=["gelu"]).with_modules("block.2", dtype=torch.float32)
-    x = torch.randn(4, 8, requires_grad=reentrant)
+    x = torch.randn(4, 8)
     grads = []
     for checkpointed in (False, True):
         model = Net(checkpointed)
@@ -713,14 +713,14 @@ def test_a_checkpointed_segment_keeps_the_kernels_until_torch_drops_it() -> None
     from torch.utils.checkpoint import checkpoint
 
     block = nn.Sequential(nn.Linear(8, 8), nn.GELU())
-    for reentrant in (False, True):
-        with autocast(CPU.with_ops(deny=["gelu"])):
-            out = checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=reentrant)
-        assert kernels.registry.active() == {("cpu", "gelu")}, reentrant  # the recompute needs them
-        out.float().sum().backward()
-        assert out.dtype == torch.float32
-        del out  # the graph, and the segment with it
-        assert kernels.registry.active() == set(), reentrant  # released (then dropped where one thread lives)
+    with autocast(CPU.with_ops(deny=["gelu"])):
+        out = checkpoint(block, torch.randn(2, 8, requires_grad=True), use_reentrant=False,
+                         context_fn=ampkit.checkpoint_context_fn)
+    assert kernels.registry.active() == {("cpu", "gelu")}  # the recompute needs them
+    out.float().sum().backward()
+    assert out.dtype == torch.float32
+    del out  # the graph, and the segment with it
+    assert kernels.registry.active() == set()  # released (then dropped where one thread lives)
 
 
 def test_a_release_the_garbage_collector_runs_inside_an_acquire_only_counts(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,9 +1,10 @@
-"""precision/checkpointing.py: activation checkpointing inside a region recomputes under its policy."""
+"""precision/checkpointing.py: a checkpointed segment given ampkit's context_fn recomputes under its region's policy."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import warnings
 
 import pytest
@@ -11,33 +12,33 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import ampkit
 from ampkit import Policy, autocast
 
 CPU = Policy.default("cpu", torch.bfloat16)
 
 
 @pytest.mark.parametrize("backward", ["after the region", "inside the region"])
-@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-@pytest.mark.parametrize("edit", ["edited", "float32-compute"])
-def test_activation_checkpointing_recomputes_under_the_region_policy(edit: str, use_reentrant: bool,
-                                                                     backward: str) -> None:
-    """torch.utils.checkpoint restores torch.autocast's state for the recompute, not ampkit's;
-    before ampkit hooked it, non-reentrant raised CheckpointError (float32 saved, bfloat16
-    recomputed) and reentrant gave other gradients. A backward inside the region did the same
-    until the hook re-entered the policy there too: torch's restored torch.autocast, opened
-    inside the region, hid it from ampkit's kernels."""
+@pytest.mark.parametrize("edit", ["edited", "float32-compute", "module override"])
+def test_a_checkpoint_given_ampkits_context_fn_recomputes_under_the_region_policy(edit: str, backward: str) -> None:
+    """torch.utils.checkpoint restores torch.autocast's state for the recompute, not ampkit's: given
+    ``ampkit.checkpoint_context_fn`` (issue 71's rule 4: torch's public route), the recompute re-enters the forward's
+    region (its policy, the model its overrides name), so the gradients are those of the run without checkpointing,
+    bit for bit. A backward inside the region works too (torch's restored torch.autocast, opened inside the region,
+    hid it from ampkit's kernels until the recompute re-entered it there as well)."""
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
-    policy = (CPU.with_ops(deny=["gelu"], allow=["layer_norm"]) if edit == "edited"
-              else CPU.with_compute("float32"))
+    policy = {"edited": CPU.with_ops(deny=["gelu"], allow=["layer_norm"]), "float32-compute": CPU.with_compute("float32"),
+              "module override": CPU.with_modules("3", dtype=torch.float32)}[edit]
     grads = []
     for checkpointed in (False, True):
         model, x = copy.deepcopy(block), torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
         x.requires_grad_()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            with autocast(policy):
-                out = checkpoint(model, x, use_reentrant=use_reentrant) if checkpointed else model(x)
+            with autocast(policy, model=model):
+                out = (checkpoint(model, x, use_reentrant=False, context_fn=ampkit.checkpoint_context_fn)
+                       if checkpointed else model(x))
                 if backward == "inside the region":
                     out.float().sum().backward()
         if backward == "after the region":
@@ -46,44 +47,59 @@ def test_activation_checkpointing_recomputes_under_the_region_policy(edit: str, 
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_a_checkpoint_without_it_in_an_edited_region_is_refused_by_torchs_own_check_at_the_backward() -> None:
+    """What docs/policies.md says of a plain checkpoint (rule 4: torch.utils.checkpoint is not wrapped): its recompute
+    runs under torch.autocast's lists, so a tensor an edit made float32 comes back bfloat16, and torch's comparison of
+    the recomputed tensors with the saved ones raises, naming the difference."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with autocast(CPU.with_ops(deny=["gelu"])):
+            out = checkpoint(model, torch.randn(2, 8, requires_grad=True), use_reentrant=False)
+    with pytest.raises(torch.utils.checkpoint.CheckpointError, match="dtype"):
+        out.float().sum().backward()
+
+
+def test_ampkits_context_fn_composes_with_a_selective_one_and_leaves_torchs_checkpoint_unwrapped() -> None:
+    """``functools.partial(ampkit.checkpoint_context_fn, selective)``: the selective contexts run inside the region's
+    re-entry (the planner's segments use it so); torch.utils.checkpoint's own functions are never replaced."""
+    from torch.utils import checkpoint as cp
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    own = {name: getattr(cp, name) for name in dir(cp)}
+    saved: list[object] = []
+
+    def selective():  # type: ignore[no-untyped-def]
+        def policy(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+            keep = op == torch.ops.aten.mm.default or op == torch.ops.aten.addmm.default
+            if keep and ctx.is_recompute is False:
+                saved.append(op)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        return create_selective_checkpoint_contexts(policy)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    x = torch.randn(2, 8, requires_grad=True)
+    grads = []
+    for context_fn in (None, functools.partial(ampkit.checkpoint_context_fn, selective)):
+        x.grad = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with autocast(CPU.with_ops(deny=["gelu"])):
+                out = checkpoint(model, x, use_reentrant=False, context_fn=context_fn) if context_fn else model(x)
+                assert {name: getattr(cp, name) for name in dir(cp)} == own
+        out.float().sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()] + [x.grad])
+        model.zero_grad()
+    assert saved and all(torch.equal(a, b) for a, b in zip(*grads))
+
 
 def test_the_public_context_fn_route_cannot_serve_reentrant_checkpoints() -> None:
-    """Why ampkit wraps torch's two entry points instead of asking for context_fn: the reentrant
-    mode refuses one, and a model's own checkpoint calls pass none (see the module's docstring)."""
+    """Why a reentrant checkpoint inside an edited region is documented, not served: torch refuses a context_fn
+    there (docs/policies.md: use the non-reentrant mode with ``ampkit.checkpoint_context_fn``)."""
     block, x = nn.Linear(4, 4), torch.randn(2, 4, requires_grad=True)
-    contexts = lambda: (torch.autocast("cpu", enabled=False), torch.autocast("cpu", enabled=False))  # noqa: E731
     with pytest.raises(ValueError, match="context_fn"):
-        checkpoint(block, x, use_reentrant=True, context_fn=contexts)
-
-
-def test_a_region_that_needs_kernels_installs_the_wrappers_where_torch_looks_them_up_and_removes_them() -> None:
-    from torch.utils import checkpoint as cp
-
-    # the generator torch's checkpoint calls: its _impl from 2.14 on (the old name is then a shim torch never calls)
-    called = "_checkpoint_without_reentrant_generator" + ("_impl" if hasattr(cp, "_checkpoint_without_reentrant_"
-                                                                       "generator_impl") else "")
-    torch_own = (cp.CheckpointFunction, getattr(cp, called))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with autocast(CPU.with_ops(deny=["gelu"])):
-            assert cp.CheckpointFunction.__module__ == "ampkit.precision.checkpointing"
-            assert getattr(cp, called).__module__ == "ampkit.precision.checkpointing"
-    assert (cp.CheckpointFunction, getattr(cp, called)) == torch_own  # torch's own, once no region needs them
-
-
-def test_entry_points_someone_else_replaced_meanwhile_are_left_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch.utils import checkpoint as cp
-
-    class Theirs(cp.CheckpointFunction):  # type: ignore[misc, name-defined]
-        pass
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with autocast(CPU.with_ops(deny=["gelu"])):
-            monkeypatch.setattr(cp, "CheckpointFunction", Theirs)
-    assert cp.CheckpointFunction is Theirs  # and torch's generator is back
-    assert all(getattr(cp, name).__module__ == "torch.utils.checkpoint" for name in dir(cp)
-               if name.startswith("_checkpoint_without_reentrant_generator"))
+        checkpoint(block, x, use_reentrant=True, context_fn=ampkit.checkpoint_context_fn)
 
 
 class _Attention(nn.Module):
@@ -138,8 +154,9 @@ def test_a_checkpointed_segment_of_generic_float32_ops_is_recomputed_once(contex
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with autocast(CPU.with_compute("float32")):
-                out = (checkpoint(model, x, use_reentrant=False, **({"context_fn": contexts} if context == "selective"
-                                                                      else {})) if checkpointed else model(x))
+                context_fn = (functools.partial(ampkit.checkpoint_context_fn, contexts) if context == "selective"
+                              else ampkit.checkpoint_context_fn)
+                out = checkpoint(model, x, use_reentrant=False, context_fn=context_fn) if checkpointed else model(x)
             out.float().pow(2).sum().backward()
         grads.append([p.grad for p in model.parameters()])
         assert model.forwards == (2 if checkpointed else 1)

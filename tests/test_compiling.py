@@ -241,7 +241,7 @@ class _Checkpointed(nn.Module):
         self.inner = _gpt()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return checkpoint(self.inner, idx, use_reentrant=False)
+        return checkpoint(self.inner, idx, use_reentrant=False, context_fn=ampkit.checkpoint_context_fn)
 
 
 def _initialized(level: str, compute: str) -> Callable[[], nn.Module]:

@@ -537,7 +537,8 @@ def test_the_gelu_recompute_under_activation_checkpointing_gives_the_same_bits()
     want = [p.grad.clone() for p in mlp.parameters()]
     mlp.zero_grad()
     with ampkit.autocast(ampkit.Policy.default("cpu", torch.bfloat16, compute="float32")):
-        checkpointed = torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=False).float().sum()
+        checkpointed = torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=False,
+                                                         context_fn=ampkit.checkpoint_context_fn).float().sum()
     checkpointed.backward()
     assert torch.equal(plain, checkpointed)
     assert all(torch.equal(a, p.grad) for a, p in zip(want, mlp.parameters()))

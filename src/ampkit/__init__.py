@@ -17,6 +17,7 @@ _WHERE: dict[str, str] = {
     "autocast": "ampkit.precision.regions",
     "custom_fwd": "ampkit.precision.custom_functions",
     "custom_bwd": "ampkit.precision.custom_functions",
+    "checkpoint_context_fn": "ampkit.precision.checkpointing",
     "SlowPrecisionWarning": "ampkit.hardware.flags",
     "ComputeModeWarning": "ampkit.modes",
     "recommend_dtype": "ampkit.hardware.advice",
@@ -65,6 +66,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ampkit.hardware.advice import recommend_dtype as recommend_dtype
     from ampkit.hardware.flags import SlowPrecisionWarning as SlowPrecisionWarning
     from ampkit.modes import ComputeModeWarning as ComputeModeWarning
+    from ampkit.precision.checkpointing import checkpoint_context_fn as checkpoint_context_fn
     from ampkit.precision.custom_functions import custom_bwd as custom_bwd, custom_fwd as custom_fwd
     from ampkit.precision.policy import ModuleOverride as ModuleOverride, Policy as Policy
     from ampkit.precision.regions import autocast as autocast

@@ -106,32 +106,6 @@ def is_mutable(overload: Any) -> bool:
     return bool(overload._schema.is_mutable)
 
 
-# The non-reentrant generators torch.utils.checkpoint calls: 2.14 calls ``_impl`` (args, kwargs as a tuple, a dict).
-_GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
-
-
-def checkpoint_entry_points() -> tuple[Any, Any] | None:
-    """torch.utils.checkpoint's two places where a segment's function is handed over, its first argument in
-    each: the reentrant ``CheckpointFunction`` (2.4-2.15.0) and the non-reentrant generator torch calls
-    (``_checkpoint_without_reentrant_generator``, 2.4-2.15.0; its ``_impl``, 2.14-2.15.0). None where either is
-    missing: then ampkit warns once that checkpointed segments inside an edited region recompute without its
-    policy (``precision/checkpointing.py``)."""
-    from torch.utils import checkpoint as cp
-
-    function = getattr(cp, "CheckpointFunction", None)
-    generator = next((getattr(cp, name) for name in _GENERATORS if hasattr(cp, name)), None)
-    return None if function is None or generator is None else (function, generator)
-
-
-def replace_checkpoint_entry_points(function: Any, generator: Any) -> None:
-    """Install replacements for ``checkpoint_entry_points()`` (looked up by torch at call time,
-    so ``from torch.utils.checkpoint import checkpoint`` is covered too)."""
-    from torch.utils import checkpoint as cp
-
-    setattr(cp, "CheckpointFunction", function)
-    setattr(cp, next(name for name in _GENERATORS if hasattr(cp, name)), generator)
-
-
 def is_compiling() -> bool:
     """Whether torch.compile is at work in the calling thread: dynamo's trace or AOTAutograd's. Not
     ``torch.compiler.is_compiling()``: from 2.13 on it is one flag for the process, true in every thread while one
@@ -177,7 +151,6 @@ _NEEDED: dict[str, Callable[[], object]] = {
     "torch.utils._pytree": lambda: None if isinstance(pytree, _Absent) else pytree,
     "torch.utils._python_dispatch": lambda: None if isinstance(_dispatch, _Absent) else _dispatch,
     "OpOverload._schema": lambda: torch.ops.aten.mm.default._schema.is_mutable,
-    "torch.utils.checkpoint entry points": lambda: checkpoint_entry_points() or None,
     "torch._guards.TracingContext.try_get": lambda: getattr(_module("torch._guards"), "TracingContext").try_get,
     "torch._amp_foreach_non_finite_check_and_unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_,
     "torch._foreach_copy_": lambda: torch._foreach_copy_,

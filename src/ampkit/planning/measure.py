@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -22,6 +23,7 @@ from ampkit.float32_compute.single_ops import single_ops
 from ampkit.float32_compute.weights import is_weight_copy
 from ampkit.planning.segments import installed
 from ampkit.planning.selective import OpRecorder, contexts
+from ampkit.precision.checkpointing import checkpoint_context_fn
 from ampkit.precision.op_lists import DEVICE_TYPES
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
@@ -273,8 +275,8 @@ def _recompute_ms(module: nn.Module, args: tuple, kwargs: dict, policies: list[t
             _sync(outputs)
         return (time.perf_counter() - started) * 1e3
 
-    variants: dict[str, Callable[[], Any] | None] = {"plain": None, "whole": torch.utils.checkpoint.noop_context_fn,
-                                                     "selective": contexts}
+    variants: dict[str, Callable[[], Any] | None] = {  # as the plan's segments checkpoint (planning/segments.py)
+        "plain": None, "whole": checkpoint_context_fn, "selective": functools.partial(checkpoint_context_fn, contexts)}
     runs: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(2 * repeats + 2):  # a difference of two timings: more of them than of one
         for name in (list(variants) if repeat % 2 else list(reversed(variants))):

@@ -19,6 +19,7 @@ from torch import nn
 
 from ampkit import _torch
 from ampkit.planning.selective import contexts as selective_contexts
+from ampkit.precision.checkpointing import checkpoint_context_fn
 
 
 @contextlib.contextmanager
@@ -65,11 +66,12 @@ def checkpoint_module(module: nn.Module, selective: bool = False) -> None:
     """Recompute ``module``'s forward in backward; ``selective``: but for its GEMMs and attention, whose
     outputs it keeps (``selective.py``)."""
     original = module.forward
-    options: dict[str, Any] = {"context_fn": selective_contexts} if selective else {}
+    # recomputed under the forward's ampkit regions (precision/checkpointing.py), selectively or whole
+    context_fn = functools.partial(checkpoint_context_fn, selective_contexts if selective else None)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         return torch.utils.checkpoint.checkpoint(_recomputing(original, [module]), *args, use_reentrant=False,
-                                                 **options, **kwargs)
+                                                 context_fn=context_fn, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
 
@@ -85,7 +87,8 @@ def checkpoint_run(modules: dict[str, nn.Module], segment: tuple[str, ...]) -> N
         return x
 
     def first(x: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(_recomputing(run_all, parts), x, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(_recomputing(run_all, parts), x, use_reentrant=False,
+                                                 context_fn=checkpoint_context_fn)
 
     parts[0].forward = first  # type: ignore[method-assign]
     for m in parts[1:]:

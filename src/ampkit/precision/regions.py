@@ -3,8 +3,8 @@
 ``autocast`` enters torch.autocast with the policy's dtype and pushes a region on the
 calling thread's stack (``state.py``); the ops the policy handles unlike torch.autocast
 get dispatcher kernels (``kernels.py``), the model's modules that per-module overrides match
-get forward wrappers (``overrides.py``), and checkpointed segments recompute under the region
-(``checkpointing.py``).
+get forward wrappers (``overrides.py``); a checkpointed segment recomputes under the region through
+``checkpointing.checkpoint_context_fn``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ampkit import _compile_torch
 from ampkit.hardware.advice import slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
 from ampkit.modes import ComputeModeWarning
-from ampkit.precision import checkpointing, compiling, overrides
+from ampkit.precision import compiling, overrides
 from ampkit.precision.decide import describe, float32_ops
 from ampkit.precision.kernels import kernel_ops, registry
 from ampkit.precision.policy import Policy
@@ -122,7 +122,6 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             ctx = torch.autocast(policy.device_type, enabled=False)
         if self._kernel_ops:
             registry.acquire(policy.device_type, self._kernel_ops)
-            checkpointing.acquire(autocast)  # torch restores its own autocast state on recompute, not ampkit's
         if modules:
             overrides.install(modules)
         ctx.__enter__()
@@ -146,7 +145,6 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             overrides.uninstall(region.modules)
         if self._kernel_ops:
             registry.release(self.policy.device_type, self._kernel_ops)
-            checkpointing.release()
         if not state.stack:
             state.weight_cache.clear()
 
