@@ -10,9 +10,10 @@ module of another model, or of this one outside the region, runs as it always do
 The wrappers are shared by the threads (a module's attribute is): each reads the calling thread's innermost
 region and overrides only where that region installed it, else it calls the module's own forward. A wrapper
 runs eagerly, never traced (``torch.compiler.disable``, not recursive): under ``torch.compile`` a graph ends
-before each overridden module's call, and the module's own forward compiles as a graph of its own, inside its
-override's region (docs/compile.md lists the graphs). One wrapper object per module, kept while the module
-lives, so a compiled model's guards on its modules' attributes hold from one region to the next.
+before each overridden module's call, and the module's own forward runs inside its override's region, compiled as a
+graph of its own where dynamo compiles it (torch's own ``nn`` modules it compiles only inlined: they run eagerly;
+docs/compile.md lists the graphs). One wrapper object per module, kept while the module lives, so a compiled
+model's guards on its modules' attributes hold from one region to the next.
 """
 
 from __future__ import annotations
