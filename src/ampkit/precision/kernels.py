@@ -16,8 +16,8 @@ one (issue 38; ``tests/test_autocast.py`` checks the dispatch, ``benchmarks/benc
 the time, and what registering and releasing costs: well under a millisecond for an edit of a few ops,
 about one for float32 compute's 37, its 36 GEMM-class ops and ``gelu``), paid at each outermost region's entry
 (what that is in a small model's training step: ``benchmarks/bench_region_cost.py``).
-A checkpointed segment inside a region counts as open until torch drops it: its recompute
-re-enters the region in the backward (``checkpointing.py``).
+A segment checkpointed with ``checkpoint_context_fn`` inside a region counts as open until torch drops it: its
+recompute re-enters the region in the backward (``checkpointing.py``).
 While registered, each kernel reads the calling thread's innermost ampkit region
 (``state.py``) and, in a thread without one, does what torch.autocast would.
 
