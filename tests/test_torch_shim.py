@@ -27,6 +27,8 @@ def test_a_missing_private_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_wrappers_call_what_they_name() -> None:
     assert _torch.is_mutable(torch.ops.aten.add_.Tensor) and not _torch.is_mutable(torch.ops.aten.add.Tensor)
+    assert _torch.is_mutable(torch.ops.aten.max.dim_max)  # an out= variant no name says is one
+    assert _torch.is_mutable(torch.ops.aten._native_batch_norm_legit.default)  # its running statistics: no tag
     a, b = [torch.ones(3)], [torch.full((3,), 2.0)]
     _torch.foreach_copy_(a, b)
     assert a[0].tolist() == [2.0, 2.0, 2.0]
@@ -135,4 +137,4 @@ def test_the_loan_that_waits_on_torch_still_has_no_public_route() -> None:
     import importlib.util
 
     assert importlib.util.find_spec("torch.utils.pytree") is None, (
-        f"torch {torch.__version__} has a public torch.utils.pytree: _torch.pytree can be taken from it")
+        f"torch {torch.__version__} has a public torch.utils.pytree: ampkit/_trees.py can be taken from it")

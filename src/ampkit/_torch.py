@@ -16,7 +16,6 @@ marks that keep torch.compile off ampkit's own code).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib
 import types
@@ -25,6 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
+from torch.fx import operator_schemas
 
 # The torch releases every private below was checked on (CI tests each).
 CHECKED = ("2.11.0", "2.13.0", "2.14.1", "2.15.0")
@@ -72,16 +72,13 @@ class _Absent(types.ModuleType):
 
     def __getattr__(self, attribute: str) -> Any:
         raise RuntimeError(f"ampkit needs {self.__name__}.{attribute}, which torch {torch.__version__} lacks "
-                           f"(ampkit was checked on {_CHECKED_ON}): float32 compute's generic path and "
-                           "find_nonfinite cannot run here; compute='native' and the rest of ampkit can.")
+                           f"(ampkit was checked on {_CHECKED_ON}): find_nonfinite and the recompute planner's "
+                           "measurement cannot run here; the rest of ampkit can.")
 
 
-# The tensor-tree helpers and the dispatch-mode machinery: torch.utils._pytree and
-# torch.utils._python_dispatch are private modules that torch's own public APIs
-# (torch.compile, torch.func) are built on; TorchDispatchMode is documented, its
-# module is not (2.4-2.15.0). Without them float32 compute's generic path and
-# find_nonfinite refuse at their first call, naming the module.
-pytree: Any = _module("torch.utils._pytree") or _Absent("torch.utils._pytree")
+# The dispatch-mode machinery: TorchDispatchMode is documented, its module, torch.utils._python_dispatch, is not
+# (2.4-2.15.0). find_nonfinite's mode and the recompute planner's op recorder subclass it; without it they refuse at
+# their first call, naming the module.
 _dispatch = _module("torch.utils._python_dispatch") or _Absent("torch.utils._python_dispatch")
 if TYPE_CHECKING:
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -96,14 +93,15 @@ else:
 OpOverload: TypeAlias = Any
 
 
-def disable_current_modes() -> contextlib.AbstractContextManager[Any]:
-    """Run the enclosed code below every active TorchDispatchMode (torch 2.4-2.15.0)."""
-    return _dispatch._disable_current_modes()
-
-
 def is_mutable(overload: Any) -> bool:
-    """Whether an op overload writes to an argument (``out=``, in-place): ``OpOverload._schema`` (2.4-2.15.0)."""
-    return bool(overload._schema.is_mutable)
+    """Whether an op overload writes to an argument (``out=``, in-place, a batch norm's running statistics): its
+    schema, through torch.fx's public ``get_signature_for_torch_op`` (marked not backward compatible: checked on
+    every release CI tests, 2.11-2.15.0)."""
+    _, schemas = operator_schemas.get_signature_for_torch_op(overload, return_schemas=True)
+    if not schemas:
+        raise RuntimeError(f"torch {torch.__version__} gives no schema for {overload} (ampkit was checked on "
+                           f"{_CHECKED_ON}): a policy cannot tell whether it writes to an argument; leave it out.")
+    return bool(schemas[0].is_mutable)
 
 
 def is_compiling() -> bool:
@@ -148,9 +146,7 @@ def foreach_copy_(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> N
 
 
 _NEEDED: dict[str, Callable[[], object]] = {
-    "torch.utils._pytree": lambda: None if isinstance(pytree, _Absent) else pytree,
     "torch.utils._python_dispatch": lambda: None if isinstance(_dispatch, _Absent) else _dispatch,
-    "OpOverload._schema": lambda: torch.ops.aten.mm.default._schema.is_mutable,
     "torch._guards.TracingContext.try_get": lambda: getattr(_module("torch._guards"), "TracingContext").try_get,
     "torch._amp_foreach_non_finite_check_and_unscale_": lambda: torch._amp_foreach_non_finite_check_and_unscale_,
     "torch._foreach_copy_": lambda: torch._foreach_copy_,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import _torch
+from ampkit import _trees
 from ampkit._torch import TorchDispatchMode
 from ampkit.diagnostics.numerics import default_loss, first_tensor, output_tensor, policy_region, probing
 from ampkit.precision.policy import Policy
@@ -44,10 +44,16 @@ class _FirstNonFinite(TorchDispatchMode):
         self.pending: list[NonFiniteFinding] = []  # forward candidates, in execution order
         # The previous op: (name, tensor inputs, first output).
         self._previous: tuple[str, list[torch.Tensor], torch.Tensor | None] | None = None
+        self.paused = False  # while the check's own ops run: they are not the model's
 
-    def settle(self, since: int, reached: bool) -> None:
+    def settle(self, since: int, output: Any) -> None:
         """A module (or the loss) is done: where its output is non-finite, the first candidate still pending is
         the finding; where finite, the candidates recorded since ``since`` did not reach it and are dropped."""
+        self.paused = True
+        try:
+            reached = not _finite(output)
+        finally:
+            self.paused = False
         if self.finding is None and reached and self.pending:
             self.finding = self.pending[0]
         if not reached:
@@ -56,9 +62,9 @@ class _FirstNonFinite(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket.__name__)
-        if self.finding is None and name not in _UNINITIALIZED:
+        if self.finding is None and not self.paused and name not in _UNINITIALIZED:
             tensor = first_tensor(out)
-            inputs = [a for a in _torch.pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            inputs = [a for a in _trees.leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
             if tensor is not None and not bool(torch.isfinite(tensor).all()):
                 previous = self._previous
                 if name in ("to", "_to_copy") and previous is not None and args and args[0] is previous[2]:
@@ -127,8 +133,7 @@ def find_nonfinite(
 
     def leave(module: nn.Module, _: Any, output: Any) -> None:
         name, since = stack.pop()
-        with _torch.disable_current_modes():  # the check's own ops are not the model's
-            mode.settle(since, not _finite(output))
+        mode.settle(since, output)
         tensor = first_tensor(output)
         if tensor is not None and tensor.requires_grad and id(tensor) not in marked:
             marked.add(id(tensor))
@@ -141,8 +146,7 @@ def find_nonfinite(
     with probing(model, pre + post), mode:
         with policy_region(model, policy):
             loss = run(model, inputs) if run is not None else loss_fn(output_tensor(model(*args)), target)
-        with _torch.disable_current_modes():
-            mode.settle(0, not _finite(loss))
+        mode.settle(0, loss)
         if backward and mode.finding is None and loss.requires_grad:
             phase[0] = "backward"
             loss.backward()
@@ -151,5 +155,5 @@ def find_nonfinite(
 
 def _finite(value: Any) -> bool:
     """Whether every floating tensor in ``value`` (through containers) is finite."""
-    return all(bool(torch.isfinite(t).all()) for t in _torch.pytree.tree_leaves(value)
+    return all(bool(torch.isfinite(t).all()) for t in _trees.leaves(value)
                if isinstance(t, torch.Tensor) and t.is_floating_point())

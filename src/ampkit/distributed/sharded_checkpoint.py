@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ampkit._torch import pytree
+from ampkit import _trees
 from ampkit.checkpoint import check_plain, nonfinite_places, refuse_nonfinite
 from ampkit.optim.states import check_same_format, dequantized, is_quantized, states_format
 from ampkit.shards import local_shard
@@ -63,7 +63,7 @@ def _states(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[s
         return {"model": get_model_state_dict(model)}
     model_state, optimizer_state = get_state_dict(model, optimizer)
     # torchao's low-bit moments travel as float32 values (DCP cannot copy them); a load quantizes them again
-    optimizer_state = pytree.tree_map_only(torch.Tensor, lambda t: dequantized(t) if is_quantized(t) else t,
+    optimizer_state = _trees.map_tensors(lambda t: dequantized(t) if is_quantized(t) else t,
                                            optimizer_state)
     return {"model": model_state, "optimizer": optimizer_state}
 
@@ -275,8 +275,8 @@ def _load_states(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
 
     _check_files(path, _states(model, None)["model"])
     # Read into copies, so a failure leaves every object as it was.
-    state = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), _states(model, optimizer))
-    state["objects"] = {name: pytree.tree_map_only(torch.Tensor, torch.clone, obj.state_dict())
+    state = _trees.map_tensors(lambda t: t.detach().clone(), _states(model, optimizer))
+    state["objects"] = {name: _trees.map_tensors(torch.clone, obj.state_dict())
                         for name, obj in objects.items()}
     # On the world size it was saved on, each rank's torchao low-bit states come back exactly (their codes and
     # scales); on another, quantized again from their values (blocks follow each rank's shard).

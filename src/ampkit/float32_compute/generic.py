@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import _torch, _torch_tensors
-from ampkit._torch import pytree
+from ampkit import _torch, _torch_tensors, _trees
 from ampkit.modes import LOW_DTYPES, without_autocast
 
 _PLAIN = (torch.Tensor, nn.Parameter)
@@ -61,8 +60,8 @@ def _floating_dtypes(flat: list[Any]) -> set[torch.dtype]:
 
 def _call(fn: Callable[..., Any], spec: Any, flat: list[Any]) -> tuple[list[Any], Any]:
     """``fn`` on the call ``flat`` unflattens to: (its output's leaves, their tree)."""
-    args, kwargs = pytree.tree_unflatten(flat, spec)
-    return pytree.tree_flatten(fn(*args, **kwargs))
+    args, kwargs = _trees.unflatten(flat, spec)
+    return _trees.flatten(fn(*args, **kwargs))
 
 
 def _upcast_all(flat: list[Any]) -> list[Any]:
@@ -75,7 +74,7 @@ def run_generic(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     dtype. Inputs of several floating dtypes run natively (torch refuses a bfloat16 x float32 GEMM in its own
     words), as do calls with no 16-bit tensor and tensor subclasses (torchao's FP8 tensors compute by their own
     rules)."""
-    flat, spec = pytree.tree_flatten((args, kwargs))
+    flat, spec = _trees.flatten((args, kwargs))
     dtypes = _floating_dtypes(flat)
     if (len(dtypes) != 1 or not dtypes <= set(LOW_DTYPES)
             or any(isinstance(t, torch.Tensor) and type(t) not in _PLAIN for t in flat)):
@@ -84,10 +83,10 @@ def run_generic(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat)
     if not grad:
         leaves, tree = _call(fn, spec, _upcast_all(flat))
-        return pytree.tree_unflatten(_rounded(leaves, dtype), tree)
+        return _trees.unflatten(_rounded(leaves, dtype), tree)
     out_tree: list[Any] = []
     outs = Float32Compute.apply(fn, spec, dtype, out_tree, *flat)
-    return pytree.tree_unflatten(list(outs), out_tree[0])
+    return _trees.unflatten(list(outs), out_tree[0])
 
 
 def _rounded(leaves: list[Any], dtype: torch.dtype) -> list[Any]:

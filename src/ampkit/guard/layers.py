@@ -38,8 +38,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ampkit import _compile_torch
-from ampkit._torch import pytree
+from ampkit import _compile_torch, _trees
 from ampkit.formats.block_linear import BlockScaledLinear, quantize_operand
 from ampkit.formats.fp8 import Fp8Linear, cast_fractions, fp8_max
 from ampkit.formats.recipes import INPUT
@@ -85,7 +84,7 @@ def sixteen_figures(output: Any) -> torch.Tensor | None:
     over a tensor (its smallest and largest value), two more for float16's underflow: ``saturation`` is 1 where a
     value is not finite (an inf or a NaN reaches the min or the max), else 0; ``amax`` the largest magnitude over
     the format's largest (1 where not finite)."""
-    outputs = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.dtype in SIXTEEN]
+    outputs = [t for t in _trees.leaves(output) if isinstance(t, torch.Tensor) and t.dtype in SIXTEEN]
     if not outputs:
         return None
     worst = []
@@ -197,7 +196,7 @@ class _Raised16(nn.Linear):
 
 
 def _float32(value: Any) -> Any:
-    return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in SIXTEEN else t, value)
+    return _trees.map_leaves(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in SIXTEEN else t, value)
 
 
 def raised_to(module: nn.Module) -> str:

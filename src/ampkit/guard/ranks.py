@@ -15,13 +15,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ampkit._torch import pytree
+from ampkit import _trees
 from ampkit.shards import local_shard
 
 
 def nonfinite_batch(batch: Any) -> int | None:
     """The index of the first floating tensor of ``batch`` (through containers) holding an inf or a NaN, else None."""
-    leaves = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    leaves = [t for t in _trees.leaves(batch) if isinstance(t, torch.Tensor)]
     for index, tensor in enumerate(leaves):
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return index

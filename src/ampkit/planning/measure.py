@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit._torch import pytree
+from ampkit import _trees
 from ampkit.diagnostics.memory import observing_kept
 from ampkit.float32_compute.single_ops import single_ops
 from ampkit.float32_compute.weights import is_weight_copy
@@ -222,20 +222,20 @@ def untouched(model: nn.Module) -> Iterator[None]:
         torch.set_rng_state(rng)
 
 
-# What a block may take and be replayed on alone: tensors and plain values, in containers torch's pytree knows.
+# What a block may take and be replayed on alone: tensors and plain values, in tuples, lists and dicts (_trees.py).
 # Anything else (transformers' key/value cache) the block may change, and a replay would see it changed.
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
 def _tensors_in(value: Any) -> list[torch.Tensor]:
     """The tensors in ``value``, through its containers."""
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return [t for t in _trees.leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _check_replayable(name: str, args: tuple, kwargs: dict) -> None:
     """Refuse a block whose inputs hold an object it may change (ValueError), before any plan is made."""
     for where, value in [*((f"positional input {i}", a) for i, a in enumerate(args)), *kwargs.items()]:
-        found = next((leaf for leaf in pytree.tree_leaves(value) if not isinstance(leaf, (torch.Tensor, *_PLAIN))),
+        found = next((leaf for leaf in _trees.leaves(value) if not isinstance(leaf, (torch.Tensor, *_PLAIN))),
                      None)
         if found is not None:
             raise ValueError(
@@ -248,7 +248,7 @@ def _check_replayable(name: str, args: tuple, kwargs: dict) -> None:
 
 def _detached(value: Any) -> Any:
     """``value`` with each tensor detached (keeping ``requires_grad``), through its containers."""
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), value)
+    return _trees.map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), value)
 
 
 def _recompute_ms(module: nn.Module, args: tuple, kwargs: dict, policies: list[tuple[Policy, nn.Module | None]],

@@ -23,55 +23,64 @@ from ampkit.precision.checkpointing import checkpoint_context_fn
 
 
 @contextlib.contextmanager
+def _snapshot(modules: list[nn.Module], snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
+    """At the forward: the buffers' values it starts from, kept for the recomputes."""
+    with torch.no_grad():
+        snapshot[:] = [(b, b.clone()) for module in modules for b in module.buffers()]
+    yield
+
+
+@contextlib.contextmanager
 def _buffers_as(snapshot: list[tuple[torch.Tensor, torch.Tensor]]) -> Iterator[None]:
-    """The buffers hold ``snapshot``'s values inside, their own again after. The copies run below the
-    checkpoint's dispatch modes: they are bookkeeping, not ops a selective recompute replays."""
-    with _torch.disable_current_modes(), torch.no_grad():
+    """At a recompute: the buffers hold ``snapshot``'s values inside, the forward's results again after."""
+    with torch.no_grad():
         now = [b.clone() for b, _ in snapshot]
         for b, value in snapshot:
             b.copy_(value)
     try:
         yield
     finally:
-        with _torch.disable_current_modes(), torch.no_grad():
+        with torch.no_grad():
             for (b, _), value in zip(snapshot, now):
                 b.copy_(value)
 
 
-def _recomputing(fn: Callable[..., Any], modules: list[nn.Module]) -> Callable[..., Any]:
-    """``fn`` as torch's checkpoint calls it: the first call is the forward, later ones are recomputes, which
-    see the buffers the forward saw and leave them as the forward left them: an FP8 layer's delayed scales
-    (its forward records an amax and moves them on), a batch norm's running statistics (updated once)."""
-    calls = [0]
-    snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
+@contextlib.contextmanager
+def _both(outer: contextlib.AbstractContextManager[Any], inner: contextlib.AbstractContextManager[Any]
+          ) -> Iterator[None]:
+    with outer, inner:
+        yield
 
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_dynamo_compiling():
+
+def _context_fn(modules: list[nn.Module], selective: bool) -> Callable[[], tuple[Any, Any]]:
+    """A segment's ``context_fn``: its recomputes run under the forward's ampkit regions, selectively or whole
+    (``checkpoint_context_fn``), and see the buffers the forward saw, leaving them as the forward left them: an
+    FP8 layer's delayed scales (its forward records an amax and moves them on), a batch norm's running statistics
+    (updated once). The buffers' copies run outside the context_fn's dispatch modes (torch's selective
+    checkpointing's): bookkeeping, not ops a selective recompute replays."""
+    inner = functools.partial(checkpoint_context_fn, selective_contexts if selective else None)
+
+    def context_fn() -> tuple[Any, Any]:
+        if _torch.is_compiling():
             # Traced, the segment is a graph whose recompute AOTAutograd replays from the forward's own inputs, the
-            # buffers' values then included: no bookkeeping (whose list mutation dynamo refuses inside checkpoint).
-            return fn(*args, **kwargs)
-        calls[0] += 1
-        if calls[0] == 1:
-            with _torch.disable_current_modes():
-                snapshot[:] = [(b, b.clone()) for module in modules for b in module.buffers()]
-            return fn(*args, **kwargs)
-        with _buffers_as(snapshot):
-            return fn(*args, **kwargs)
+            # buffers' values then included; torch.compile takes the two dispatch modes alone.
+            return inner()
+        forward, recompute = inner()
+        snapshot: list[tuple[torch.Tensor, torch.Tensor]] = []
+        return _both(_snapshot(modules, snapshot), forward), _both(_buffers_as(snapshot), recompute)
 
-    return run
+    return context_fn
 
 
 def checkpoint_module(module: nn.Module, selective: bool = False) -> None:
     """Recompute ``module``'s forward in backward; ``selective``: but for its GEMMs and attention, whose
     outputs it keeps (``selective.py``)."""
     original = module.forward
-    # recomputed under the forward's ampkit regions (precision/checkpointing.py), selectively or whole
-    context_fn = functools.partial(checkpoint_context_fn, selective_contexts if selective else None)
+    context_fn = _context_fn([module], selective)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(_recomputing(original, [module]), *args, use_reentrant=False,
-                                                 context_fn=context_fn, **kwargs)
+        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, context_fn=context_fn,
+                                                 **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
 
@@ -80,6 +89,7 @@ def checkpoint_run(modules: dict[str, nn.Module], segment: tuple[str, ...]) -> N
     """Recompute consecutive children of an nn.Sequential as one: the first runs them all, the rest pass."""
     parts = [modules[name] for name in segment]
     originals = [m.forward for m in parts]
+    context_fn = _context_fn(parts, selective=False)
 
     def run_all(x: Any) -> Any:
         for forward in originals:
@@ -87,8 +97,7 @@ def checkpoint_run(modules: dict[str, nn.Module], segment: tuple[str, ...]) -> N
         return x
 
     def first(x: Any) -> Any:
-        return torch.utils.checkpoint.checkpoint(_recomputing(run_all, parts), x, use_reentrant=False,
-                                                 context_fn=checkpoint_context_fn)
+        return torch.utils.checkpoint.checkpoint(run_all, x, use_reentrant=False, context_fn=context_fn)
 
     parts[0].forward = first  # type: ignore[method-assign]
     for m in parts[1:]:
