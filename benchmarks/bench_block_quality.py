@@ -5,9 +5,9 @@ Each run is one `ampkit compare` setting (``settings.plan``, O1, the model's def
 over), seeds 0, 1 and 2. The final train loss is compare's (the mean of the last steps' losses). Every finished
 run is saved at once, so an interrupted script keeps what it measured; ``--resume`` skips those runs.
 
-- ``gpt`` (compare's GPT): bf16, mxfp8, nvfp4 (the full recipe), nvfp4-plain (the format alone) and nvfp4 with
-  each part of the recipe removed: the ablation;
-- ``hf:llama`` (the zoo's Llama): bf16, mxfp8, nvfp4, nvfp4-plain.
+- ``gpt`` (compare's GPT): bf16, mxfp8, nvfp4 (the full recipe), nvfp4-plain (the format alone), nvfp4 with
+  each part of the recipe removed (the ablation) and nvfp4-4over6 (the recipe, each block scaled to 4 or 6);
+- ``hf:llama`` (the zoo's Llama): bf16, mxfp8, nvfp4, nvfp4-plain, nvfp4-4over6.
 
 Writes results/block-quality.json.
 
@@ -28,8 +28,8 @@ from common import RESULTS, save
 
 RUNS = {
     "gpt": ("bf16", "mxfp8", "nvfp4", "nvfp4-plain", "nvfp4-no-tiles", "nvfp4-no-sr", "nvfp4-no-hadamard",
-            "nvfp4-no-kept"),
-    "hf:llama": ("bf16", "mxfp8", "nvfp4", "nvfp4-plain"),
+            "nvfp4-no-kept", "nvfp4-4over6"),
+    "hf:llama": ("bf16", "mxfp8", "nvfp4", "nvfp4-plain", "nvfp4-4over6"),
 }
 
 

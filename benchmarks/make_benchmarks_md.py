@@ -628,7 +628,7 @@ def block_quality_section(results: dict[str, Any]) -> str:
             f"each `ampkit compare` setting at O1 trained {results['steps']} steps per seed, one process per run; final "
             "train loss as compare's (the mean of the last steps); the ratio is the mean over seeds against bf16's "
             "mean over the same seeds. `nvfp4` is the full recipe, `nvfp4-plain` the format alone, `nvfp4-no-X` the "
-            "recipe without one part.", "", "| model | setting | seeds | final loss per seed | mean | vs bf16 |",
+            "recipe without one part, `nvfp4-4over6` the recipe with Four Over Six's choice of each block's scale.", "", "| model | setting | seeds | final loss per seed | mean | vs bf16 |",
             "|---|---|---|---|---|---|"]
     for label, row in results["summary"].items():
         model, setting = label.rsplit(" ", 1)

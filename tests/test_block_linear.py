@@ -206,14 +206,15 @@ def test_a_gpt_trains_a_few_steps_in_each_format_with_finite_losses() -> None:
     from ampkit.experiment.config import RunConfig
     from ampkit.experiment.training import execute
 
-    for precision in ("mxfp8", "mxfp4", "nvfp4"):
+    for precision in ("mxfp8", "mxfp4", "nvfp4", "nvfp4-4over6"):
         result = execute(RunConfig(model="gpt", data="text", precision=precision, opt_level="O1", steps=4,
                                    batch_size=4))
         assert all(math.isfinite(loss) for loss in result.losses), precision
 
 
 @pytest.mark.parametrize("recipe", [BlockScaledRecipe("mxfp8"), BlockScaledRecipe("mxfp8", "e5m2", "rceil"),
-                                    BlockScaledRecipe("mxfp4"), BlockScaledRecipe("nvfp4")], ids=lambda r: r.label)
+                                    BlockScaledRecipe("mxfp4"), BlockScaledRecipe("nvfp4"),
+                                    BlockScaledRecipe("nvfp4", four_over_six=True)], ids=lambda r: r.label)
 def test_compiled_casts_give_the_eager_values_bit_for_bit(recipe: BlockScaledRecipe) -> None:
     """``compiled_casts`` (the default) fuses the quantization through torch.compile: every operand an emulated GEMM
     reads (NVFP4's tiles and stochastically rounded gradients included) is the eager cast's, bit for bit, on

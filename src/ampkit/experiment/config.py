@@ -15,7 +15,7 @@ from ampkit.modes import resolve_dtype
 from ampkit.precision.decide import GEMM_OPS, float32_classes
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current", "mxfp8", "mxfp8-floor", "mxfp4", "mxfp4-rceil", "nvfp4",
-              "nvfp4-no-tiles", "nvfp4-no-sr", "nvfp4-no-hadamard", "nvfp4-no-kept", "nvfp4-plain")
+              "nvfp4-no-tiles", "nvfp4-no-sr", "nvfp4-no-hadamard", "nvfp4-no-kept", "nvfp4-plain", "nvfp4-4over6")
 LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
 GRAD_ACCUMS = ("fp32", "bf16", "fp16")  # compare --grad-accum: what O2/O3 gradients accumulate in
 # compare --compile: eager runs, compiled runs, each setting both ways, or compiled runs whose steps replay as CUDA
@@ -29,7 +29,8 @@ FP8_RECIPES = {"fp8": Fp8Recipe(), "fp8-current": Fp8Recipe(scaling="current")}
 # the GPT within 2% of bf16 on two seeds where the OCP spec's FLOOR was 7% above it on one (BENCHMARKS.md,
 # "MXFP8's two scale modes"); mxfp8-floor is the spec's. MXFP4 as the spec scales it, and with RCEIL; NVFP4
 # with its full recipe, with each of its four parts removed (the ablation of the NVFP4 pretraining report) and with
-# none of them (nvfp4-plain: the format alone).
+# none of them (nvfp4-plain: the format alone); nvfp4-4over6: the full recipe, each block scaled to 4 or 6 (Four Over
+# Six, arXiv 2512.02010).
 BLOCK_RECIPES = {name: BlockScaledRecipe(name) for name in ("mxfp4", "nvfp4")} | {
     "mxfp8": BlockScaledRecipe("mxfp8", scale_mode="rceil"),
     "mxfp8-floor": BlockScaledRecipe("mxfp8"),
@@ -40,6 +41,7 @@ BLOCK_RECIPES = {name: BlockScaledRecipe(name) for name in ("mxfp4", "nvfp4")} |
     "nvfp4-no-kept": BlockScaledRecipe("nvfp4", keep_first_last=False),
     "nvfp4-plain": BlockScaledRecipe("nvfp4", weight_tiles=False, stochastic_gradients=False, hadamard=False,
                                      keep_first_last=False),
+    "nvfp4-4over6": BlockScaledRecipe("nvfp4", four_over_six=True),
 }
 
 

@@ -60,18 +60,19 @@ def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, generator: torc
                      stochastic: bool = False, tiles: bool = False) -> Quantized:
     """A GEMM operand in ``recipe``'s format, in blocks along its last axis (16x16 tiles with ``tiles``)."""
     if recipe.format == "nvfp4":
-        return quantize_nvfp4(t, -1, 16 if tiles else None, generator, stochastic)
+        return quantize_nvfp4(t, -1, 16 if tiles else None, generator, stochastic, recipe.four_over_six)
     element = recipe.element if recipe.format == "mxfp8" else MX_ELEMENTS[recipe.format]
     return quantize_mx(t, element, -1, recipe.block, recipe.scale_mode)
 
 
 def _operand_values(t: torch.Tensor, format: str, element: str, block: int, mode: str, tiles: bool,
-                    stochastic: bool, seed: torch.Tensor, step: torch.Tensor | None, stream: int) -> torch.Tensor:
+                    stochastic: bool, seed: torch.Tensor, step: torch.Tensor | None, stream: int,
+                    four_over_six: bool) -> torch.Tensor:
     """``quantize_operand``'s decoded values, all an emulated GEMM reads: what ``torch.compile`` fuses. The draws'
     seed is a tensor, so that one graph serves every layer (an integer would be a constant of each)."""
     if format == "nvfp4":
         draws = counter_draws(seed, step, stream) if stochastic and step is not None else None  # type: ignore[arg-type]
-        return quantize_nvfp4(t, -1, 16 if tiles else None, draws, stochastic).values
+        return quantize_nvfp4(t, -1, 16 if tiles else None, draws, stochastic, four_over_six).values
     return quantize_mx(t, element, -1, block, mode).values
 
 
@@ -85,7 +86,7 @@ def operand_values(t: torch.Tensor, recipe: BlockScaledRecipe, seed: int = 0, st
     traced itself (a compiled model's trace takes the plain function)."""
     element = recipe.element if recipe.format == "mxfp8" else MX_ELEMENTS.get(recipe.format, "e2m1")
     args = (t.detach().contiguous(), recipe.format, element, recipe.block, recipe.scale_mode, tiles, stochastic,
-            torch.tensor(seed, dtype=torch.int64, device=t.device), step, stream)
+            torch.tensor(seed, dtype=torch.int64, device=t.device), step, stream, recipe.four_over_six)
     if not recipe.compiled_casts or torch.compiler.is_compiling():
         return _operand_values(*args)
     if not _compiled:

@@ -16,6 +16,10 @@ statistics of a cast.
   (float32 operations in that order, as Transformer Engine's kernels). A block whose
   scale rounds to 0 decodes to 0; a block holding NaN or +-Inf decodes to NaN. ``tile=16`` makes 16x16
   blocks of a 2-D tensor (the NVFP4 training recipe's weights: a weight and its transpose quantize alike).
+  ``four_over_six`` (Four Over Six, arXiv 2512.02010): E2M1 has no value between 4 and 6, so a block's values
+  at 67-100% of its amax lose most; each block is quantized twice, its amax to 6 and (a scale 1.5x larger) to 4,
+  and keeps the one whose decoded values are nearer its own in squared error (a tie keeps 6). ``s`` is then
+  ``256 * 6 / amax``, so that a block scale times 1.5 stays within E4M3 (as the paper's reference quantizer).
 
 Elements are E2M1 (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives) or torch's float8 dtypes (torch's casts
 round to nearest even; ampkit clamps first, so they saturate as the specs say). Everything runs in
@@ -52,6 +56,8 @@ _compile_torch.mark(globals(), "element_type", torch.compiler.assume_constant_re
 
 
 SCALE_MODES = ("floor", "rceil")
+# Four Over Six's block scales stay at or below 256 before the 1.5x that scales a block to 4 (384 <= E4M3's 448).
+FOUR_OVER_SIX_SCALE_MAX = 256.0
 E8M0_MIN, E8M0_MAX = -127, 127
 
 
@@ -225,7 +231,8 @@ def quantize_mx(x: torch.Tensor, element: str = "e4m3", axis: int = -1, block: i
 
 
 def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
-                   generator: torch.Generator | Draws | None = None, stochastic: bool = False) -> Quantized:
+                   generator: torch.Generator | Draws | None = None, stochastic: bool = False,
+                   four_over_six: bool = False) -> Quantized:
     """NVFP4-quantize ``x``: E2M1 elements in blocks of 16 along ``axis`` (or, with ``tile=16``, in 16x16
     tiles of a 2-D tensor), E4M3 block scales, a float32 per-tensor scale (see the module docstring).
 
@@ -235,6 +242,8 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
         tile: None (1-D blocks of 16) or 16 (16x16 tiles).
         generator: stochastic rounding's random draws (a ``torch.Generator`` or ``Draws``).
         stochastic: stochastic rounding of the elements (the recipe's gradients).
+        four_over_six: each block scaled so that its largest magnitude maps to 6 or to 4, whichever decodes
+            with the smaller squared error (Four Over Six, arXiv 2512.02010; see the module docstring).
 
     Returns:
         ``Quantized``.
@@ -245,7 +254,8 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
     # Clamped to float32's largest: below an amax of about 8e-36 the quotient overflows to inf, and a block of
     # zeros then decoded to 0 x inf = NaN (one tiny output gradient made every weight-gradient value NaN).
     e2m1_max, e4m3_max = element_type("e2m1")[0], element_type("e4m3")[0]
-    tensor_scale = torch.where(amax > 0, (e4m3_max * e2m1_max) / amax, torch.ones_like(amax)).clamp(
+    ceiling = FOUR_OVER_SIX_SCALE_MAX if four_over_six else e4m3_max  # block scales' largest before a 1.5x
+    tensor_scale = torch.where(amax > 0, (ceiling * e2m1_max) / amax, torch.ones_like(amax)).clamp(
         max=torch.finfo(torch.float32).max)
     if tile is not None:
         if x.dim() != 2:
@@ -259,16 +269,17 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
         blocks, pad = _blocks(x, axis, 16)
     bad = (~torch.isfinite(blocks)).any(-1, keepdim=True)
     block_amax = torch.where(torch.isfinite(blocks), blocks.abs(), torch.zeros_like(blocks)).amax(-1, keepdim=True)
-    # Transformer Engine's float32 operations, in its order (its reference quantizer, quantization_nvfp4.py, which
-    # its kernels match bit for bit): the block scale is the block's amax times (s x 1/6); the elements' factor is
-    # 1 / (scale x (1/s)). s / scale, one rounding apart, decided ties the other way: a bfloat16 input scaled to
-    # 3.5 exactly with it and to 3.4999998 in Transformer Engine rounded to 4 instead of 3
-    # (tests/test_block_scaled.py).
-    scale = (block_amax * (tensor_scale * (1.0 / e2m1_max))).clamp(max=e4m3_max).to(E4M3).float()
-    factor = torch.where(scale > 0, (1.0 / (scale * (1.0 / tensor_scale))).clamp(
-        max=torch.finfo(torch.float32).max), torch.zeros_like(scale))  # finite: a zero times it stays zero
-    scaled = blocks * factor
-    elements = round_e2m1(scaled, generator, stochastic)
+    scale, scaled, elements = _nvfp4_blocks(blocks, block_amax, tensor_scale, 1.0, generator, stochastic)
+    if four_over_six:  # the same blocks scaled to 4: where that decodes closer, it is the block's scale
+        scale4, scaled4, elements4 = _nvfp4_blocks(blocks, block_amax, tensor_scale, 1.5, generator, stochastic)
+        # the errors in the tensor scale's units (the block times s, at most 1536): in the input's own units a
+        # huge block's squared error overflowed to inf and a tiny one's flushed to 0, a tie either way
+        target = blocks * tensor_scale
+        error6 = ((elements * scale - target) ** 2).sum(-1, keepdim=True)
+        error4 = ((elements4 * scale4 - target) ** 2).sum(-1, keepdim=True)
+        four = error4 < error6  # a tie keeps 6, as the paper's reference
+        scale, scaled, elements = (torch.where(four, scale4, scale), torch.where(four, scaled4, scaled),
+                                   torch.where(four, elements4, elements))
     elements = torch.where(bad, torch.full_like(elements, math.nan), elements)
     scale = torch.where(bad, torch.full_like(scale, math.nan), scale)
     decoded = elements * scale / tensor_scale
@@ -284,8 +295,26 @@ def quantize_nvfp4(x: torch.Tensor, axis: int = -1, tile: int | None = None,
                      saturated, spread, _unblocks(flushed, pad, axis))
 
 
+def _nvfp4_blocks(blocks: torch.Tensor, block_amax: torch.Tensor, tensor_scale: torch.Tensor, expand: float,
+                  generator: torch.Generator | Draws | None, stochastic: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 blocks' E4M3 scales (each block's amax to 6, or to 4 with ``expand`` 1.5), their scaled values and
+    E2M1 elements."""
+    e2m1_max, e4m3_max = element_type("e2m1")[0], element_type("e4m3")[0]
+    # Transformer Engine's float32 operations, in its order (its reference quantizer, quantization_nvfp4.py, which
+    # its kernels match bit for bit): the block scale is the block's amax times (s x 1/6); the elements' factor is
+    # 1 / (scale x (1/s)). s / scale, one rounding apart, decided ties the other way: a bfloat16 input scaled to
+    # 3.5 exactly with it and to 3.4999998 in Transformer Engine rounded to 4 instead of 3
+    # (tests/test_block_scaled.py).
+    scale = (block_amax * (tensor_scale * (1.0 / e2m1_max)) * expand).clamp(max=e4m3_max).to(E4M3).float()
+    factor = torch.where(scale > 0, (1.0 / (scale * (1.0 / tensor_scale))).clamp(
+        max=torch.finfo(torch.float32).max), torch.zeros_like(scale))  # finite: a zero times it stays zero
+    scaled = blocks * factor
+    return scale, scaled, round_e2m1(scaled, generator, stochastic)
+
+
 def fake_quantize(x: torch.Tensor, format: str = "mxfp8", axis: int = -1, scale_mode: str = "floor",
-                  tile: int | None = None) -> torch.Tensor:
+                  tile: int | None = None, four_over_six: bool = False) -> torch.Tensor:
     """``x`` through a block-scaled format and back: the float32 values a GEMM on that format sees.
 
     Args:
@@ -294,38 +323,40 @@ def fake_quantize(x: torch.Tensor, format: str = "mxfp8", axis: int = -1, scale_
         axis: the blocks' axis (a GEMM's reduction dimension; default the last).
         scale_mode: MX only: ``"floor"`` (default, the OCP spec's) or ``"rceil"`` (no element saturates).
         tile: NVFP4 only: 16 for 16x16 tiles of a 2-D tensor.
+        four_over_six: NVFP4 only: each block scaled to 6 or to 4, whichever decodes nearer (Four Over Six).
 
     Returns:
         float32 values, shaped as ``x``.
 
     Raises:
-        ValueError: an unknown format or scale mode, a tile with MX, or a tile other than 16; ``x`` not a
+        ValueError: an unknown format or scale mode, a tile or four_over_six with MX, a tile other than 16; ``x`` not a
             floating tensor, or ``axis`` not one of its dimensions.
 
     Example:
         >>> error = (ampkit.fake_quantize(w, "nvfp4") - w).abs().max()
     """
-    check_block_format(format, scale_mode, tile)
+    check_block_format(format, scale_mode, tile, four_over_six)
     if not (isinstance(x, torch.Tensor) and x.is_floating_point()):
         raise ValueError(f"fake_quantize takes a floating tensor, not {type(x).__name__}"
                          f"{' of ' + str(x.dtype) if isinstance(x, torch.Tensor) else ''}: pass x.float().")
     if x.dim() == 0:  # one value: a block of one
-        return fake_quantize(x.reshape(1), format, 0, scale_mode, tile).reshape(())
+        return fake_quantize(x.reshape(1), format, 0, scale_mode, tile, four_over_six).reshape(())
     if not -x.dim() <= axis < x.dim():
         raise ValueError(f"axis={axis} is not a dimension of x (shape {tuple(x.shape)}): pass -1 for the last, or "
                          f"0 to {x.dim() - 1}.")
     if x.numel() == 0:  # no block to scale
         return x.float().clone()
     if format == "nvfp4":
-        return quantize_nvfp4(x, axis, tile).values
+        return quantize_nvfp4(x, axis, tile, four_over_six=four_over_six).values
     return quantize_mx(x, MX_ELEMENTS[format], axis, mode=scale_mode).values
 
 
 MX_ELEMENTS = {"mxfp8": "e4m3", "mxfp8-e5m2": "e5m2", "mxfp4": "e2m1"}
 
 
-def check_block_format(format: str, scale_mode: str = "floor", tile: int | None = None) -> None:
-    """Refuse an unknown format, scale mode or tile (ValueError naming the choices)."""
+def check_block_format(format: str, scale_mode: str = "floor", tile: int | None = None,
+                       four_over_six: bool = False) -> None:
+    """Refuse an unknown format, scale mode, tile or scale choice (ValueError naming the choices)."""
     formats = [*MX_ELEMENTS, "nvfp4"]
     if format not in formats:
         raise ValueError(f"format={format!r} is not a block-scaled format: choose one of {formats}.")
@@ -337,3 +368,7 @@ def check_block_format(format: str, scale_mode: str = "floor", tile: int | None 
     if tile is not None and (format != "nvfp4" or tile != 16):
         raise ValueError(f"tile={tile!r}: only NVFP4 takes tiles, of 16 (16x16 blocks of a 2-D weight); pass "
                          "tile=None for 1-D blocks.")
+    if not isinstance(four_over_six, bool) or (four_over_six and format != "nvfp4"):
+        raise ValueError(f"four_over_six={four_over_six!r}: a bool, True for NVFP4 only (MX block scales are powers "
+                         "of two, and Four Over Six chooses between two E4M3 scales); drop it for format="
+                         f"{format!r}.")

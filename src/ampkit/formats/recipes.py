@@ -94,6 +94,8 @@ class BlockScaledRecipe:
         stochastic_gradients: NVFP4: stochastic rounding of the output gradients (default: True for NVFP4).
         hadamard: NVFP4: a random Hadamard transform (16x16, random signs) of the weight-gradient GEMM's
             operands along the tokens (default: True for NVFP4); ``hadamard_seed`` fixes the signs (default 0).
+        four_over_six: NVFP4: each block scaled so that its amax maps to 6 or to 4, whichever decodes with the
+            smaller squared error (Four Over Six, arXiv 2512.02010; default False, as Transformer Engine's recipe).
         keep: name patterns (``fnmatch``) of linears kept in 16 bits.
         keep_first_last: keep the model's first and last linears in 16 bits (default: True for NVFP4, as
             the NVFP4 pretraining recipe, False for MX).
@@ -113,6 +115,7 @@ class BlockScaledRecipe:
     stochastic_gradients: bool | None = None
     hadamard: bool | None = None
     hadamard_seed: int = 0
+    four_over_six: bool = False
     keep: tuple[str, ...] = ()
     keep_first_last: bool | None = None
     gemm: object = dataclasses.field(default=None, compare=False)
@@ -137,6 +140,9 @@ class BlockScaledRecipe:
                                  f"format={self.format!r}.")
             if value is None:
                 object.__setattr__(self, name, self.format == "nvfp4")
+        if not isinstance(self.four_over_six, bool) or (self.four_over_six and self.format != "nvfp4"):
+            raise ValueError(f"BlockScaledRecipe(four_over_six={self.four_over_six!r}) is a bool, True for NVFP4 "
+                             f"only (MX block scales are powers of two): drop it for format={self.format!r}.")
         if isinstance(self.hadamard_seed, bool) or not isinstance(self.hadamard_seed, int):
             raise ValueError(f"BlockScaledRecipe(hadamard_seed={self.hadamard_seed!r}) is not an integer.")
         if isinstance(self.keep, str) or not all(isinstance(k, str) for k in self.keep):
@@ -162,7 +168,7 @@ class BlockScaledRecipe:
             return f"{self.format}{element}-{self.scale_mode}"
         off = [name for name, on in (("tiles", self.weight_tiles), ("sr", self.stochastic_gradients),
                                      ("hadamard", self.hadamard), ("kept", self.keep_first_last)) if not on]
-        return "nvfp4" + "".join(f"-no-{name}" for name in off)
+        return "nvfp4" + "".join(f"-no-{name}" for name in off) + ("-4over6" if self.four_over_six else "")
 
 
 CONVERTED_BY = ("ampkit.formats.", "torchao.")  # the modules whose linears are converted ones already

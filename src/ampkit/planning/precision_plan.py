@@ -28,6 +28,7 @@ LOWER: dict[str, Fp8Recipe | BlockScaledRecipe] = {  # the formats a linear can 
     "mxfp8": BlockScaledRecipe("mxfp8", scale_mode="rceil"),  # RCEIL: as ampkit compare's mxfp8
     "mxfp4": BlockScaledRecipe("mxfp4"),
     "nvfp4": BlockScaledRecipe("nvfp4"),
+    "nvfp4-4over6": BlockScaledRecipe("nvfp4", four_over_six=True),  # each block scaled to 4 or 6 (Four Over Six)
 }
 
 
