@@ -9,7 +9,8 @@ alternation (the order reversed every other round), median per variant, then rat
 - ``import ampkit``: names load on first use, so this loads neither torch nor ampkit's modules;
 - ``import ampkit`` and every public name read: what a script that uses ampkit loads before it runs anything;
 - the same, then an edited float32-compute region with a module override run once, and a loss scaler's step:
-  ampkit's eager use (torch's compiler, dynamo, is imported only once torch.compile is used);
+  ampkit's eager use (its precision layer's modules import torch's compiler, dynamo, for the marks that keep
+  torch.compile off ampkit's own code, as torch's optimizers do when built);
 - ``ampkit --help`` (the console script's entry point): no torch.
 
 Issue 41's targets: ``import ampkit`` within 1.3x ``import torch``; ``ampkit --help`` under 2 s.

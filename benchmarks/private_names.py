@@ -7,7 +7,7 @@ ampkit does not define, read as ``x._name`` or looked up by its string (``getatt
 torch's (``._orig_mod``, ``._saved_self``), less ATen operator names (``"_to_copy"``: the dispatcher's names of ops,
 which torch's own checkpoint policies list) and the other libraries' names below (``NOT_TORCH``). dynamo's, AOTAutograd's and inductor's internals
 (``torch._dynamo``, ``torch._functorch``, ``torch._inductor``) are counted apart: issue 38's goal is at most 12
-names, none of those, all in the shims (``_torch.py``, ``_compile_torch.py``, ``_torch_tensors.py``).
+names, none of those, all in the shims (``_torch.py``, ``_torch_tensors.py``).
 
     python benchmarks/private_names.py            # the table and the totals
     python benchmarks/private_names.py --json     # the names and their places as JSON
@@ -25,7 +25,7 @@ import tokenize
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "ampkit"
-SHIMS = ("_torch.py", "_compile_torch.py", "_torch_tensors.py")
+SHIMS = ("_torch.py", "_torch_tensors.py")
 INTERNALS = ("torch._dynamo", "torch._functorch", "torch._inductor")
 _DOTTED = re.compile(r"\b(?:torch|nn|F)(?:\.[A-Za-z_]\w*)*\.(?!__)_[A-Za-z]\w*(?:\.[A-Za-z_]\w*)*")
 _ATTRIBUTE = re.compile(r"\.(_base|_version|_values)\b")

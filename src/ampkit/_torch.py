@@ -10,8 +10,8 @@ instead of switching a feature off silently.
 Checked on the torch releases CI tests, ``CHECKED`` (pyproject.toml's ``[tool.ampkit] tested-torch``;
 ``tests/test_torch_versions.py`` keeps the two equal): ``tests/test_torch_shim.py`` runs on each. A range
 in a docstring below is where the name was found; where releases differ, the wrapper says how.
-This module imports nothing of ampkit. None of dynamo's privates is used (``_compile_torch.py`` holds the public
-marks that keep torch.compile off ampkit's own code).
+This module imports nothing of ampkit. None of dynamo's privates is used: ampkit's own code that torch.compile must
+not trace carries torch's public marks where it is defined (``torch.compiler.disable`` and its kin).
 """
 
 from __future__ import annotations

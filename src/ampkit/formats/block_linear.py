@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import _compile_torch, _torch
+from ampkit import _torch
 from ampkit.formats.block_scaled import MX_ELEMENTS, Draws, Quantized, counter_draws, quantize_mx, quantize_nvfp4
 from ampkit.formats.recipes import (
     BlockScaledRecipe,
@@ -185,14 +185,13 @@ _next_count = torch.library.custom_op("ampkit::next_draws_count", _plus_one, mut
 _next_count.register_fake(lambda t: torch.empty_like(t))
 
 
+@torch.compiler.disable
 def _apply_eagerly(x: torch.Tensor, weight: torch.Tensor, module: BlockScaledLinear,
                    step: torch.Tensor | None) -> torch.Tensor:
     _torch.fallback_once("a dynamo that traces a block-scaled linear's backward as eager runs it (2.13 on)",
                          "block-scaled linears run eagerly inside compiled models, a graph break at each")
     return _BlockScaledMatmul.apply(x, weight, module, step)
 
-
-_compile_torch.mark(globals(), "_apply_eagerly", torch.compiler.disable)  # when torch.compile imports dynamo
 
 
 # dynamo before 2.13 traced this Function's backward into gradients far from eager's (2.11, also with

@@ -34,7 +34,6 @@ from collections.abc import Callable
 
 import torch
 
-from ampkit import _compile_torch
 from ampkit.formats.recipes import E4M3, E5M2
 
 E2M1_MAX, E4M3_MAX, E5M2_MAX = 6.0, 448.0, 57344.0
@@ -47,12 +46,11 @@ ELEMENTS = {"e4m3": (E4M3_MAX, 8, E4M3), "e5m2": (E5M2_MAX, 15, E5M2), "e2m1": (
 # under torch.compile(dynamic=True) dynamo makes every float it reads from a module a symbolic input, and one read
 # inside a block-scaled layer's autograd.Function was reused by the next layer's, where dynamo failed an assertion
 # ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer"; torch 2.11-2.15).
+@torch.compiler.assume_constant_result
 def element_type(name: str) -> tuple[float, int, torch.dtype | None]:
     """``ELEMENTS[name]``, a constant to torch.compile."""
     return ELEMENTS[name]
 
-
-_compile_torch.mark(globals(), "element_type", torch.compiler.assume_constant_result)  # when dynamo is imported
 
 
 SCALE_MODES = ("floor", "rceil")

@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampkit import _compile_torch
 from ampkit.formats.recipes import (
     E4M3,
     E5M2,
@@ -138,15 +137,14 @@ def scaled_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
     return (dequantize(a, scale_a) @ dequantize(b, scale_b)).to(out_dtype)
 
 
+# One node of dynamo's graph, which AOTAutograd traces through: torch 2.11's dynamo refuses the ATen op
+# ``_scaled_mm_v2`` that F.scaled_mm calls (a graph break at every FP8 GEMM; an error with fullgraph=True).
+@torch.compiler.allow_in_graph
 def _native_mm(a: torch.Tensor, b: torch.Tensor, decode_a: torch.Tensor, decode_b: torch.Tensor,
                out_dtype: torch.dtype) -> torch.Tensor:
     tensor_wise = F.ScalingType.TensorWise
     return F.scaled_mm(a, b, decode_a, tensor_wise, decode_b, tensor_wise, output_dtype=out_dtype)
 
-
-# One node of dynamo's graph, which AOTAutograd traces through: torch 2.11's dynamo refuses the ATen op
-# ``_scaled_mm_v2`` that F.scaled_mm calls (a graph break at every FP8 GEMM; an error with fullgraph=True).
-_compile_torch.mark(globals(), "_native_mm", torch.compiler.allow_in_graph)
 
 
 # -- delayed scaling ------------------------------------------------------------------------------

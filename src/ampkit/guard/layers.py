@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ampkit import _compile_torch, _trees
+from ampkit import _trees
 from ampkit.formats.block_linear import BlockScaledLinear, quantize_operand
 from ampkit.formats.fp8 import Fp8Linear, cast_fractions, fp8_max
 from ampkit.formats.recipes import INPUT
@@ -245,14 +245,12 @@ def raise_layer(model: nn.Module, name: str, master_of: MasterOf | None = None) 
             run = forward if forward is not None else functools.partial(type(self).forward, self)
             return run(*_float32(args), **_float32(kwargs))
 
-    in_float32.before = forward  # type: ignore[attr-defined]  # what lower_layer puts back
-    in_float32.weights = _weights_in_float32(module, master_of)  # type: ignore[attr-defined]  # and their dtypes
-    run_eagerly = in_float32
-    if _compile_torch.dynamo_imported():  # a compiled model's raised layer runs eagerly, a graph break at it: a backward
-        # AOTAutograd traced would run under the forward's outer autocast (16-bit GEMMs), and the float16 overflow it
-        # was raised for came back at every step (a dynamic scaler skipped on, down to a scale of 1)
-        run_eagerly = torch.compiler.disable(in_float32)
-        run_eagerly.before, run_eagerly.weights = forward, in_float32.weights  # type: ignore[attr-defined]
+    # A compiled model's raised layer runs eagerly, a graph break at it: a backward AOTAutograd traced would run under
+    # the forward's outer autocast (16-bit GEMMs), and the float16 overflow it was raised for came back at every step
+    # (a dynamic scaler skipped on, down to a scale of 1).
+    run_eagerly = torch.compiler.disable(in_float32)
+    run_eagerly.before = forward  # type: ignore[attr-defined]  # what lower_layer puts back
+    run_eagerly.weights = _weights_in_float32(module, master_of)  # type: ignore[attr-defined]  # and their dtypes
     # bound to the module, so that a deep copy (the guard's replay) runs the copy's own forward
     module.forward = types.MethodType(run_eagerly, module)  # type: ignore[method-assign]
     return module

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampkit import _compile_torch
 from ampkit.precision import compiling
 from ampkit.precision.kernels import cast_tree, caster
 from ampkit.precision.policy import Policy
@@ -125,9 +124,12 @@ def _wrapper(module: nn.Module) -> Callable[..., Any]:
 
 
 def _forward(key: int, *args: Any, **kwargs: Any) -> Any:
-    return _overridden(key, *args, **kwargs)  # looked up at each call: marked for dynamo once it is imported
+    return _overridden(key, *args, **kwargs)
 
 
+# Never traced: a graph ends before an overridden module's call, and its own forward compiles inside the region
+# (the one frame under ``_overridden`` that torch.compile compiles).
+@functools.partial(torch.compiler.disable, recursive=False)
 def _overridden(key: int, *args: Any, **kwargs: Any) -> Any:
     """Run a module's own forward, inside its override's region where the calling thread's innermost region
     installed the override. Under torch.compile only the forward itself compiles (a frame of its own)."""
@@ -140,6 +142,7 @@ def _overridden(key: int, *args: Any, **kwargs: Any) -> Any:
         _close(opened[2], opened[3])
 
 
+@torch.compiler.disable
 def _open(key: int, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable[..., Any], Any]:
     """The module's own forward and, where its override applies, its (args, kwargs) as the region casts them and
     the region opened (torch.autocast's state, the guard); else None."""
@@ -165,15 +168,10 @@ def _open(key: int, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable[..., 
     return forward, (args, kwargs, ctx, guard)
 
 
+@torch.compiler.disable
 def _close(ctx: torch.autocast, guard: Any) -> None:
     state.stack.pop()
     if guard is not None:
         guard.__exit__(None, None, None)
     ctx.__exit__(None, None, None)
 
-
-# Never traced: a graph ends before an overridden module's call, and its own forward compiles inside the region
-# (the one frame under ``_overridden`` that torch.compile compiles).
-_compile_torch.mark(globals(), "_overridden", lambda fn: torch.compiler.disable(fn, recursive=False))
-_compile_torch.mark(globals(), "_open", torch.compiler.disable)
-_compile_torch.mark(globals(), "_close", torch.compiler.disable)

@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ampkit import _compile_torch
 from ampkit.hardware.advice import slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
 from ampkit.modes import ComputeModeWarning
@@ -101,10 +100,12 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
             warn_once(f"slow:{device_type}:{dtype}", lambda: slow_native_message(device_type, dtype),
                       SlowPrecisionWarning)
 
+    @torch.compiler.disable  # the region opens and closes eagerly; what runs inside it compiles
     def __enter__(self) -> autocast:
         self._enter(self.model, root=True)
         return self
 
+    @torch.compiler.disable
     def _enter(self, model: nn.Module | None, root: bool) -> None:
         """Open the region; with overrides, wrap ``model``'s matching modules (``model`` itself with ``root``)."""
         policy = self.policy
@@ -134,6 +135,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         state.stack.append(Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops,
                                   guard, model, modules))
 
+    @torch.compiler.disable
     def __exit__(self, *exc: object) -> None:
         if not state.stack:
             raise RuntimeError("ampkit.autocast.__exit__() without __enter__(): use `with ampkit.autocast(policy):`.")
@@ -152,7 +154,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         # torch.compile opens the region eagerly (this frame only, not recursive) and compiles `fn` inside it,
         # guarded by the region's policy (precision/compiling.py): in a compiled module whose forward is decorated,
         # the graph starts at the forward, as it would under torch.autocast (with fullgraph=True too). The function
-        # dynamo skips must be the one the caller holds, so a decorator, unlike a region, imports dynamo now.
+        # dynamo skips must be the one the caller holds.
         # torch.jit.script meeting `with ampkit.autocast(...)` fails here, showing these lines:
         @functools.partial(torch.compiler.disable, recursive=False)
         @functools.wraps(fn)  # torch.jit.script cannot compile an ampkit region: use torch.autocast in scripted code
@@ -170,9 +172,3 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         setattr(wrapper, "__script_unsupported", _SCRIPT_UNSUPPORTED)
         return wrapper  # type: ignore[return-value]
 
-
-# The region opens and closes eagerly; what runs inside it compiles. Marked when dynamo is first imported (by
-# torch.compile, a decorator above, or torch's own optimizers): code that only enters regions never imports it.
-_compile_torch.mark(autocast, "__enter__", torch.compiler.disable)
-_compile_torch.mark(autocast, "_enter", torch.compiler.disable)
-_compile_torch.mark(autocast, "__exit__", torch.compiler.disable)
