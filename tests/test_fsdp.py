@@ -318,6 +318,8 @@ def _errors_worker(rank: int, world: int) -> dict:
     loss.backward()
     out["early_step"] = refused(early.step)
     out["early_prepare"] = refused(lambda: fsdp.prepare_optimizer(model, early))
+    from torch.optim import optimizer as optimizer_module  # the refusal is the optimizer's own hook, no global one
+    out["global_optimizer_hooks"] = len(optimizer_module._global_optimizer_pre_hooks)
     out["update"] = refused(lambda: fsdp.prepare_optimizer(model, torch.optim.AdamW(model.parameters()), "kahan"))
     out["save_file"] = refused(lambda: ampkit.save_checkpoint("/nonexistent/x.pt", model=model))
     out["plan"] = refused(lambda: ampkit.plan_recompute(model, _global_batch(0)[0][rank::world], 0.5))
@@ -541,7 +543,7 @@ def test_bad_calls_are_refused_in_one_line_and_change_nothing() -> None:
     for key, start in expected.items():
         assert out[key].startswith(start), (key, out[key])
         assert "\n" not in out[key], key
-    assert out["untouched"] is True
+    assert out["untouched"] is True and out["global_optimizer_hooks"] == 0
     losses = out["planned_losses"]
     assert losses["planned"] == losses["both"] == losses["whole"] == losses["unplanned"]
     seen, output, kept, blocks = out["keep_float32"]
