@@ -358,8 +358,9 @@ def _remember_replaced(model: nn.Module, before: Sequence[torch.Tensor]) -> None
     for p in replaced:
         _REPLACED[id(p)] = weakref.ref(p, _forget(id(p)))
     ids = {id(p) for p in replaced}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.optim.Optimizer) and any(id(p) in ids for g in obj.param_groups for p in g["params"]):
+    for obj in gc.get_objects():  # type(), not isinstance: a dead weak proxy among them raises at its __class__
+        if issubclass(type(obj), torch.optim.Optimizer) and any(id(p) in ids for g in obj.param_groups
+                                                                for p in g["params"]):
             obj.register_step_pre_hook(lambda optimizer, args, kwargs: _refuse_replaced(optimizer))
 
 
