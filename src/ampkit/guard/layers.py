@@ -79,28 +79,41 @@ def block_figures(x: torch.Tensor, module: BlockScaledLinear) -> torch.Tensor:
                         torch.zeros((), device=x.device)]).float()
 
 
+def sixteen_extremes(output: Any) -> list[tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Each 16-bit floating tensor of ``output``: (its dtype, smallest value, largest value, and for float16 the
+    fraction of its nonzero values below the smallest normal). One pass over a tensor, two more for float16's
+    underflow; the figures are made from them for every sampled layer at once (``sixteen_rows``)."""
+    found = []
+    for out in _trees.leaves(output):
+        if isinstance(out, torch.Tensor) and out.dtype in SIXTEEN:
+            low, high = torch.aminmax(out.detach())
+            tiny = None
+            if out.dtype == torch.float16:  # bfloat16 has float32's range: no underflow
+                a = out.detach().abs()
+                tiny = ((a > 0) & (a < torch.finfo(out.dtype).tiny)).sum() / _nonzero(a)
+            found.append((out.dtype, low, high, tiny))
+    return found
+
+
+def sixteen_rows(extremes: list[tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+                 ) -> torch.Tensor:
+    """(saturation, underflow, amax) of each 16-bit tensor ``sixteen_extremes`` read, one row each, in a few ops
+    for all of them: ``saturation`` is 1 where a value is not finite (an inf or a NaN reaches the min or the max),
+    else 0; ``amax`` the largest magnitude over the format's largest (1 where not finite)."""
+    low = torch.stack([e[1].float() for e in extremes])
+    high = torch.stack([e[2].float() for e in extremes])
+    largest_normal = low.new_tensor([torch.finfo(e[0]).max for e in extremes])
+    largest = torch.maximum(-low, high)
+    tiny = torch.stack([e[3].float() if e[3] is not None else low.new_zeros(()) for e in extremes])
+    return torch.stack([(~torch.isfinite(largest)).float(), tiny,
+                        torch.nan_to_num(largest / largest_normal, nan=1.0, posinf=1.0)], 1)
+
+
 def sixteen_figures(output: Any) -> torch.Tensor | None:
-    """(saturation, underflow, amax) of a 16-bit output's floating tensors, else None (a float32 output). One pass
-    over a tensor (its smallest and largest value), two more for float16's underflow: ``saturation`` is 1 where a
-    value is not finite (an inf or a NaN reaches the min or the max), else 0; ``amax`` the largest magnitude over
-    the format's largest (1 where not finite)."""
-    outputs = [t for t in _trees.leaves(output) if isinstance(t, torch.Tensor) and t.dtype in SIXTEEN]
-    if not outputs:
-        return None
-    worst = []
-    for out in outputs:
-        info = torch.finfo(out.dtype)
-        low, high = torch.aminmax(out.detach())
-        largest = torch.maximum(-low, high).float()
-        saturated = (~torch.isfinite(largest)).float()
-        amax = torch.nan_to_num(largest / info.max, nan=1.0, posinf=1.0)
-        if out.dtype == torch.float16:
-            a = out.detach().abs()
-            tiny = ((a > 0) & (a < info.tiny)).sum() / _nonzero(a)
-        else:  # bfloat16 has float32's range
-            tiny = amax.new_zeros(())
-        worst.append(torch.stack([saturated, tiny.float(), amax]))
-    return torch.stack(worst).amax(0)
+    """(saturation, underflow, amax) of a 16-bit output's floating tensors, the worst of each, else None (a float32
+    output)."""
+    extremes = sixteen_extremes(output)
+    return sixteen_rows(extremes).amax(0) if extremes else None
 
 
 SIGNALS = {"saturation": ("layer-saturation", "values clamped or not finite"),
@@ -124,11 +137,12 @@ def worst(sampled: dict[str, tuple[float, float, float]], kinds: dict[str, str],
 
 
 class LayerWatch:
-    """Forward hooks on a model's narrow layers; ``figures`` collects each sampled step's, by layer name."""
+    """Forward hooks on a model's narrow layers; ``take`` gives each sampled step's figures, by layer name."""
 
     def __init__(self, model: nn.Module) -> None:
         self.sampling = False
-        self.figures: dict[str, torch.Tensor] = {}
+        self._rows: list[tuple[str, torch.Tensor]] = []  # FP8 and block-scaled layers' figures, as measured
+        self._extremes: list[tuple[str, tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor | None]]] = []
         self._handles: dict[str, list[Any]] = {}
         self.kinds: dict[str, str] = {}  # name -> kind(module)
         self._scales: dict[str, torch.Tensor] = {}
@@ -167,22 +181,31 @@ class LayerWatch:
             if not self._active():
                 return
             if isinstance(module, Fp8Linear) and name in self._scales:
-                figures: torch.Tensor | None = fp8_figures(args[0], self._scales.pop(name),
-                                                           module.recipe.dtype(INPUT))
+                self._rows.append((name, fp8_figures(args[0], self._scales.pop(name), module.recipe.dtype(INPUT))))
             elif isinstance(module, BlockScaledLinear):
-                figures = block_figures(args[0], module)
-            else:
-                figures = sixteen_figures(output)
-            if figures is not None:
-                previous = self.figures.get(name)
-                self.figures[name] = figures if previous is None else torch.maximum(previous, figures)
+                self._rows.append((name, block_figures(args[0], module)))
+            else:  # the figures of all 16-bit outputs are made at once, at take()
+                self._extremes += [(name, found) for found in sixteen_extremes(output)]
         return hook
 
-    def take(self) -> dict[str, torch.Tensor]:
-        """The sampled step's figures by layer (tensors: ``ranks.Agreement.layers`` reads them), and a clean slate."""
-        figures, self.figures = self.figures, {}
+    def take(self) -> tuple[list[str], torch.Tensor | None]:
+        """The sampled step's figures: the layers' names, sorted (every rank stacks them alike: ``ranks.Agreement``
+        reads them), and one float32 row each (a layer's worst over its outputs and calls); a clean slate after."""
+        rows, extremes = self._rows, self._extremes
+        self._rows, self._extremes = [], []
         self._scales.clear()
-        return figures
+        names = [name for name, _ in rows] + [name for name, _ in extremes]
+        if not names:
+            return [], None
+        parts = [torch.stack([row for _, row in rows])] if rows else []
+        if extremes:
+            sixteen = sixteen_rows([found for _, found in extremes])
+            parts.append(sixteen.to(parts[0].device) if parts else sixteen)
+        table = torch.cat(parts) if len(parts) > 1 else parts[0]
+        unique = sorted(set(names))
+        index = torch.tensor([unique.index(name) for name in names], device=table.device)
+        worst = table.new_zeros(len(unique), table.shape[1]).index_reduce_(0, index, table, "amax", include_self=False)
+        return unique, worst
 
 
 class _Raised16(nn.Linear):

@@ -60,12 +60,12 @@ class Agreement:
         total, gradient, *ranks = figures.tolist()
         return total / self.world, gradient, [r for r, bad in enumerate(ranks) if bad]
 
-    def layers(self, figures: dict[str, torch.Tensor]) -> dict[str, tuple[float, float, float]]:
-        """Each layer's figures, their maximum over the ranks (every rank samples the same layers); one host read."""
-        if not figures:
+    def layers(self, sampled: tuple[list[str], torch.Tensor | None]) -> dict[str, tuple[float, float, float]]:
+        """Each layer's figures (``LayerWatch.take``: sorted names, a row each), their maximum over the ranks (every
+        rank samples the same layers); one host read."""
+        names, table = sampled
+        if table is None:
             return {}
-        names = sorted(figures)
-        stacked = torch.stack([figures[n].float().to(figures[names[0]].device) for n in names])
         if self.group is not None:
-            dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=self.group)
-        return {name: tuple(v) for name, v in zip(names, stacked.tolist())}  # type: ignore[misc]
+            dist.all_reduce(table, op=dist.ReduceOp.MAX, group=self.group)
+        return {name: tuple(v) for name, v in zip(names, table.tolist())}  # type: ignore[misc]
