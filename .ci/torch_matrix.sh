@@ -26,11 +26,12 @@ readme_test=$(grep -m1 -F "python -m pytest -q" README.md)
 fast_test="$readme_test -m 'not slow'"
 [ "${AMPKIT_MATRIX_SLOW:-0}" = 1 ] && fast_test=$readme_test
 # The loans tier: the shim's own tests, the call shapes, torch's autocast lists, and the modules whose features call
-# each private (float32 compute's dispatch modes and attention kernels, the Autocast-key kernels' schemas,
-# checkpointing's entry points, the compiled features, the fused unscale and copies, tensor attributes).
+# each private or stand where one stood (the dispatch-mode class, the Autocast-key kernels' schemas through torch.fx,
+# checkpointing's context_fn, the compiled features, the fused unscale and copies, tensor attributes, the containers
+# ampkit walks against torch's pytree).
 LOANS="tests/test_torch_shim.py tests/test_call_shapes.py tests/test_torch_autocast_lists.py tests/test_op_lists.py
   tests/test_compute.py tests/test_checkpointing.py tests/test_compiling.py tests/test_autocast.py tests/test_scaler.py
-  tests/test_master.py"
+  tests/test_master.py tests/test_trees.py"
 loans_test="$readme_test -m 'not slow' $(echo $LOANS)"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
