@@ -193,6 +193,28 @@ def test_float16_figures_are_read_from_the_output() -> None:
     assert layers.sixteen_figures([out.bfloat16(), out.float()]).tolist() == [1.0, 0.0, 1.0]  # bf16: no underflow
 
 
+def test_a_sampled_step_keeps_each_layers_worst_over_its_calls_in_one_table_sorted_by_name() -> None:
+    """Two micro-batches through one float16 and one bfloat16 layer: the figures of all 16-bit outputs are made at
+    take(), a layer's worst over its calls kept (the second call's inf saturates ``b``, the first call's tiny value
+    sets ``a``'s underflow), names sorted for the ranks' reduction, and a clean slate after."""
+    model = nn.ModuleDict({"b": nn.Linear(2, 2).bfloat16(), "a": nn.Linear(2, 2).half()})
+    watch = layers.LayerWatch(model)
+    watch.sampling = True
+    with torch.no_grad():
+        model["a"].weight.copy_(torch.eye(2)), model["a"].bias.zero_()
+        model["b"].weight.copy_(torch.eye(2)), model["b"].bias.zero_()
+    with torch.enable_grad():
+        model["a"](torch.tensor([[2.0**-20, 1.0]], dtype=torch.float16))
+        model["b"](torch.tensor([[1.0, 3.0]], dtype=torch.bfloat16))
+        model["a"](torch.tensor([[1.0, 2.0]], dtype=torch.float16))
+        model["b"](torch.tensor([[math.inf, 1.0]], dtype=torch.bfloat16))
+    names, table = watch.take()
+    assert names == ["a", "b"] and table is not None
+    assert table[0].tolist() == [0.0, pytest.approx(0.5), pytest.approx(2.0 / 65504.0)]  # 1 of 2 nonzero tiny
+    assert table[1].tolist() == [1.0, 0.0, 1.0]
+    assert watch.take() == ([], None)
+
+
 def test_an_o2_run_with_a_raised_layer_resumes_from_its_checkpoint_loss_for_loss(tmp_path: Path) -> None:
     """The raised layer's float32 weights and its masters come back through ``save_checkpoint`` / ``load_checkpoint``
     (the guard restored before the model): the resumed run is the uninterrupted one, loss for loss."""
