@@ -203,7 +203,8 @@ class LayerWatch:
             parts.append(sixteen.to(parts[0].device) if parts else sixteen)
         table = torch.cat(parts) if len(parts) > 1 else parts[0]
         unique = sorted(set(names))
-        index = torch.tensor([unique.index(name) for name in names], device=table.device)
+        row_of = {name: row for row, name in enumerate(unique)}
+        index = torch.tensor([row_of[name] for name in names], device=table.device)
         worst = table.new_zeros(len(unique), table.shape[1]).index_reduce_(0, index, table, "amax", include_self=False)
         return unique, worst
 
