@@ -14,7 +14,7 @@ from torch import nn
 import ampkit
 from ampkit import BlockScaledRecipe, fake_quantize
 from ampkit.formats.block_linear import BlockScaledLinear, convert_to_block_scaled, hadamard_16
-from ampkit.formats.block_scaled import _hash32, counter_draws, round_e2m1
+from ampkit.formats.block_scaled import _hash32, counter_draws, quantize_nvfp4, round_e2m1
 
 
 def _layer(recipe: BlockScaledRecipe, seed: int = 0) -> tuple[BlockScaledLinear, torch.Tensor, torch.Tensor]:
@@ -229,7 +229,13 @@ def test_compiled_casts_give_the_eager_values_bit_for_bit(recipe: BlockScaledRec
               torch.randn(40, 128, generator=g).bfloat16().float(), torch.randn(16, 32, generator=g).T):
         variants = [dict()]
         if recipe.format == "nvfp4":
-            variants += [dict(tiles=True), dict(seed=5, step=step, stream=1, stochastic=True)]
+            variants += [dict(tiles=True), dict(seed=5, step=step, stream=1, stochastic=True),
+                         dict(seed=5, step=step, stream=0, stochastic=True, tiles=True)]
         for kwargs in variants:
             assert torch.equal(operand_values(x, recipe, **kwargs), operand_values(x, eager, **kwargs)), kwargs
+            if kwargs.get("stochastic"):  # the draws of the cast itself (the native GEMM's backward takes them so)
+                draws = counter_draws(5, step, kwargs["stream"])
+                expected = quantize_nvfp4(x, -1, 16 if kwargs.get("tiles") else None, draws, True,
+                                          recipe.four_over_six).values
+                assert torch.equal(operand_values(x, recipe, **kwargs), expected), kwargs
 
