@@ -5,6 +5,7 @@ instruments of inspect_numerics, and the compare settings."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 import pytest
@@ -210,6 +211,41 @@ def test_a_gpt_trains_a_few_steps_in_each_format_with_finite_losses() -> None:
         result = execute(RunConfig(model="gpt", data="text", precision=precision, opt_level="O1", steps=4,
                                    batch_size=4))
         assert all(math.isfinite(loss) for loss in result.losses), precision
+
+
+def test_compiled_casts_of_many_formats_stay_compiled() -> None:
+    """Five formats' casts in one process, each in a forward (autocast on, a torch function mode entered, as O2's
+    loss mode is) and a backward (neither): dynamo compiles every one and never reaches its recompile limit, after
+    which it ran the casts eagerly, several times slower (it did with one code object for all: 14 graphs)."""
+    from torch.overrides import TorchFunctionMode
+
+    from ampkit.formats.block_linear import operand_values
+
+    class Passing(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    said: list[str] = []
+    dynamo_log, handler = logging.getLogger("torch._dynamo"), Said(logging.WARNING)  # torch's loggers propagate not
+    x, step = torch.randn(64, 128), torch.tensor(1)
+    recipes = [BlockScaledRecipe("mxfp8"), BlockScaledRecipe("mxfp8", "e4m3", "rceil"), BlockScaledRecipe("mxfp4"),
+               BlockScaledRecipe("nvfp4"), BlockScaledRecipe("nvfp4", four_over_six=True)]
+    dynamo_log.addHandler(handler)
+    try:
+        for recipe in recipes:
+            with torch.autocast("cpu", torch.bfloat16), Passing():
+                forward = operand_values(x, recipe, tiles=recipe.format == "nvfp4")
+            backward = operand_values(x, recipe, 0, step, 0, stochastic=recipe.format == "nvfp4")
+            eager = dataclasses.replace(recipe, compiled_casts=False)
+            assert torch.equal(forward, operand_values(x, eager, tiles=recipe.format == "nvfp4"))
+            assert torch.equal(backward, operand_values(x, eager, 0, step, 0, stochastic=recipe.format == "nvfp4"))
+    finally:
+        dynamo_log.removeHandler(handler)
+    assert not [message for message in said if "recompile" in message], said
 
 
 @pytest.mark.parametrize("recipe", [BlockScaledRecipe("mxfp8"), BlockScaledRecipe("mxfp8", "e5m2", "rceil"),

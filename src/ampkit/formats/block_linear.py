@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -84,21 +85,30 @@ def _draw_values(seed: torch.Tensor, step: torch.Tensor, stream: int, count: int
     return counter_draws(seed, step, stream)(torch.Size([count]))  # type: ignore[arg-type]
 
 
-_compiled: dict[str, Any] = {}  # torch.compile of the two functions above, built at the first use (it imports dynamo)
+# torch.compile of a copy of the two functions above per configuration, built at the first use (it imports dynamo).
+# Dynamo keeps its graphs per code object and stops compiling one at 8 of them (its recompile limit), running the
+# function eagerly from then on: with every format, tiling and rounding graphs of one code object, twice over for the
+# forward's autocast state and O2's loss mode, the comparison of MXFP8 and NVFP4 at O1 and O2 in one process reached
+# it and its later casts ran eagerly, several times slower. A copy per configuration, called with autocast off (the
+# casts compute in float32 either way), holds at most two (the mode stack in a forward and in a backward).
+_compiled: dict[tuple[Any, ...], Any] = {}
 
 
-def _call(function: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-    """``function(*args)`` through its ``torch.compile`` (one graph, dynamic shapes); the eager function once
-    torch.compile failed here."""
-    name = function.__name__
-    if name not in _compiled:
-        _compiled[name] = torch.compile(function, dynamic=True)
-    if _compiled[name] is None:
+def _call(function: Callable[..., torch.Tensor], configuration: tuple[Any, ...], *args: Any) -> torch.Tensor:
+    """``function(*args)`` through the ``torch.compile`` (dynamic shapes) of its copy for ``configuration`` (the
+    arguments a graph takes as constants); the eager function once torch.compile failed here."""
+    key = (function.__name__, *configuration)
+    if key not in _compiled:
+        copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
+        _compiled[key] = torch.compile(copy, dynamic=True)
+    compiled = _compiled[key]
+    if compiled is None:
         return function(*args)
     try:
-        return _compiled[name](*args)
+        with torch.autocast(args[0].device.type, enabled=False):
+            return compiled(*args)
     except Exception as error:  # noqa: BLE001 - a compiler missing or failing here: the eager cast is the same
-        _compiled[name] = None
+        _compiled[key] = None
         _torch.fallback_once("a working torch.compile for block-scaled casts",
                              f"they run eagerly, several times slower ({type(error).__name__}: {str(error)[:200]})")
         return function(*args)
@@ -115,11 +125,12 @@ def operand_values(t: torch.Tensor, recipe: BlockScaledRecipe, seed: int = 0, st
     if recipe.format == "nvfp4" and stochastic and step is not None:
         rows, cols = t.shape
         count = (-(-rows // 16) * 16 if tiles else rows) * -(-cols // 16) * 16  # the padded blocks' elements
-        draw_args = (torch.tensor(seed, dtype=torch.int64, device=t.device), step, stream, count)
-        draws = _draw_values(*draw_args) if eager else _call(_draw_values, *draw_args)
-    args = (t.detach().contiguous(), recipe.format, element, recipe.block, recipe.scale_mode, tiles, stochastic,
-            draws, recipe.four_over_six)
-    return _operand_values(*args) if eager else _call(_operand_values, *args)
+        seed_tensor = torch.tensor(seed, dtype=torch.int64, device=t.device)
+        draws = (_draw_values(seed_tensor, step, stream, count) if eager
+                 else _call(_draw_values, (stream,), seed_tensor, step, stream, count))
+    configuration = (recipe.format, element, recipe.block, recipe.scale_mode, tiles, stochastic, recipe.four_over_six)
+    args = (t.detach().contiguous(), *configuration[:-1], draws, recipe.four_over_six)
+    return _operand_values(*args) if eager else _call(_operand_values, (*configuration, draws is None), *args)
 
 
 def _gemm(a: Quantized, b: Quantized, recipe: BlockScaledRecipe) -> torch.Tensor:
