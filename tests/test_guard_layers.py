@@ -237,18 +237,69 @@ def test_an_o2_run_with_a_raised_layer_resumes_from_its_checkpoint_loss_for_loss
     assert test_guard._train(model, optimizer, guard, later, scaler, steps=20) == uninterrupted
 
 
-def test_raise_is_refused_for_a_16_bit_model_without_masters() -> None:
-    """O3 keeps no float32 masters: nothing of a layer's own holds float32 values to raise it to (O2 is taken)."""
+class _Scores(nn.Module):
+    """Attention by hand: once ``gain`` grows, its float16 scores (q . k) overflow, while its output (a softmax's mix
+    of v) stays in range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(16, 32)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.q(x) * self.gain, self.k(x) * self.gain
+        return torch.softmax(q @ k.T / 32 ** 0.5, dim=-1) @ self.v(x)
+
+
+def _scores(level: str, gain: float) -> tuple[nn.Module, torch.optim.Optimizer, object]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters()), "O3", torch.bfloat16,
+    model = nn.Sequential(nn.Linear(16, 16), _Scores(), nn.Linear(32, 4))
+    model, optimizer = ampkit.initialize(model, torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9), level,
+                                         torch.float16,
                                          compute="native")
-    hooks = [len(m._forward_hooks) for m in model.modules()]
-    with pytest.raises(ValueError, match=r"action='raise' cannot raise a 16-bit layer of this model to float32: its "
-                                         r"weights are 16-bit \(0.weight: torch.bfloat16\) and the optimizer keeps "
-                                         r"no float32 masters of them"):
-        ampkit.Guard(model, optimizer, action="raise")
-    assert [len(m._forward_hooks) for m in model.modules()] == hooks  # refused before any hook
+
+    def plant(step: int) -> None:
+        if step == 10:
+            model[1].gain = gain
+
+    return model, optimizer, plant
+
+
+def test_at_o3_a_layer_whose_float16_scores_overflow_computes_on_float32_copies_of_its_weights() -> None:
+    """Issue 66's raise at O3 (refused before: its weights are float16, with no float32 masters): the attention whose
+    scores overflow float16 from step 10 is named there and raised; it computes on float32 copies of its float16
+    weights, which the optimizer goes on stepping (the same Parameters, float16), and rounds its output to float16
+    for the rest of the model. No step after the raise is skipped; the run ends within 2% of the same planted run
+    in float32, where nothing overflows."""
+    model, optimizer, plant = _scores("O0", gain=1000.0)
+    reference = _train(model, optimizer, None, None, plant)
+    model, optimizer, plant = _scores("O3", gain=1000.0)
+    scaler = ampkit.DynamicLossScaler()
+    with pytest.raises(NonFiniteError, match="10 optimizer steps in a row were skipped at a loss scale that cannot"):
+        _train(model, optimizer, None, scaler, plant)  # every step from the plant on overflows, then it gives up
+    assert all(overflow for _, _, overflow in scaler.stats.history[10:])
+
+    model, optimizer, plant = _scores("O3", gain=1000.0)
+    weights = list(model[1].parameters())
+    held: list[torch.Tensor] = []
+
+    def plant_and_hold(step: int) -> None:  # the plant, and the layer's value weight before each step
+        plant(step)
+        held.append(model[1].v.weight.detach().clone())
+
+    scaler = ampkit.DynamicLossScaler()
+    guard = ampkit.Guard(model, optimizer, scaler, action="raise")
+    guarded = _train(model, optimizer, guard, scaler, plant_and_hold)
+    [event] = guard.events
+    assert (event.step, event.signal, event.layer, event.action) == (10, "nonfinite-loss", "1",
+                                                                     "raised to float32 and skipped")
+    assert all(math.isfinite(v) for v in guarded[:10] + guarded[11:])
+    assert list(model[1].parameters()) == weights and {w.dtype for w in weights} == {torch.float16}
+    skipped = [step for step, (a, b) in enumerate(zip(held, held[1:])) if torch.equal(a, b)]
+    overflowed = [step for step, _, overflow in scaler.stats.history if overflow]  # the scaler's own skips
+    assert skipped[0] == 10 and len(skipped) == 1 + len(overflowed) <= 3  # stepped at every other step after
+    assert model(torch.randn(2, 16)).dtype == torch.float32  # O3's model output, its raised layer's rounded inside
+    assert _final(guarded) == pytest.approx(_final(reference), rel=0.02)
 
 
 @pytest.mark.slow  # two comparisons of the GPT: 20 s

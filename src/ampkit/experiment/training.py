@@ -36,7 +36,6 @@ from ampkit.planning.precision_plan import PrecisionPlan
 from ampkit.planning.recompute import plan_recompute
 from ampkit.formats.fp8 import convert_to_fp8
 from ampkit.guard import Guard
-from ampkit.guard.layers import sixteen_bit_weights
 from ampkit.modes import OPT_LEVELS
 from ampkit.optim.kept import BATCH_NORMS
 from ampkit.optim.levels import initialize
@@ -173,11 +172,9 @@ def execute(
 
 
 def make_guard(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: DynamicLossScaler) -> Guard:
-    """The run's guard: it raises a failing layer's precision where the run's weights are float32 under autocast
-    (O1) or have float32 masters (O2), or the layer is FP8 or block-scaled; else (float32, O3) it skips the bad
-    step."""
-    mixed = OPT_LEVELS[getattr(model, "_ampkit_opt_level", "O0")].mixed
-    action = "raise" if mixed and not sixteen_bit_weights(model, getattr(optimizer, "master_of", None)) else "skip"
+    """The run's guard: it raises a failing layer's precision in a mixed run (O1 to O3, FP8 and block-scaled
+    layers); a float32 run's bad steps it skips."""
+    action = "raise" if OPT_LEVELS[getattr(model, "_ampkit_opt_level", "O0")].mixed else "skip"
     return Guard(model, optimizer, scaler, action=action, loss_fn=lambda logits, y: F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)))
 

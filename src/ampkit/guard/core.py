@@ -68,9 +68,9 @@ class Guard:
         scaler: an ampkit loss scaler (its ``step`` says whether it skipped), or None. torch's GradScaler does not
             say, and is refused.
         action: ``"skip"`` (default: drop the step), ``"restore"`` (put back the last good state, then skip) or
-            ``"raise"`` (raise the named layer's precision, then skip; a float32 model under autocast, O1, an O2
-            model, whose 16-bit layers compute from their float32 masters once raised, or one whose only narrow
-            layers are FP8 or block-scaled: O3 keeps no float32 masters).
+            ``"raise"`` (raise the named layer's precision, then skip: at O1 a layer computes in float32, at O2 from
+            its float32 masters, at O3 on float32 copies of its 16-bit weights, its output rounded back; an FP8 or
+            block-scaled linear becomes a 16-bit one).
         loss_fn: ``loss_fn(output, batch_target) -> loss`` for the replay that attributes a non-finite value
             (default: ``find_nonfinite``'s: cross-entropy for integer targets, mean square error for floating ones).
         spike_sigmas: a finite loss above the mean of the last ``window`` losses by more than this many of their
@@ -108,8 +108,8 @@ class Guard:
 
     Raises:
         ValueError: an unknown action, a bad number, torch's GradScaler, an optimizer over other tensors, a
-            ``checkpoint`` that is a folder or in a folder that does not exist, ``"raise"`` for an FSDP2 model or
-            where a 16-bit layer's weights have no float32 masters (O3), a process group without torch.distributed.
+            ``checkpoint`` that is a folder or in a folder that does not exist, ``"raise"`` for an FSDP2 model, a
+            process group without torch.distributed.
 
     Example:
         >>> guard = ampkit.Guard(model, optimizer, scaler)

@@ -23,8 +23,10 @@ break: see ``raise_layer``). Not a policy's per-module override: the guard does 
 module's, as the layer that failed is one. A 16-bit layer of an O2 model has 16-bit weights whose float32 masters
 the optimizer steps: raised, its weights take their masters' values in float32 (the optimizer goes on stepping
 the masters and writes them back, now without rounding; the layer's float32 gradients are the masters' own), and
-a return rounds them to 16 bits again. Without masters (O3) nothing of the layer's own holds float32 values:
-``Guard`` refuses ``action="raise"`` there (``sixteen_bit_weights``).
+a return rounds them to 16 bits again. Without masters (O3) the layer computes on float32 copies of its 16-bit
+weights (a torch function mode casts what its forward reads; autograd carries the gradients back to the weights the
+optimizer steps) and its output is rounded to their dtype, which the rest of the 16-bit model takes: a raise cures
+what overflows inside the layer (its scores, a sum of squares), not an output 16 bits cannot hold.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 from ampkit import _trees
 from ampkit.formats.block_linear import BlockScaledLinear, quantize_operand
@@ -238,15 +241,6 @@ def format_of(module: nn.Module) -> str:
 MasterOf = Callable[[torch.Tensor], "torch.Tensor | None"]  # a parameter's float32 master (O2's optimizer), or None
 
 
-def sixteen_bit_weights(model: nn.Module, master_of: MasterOf | None = None) -> list[str]:
-    """The names of ``model``'s 16-bit parameters outside FP8 and block-scaled linears without a float32 master
-    (``master_of``: O2's optimizer's; O3 keeps none): the layers ``raise_layer`` cannot raise to float32."""
-    narrow = {id(p) for m in model.modules() if isinstance(m, (Fp8Linear, BlockScaledLinear))
-              for p in m.parameters()}
-    return [n for n, p in model.named_parameters() if p.dtype in SIXTEEN and id(p) not in narrow
-            and (master_of is None or master_of(p) is None)]
-
-
 def raise_layer(model: nn.Module, name: str, master_of: MasterOf | None = None) -> nn.Module:
     """Raise ``model``'s layer ``name`` one step (see the module's docstring); returns the module now there. A
     16-bit weight takes its float32 master's values (``master_of``)."""
@@ -272,12 +266,33 @@ def raise_layer(model: nn.Module, name: str, master_of: MasterOf | None = None) 
     # A compiled model's raised layer runs eagerly, a graph break at it: a backward AOTAutograd traced would run under
     # the forward's outer autocast (16-bit GEMMs), and the float16 overflow it was raised for came back at every step
     # (a dynamic scaler skipped on, down to a scale of 1).
+    weights = _weights_in_float32(module, master_of)
+    # O3: 16-bit weights with no float32 master compute as float32 copies, and the output is rounded to their dtype,
+    # which the rest of the 16-bit model takes (O1 and O2 hand float32 on to an autocast region or a kept layer)
+    sixteen = next((p.dtype for p in module.parameters() if p.dtype in SIXTEEN), None)
+    if sixteen is not None:
+        float32_forward = in_float32
+
+        def in_float32(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            with _Float32Copies():
+                output = float32_forward(self, *args, **kwargs)
+            return _trees.map_leaves(
+                lambda t: t.to(sixteen) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, output)
+
     run_eagerly = torch.compiler.disable(in_float32)
     run_eagerly.before = forward  # type: ignore[attr-defined]  # what lower_layer puts back
-    run_eagerly.weights = _weights_in_float32(module, master_of)  # type: ignore[attr-defined]  # and their dtypes
+    run_eagerly.weights = weights  # type: ignore[attr-defined]  # and their dtypes
     # bound to the module, so that a deep copy (the guard's replay) runs the copy's own forward
     module.forward = types.MethodType(run_eagerly, module)  # type: ignore[method-assign]
     return module
+
+
+class _Float32Copies(TorchFunctionMode):
+    """Every torch function called inside takes float32 copies of its 16-bit tensor arguments (an O3 layer's weights,
+    read where its forward uses them); autograd carries their gradients back to the 16-bit tensors."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return func(*_float32(args), **_float32(kwargs or {}))
 
 
 @torch.no_grad()

@@ -64,10 +64,4 @@ def check_settings(model: nn.Module, optimizer: Any, scaler: Any, action: str, c
     if process_group is not None and not dist.is_initialized():
         raise ValueError("process_group is given but torch.distributed is not initialized: call "
                          "torch.distributed.init_process_group first, or pass process_group=None.")
-    sixteen = layers.sixteen_bit_weights(model, getattr(optimizer, "master_of", None)) if action == "raise" else []
-    if sixteen:
-        raise ValueError(f"action='raise' cannot raise a 16-bit layer of this model to float32: its weights are "
-                         f"16-bit ({sixteen[0]}: {dict(model.named_parameters())[sixteen[0]].dtype}) and the "
-                         "optimizer keeps no float32 masters of them (O3 keeps none). Initialize at O1 (float32 "
-                         "weights under autocast) or O2 (float32 masters), or use action='skip' or 'restore'.")
     return sharded
