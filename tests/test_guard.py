@@ -235,24 +235,32 @@ def test_an_optimizer_of_another_model_is_refused() -> None:
         ampkit.Guard(model, other_optimizer)
 
 
-def test_raise_is_refused_for_an_fsdp2_model() -> None:
-    """FSDP2's all-gathers cast a layer as the sharding says, whatever its region: refused at the first call (a
-    sharded run takes "skip" and "restore": tests/test_guard_layers.py, on 2 ranks)."""
+def test_raise_on_an_fsdp2_model_is_refused_for_its_block_scaled_layers_only() -> None:
+    """A raise puts a plain linear in an FP8 or block-scaled layer's place, and FSDP2 gathers into the module it
+    sharded: refused at the first call, before any hook; a model of 16-bit layers is taken (raised alike on 2 ranks:
+    tests/test_guard_layers.py)."""
     import socket
 
     import torch.distributed as dist
 
     from ampkit.distributed import fully_shard
+    from ampkit.formats.block_linear import BlockScaledLinear
+    from ampkit.formats.recipes import BlockScaledRecipe
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
     try:
-        model = fully_shard(nn.Sequential(nn.Linear(4, 4)), opt_level="O1")
-        with pytest.raises(ValueError, match=r"action='raise' does not take an FSDP2 model: its layers are sharded"):
+        block = BlockScaledLinear.from_linear(nn.Linear(32, 32), BlockScaledRecipe("mxfp8"))
+        model = fully_shard(nn.Sequential(nn.Linear(4, 32), block), opt_level="O1")
+        hooks = [len(m._forward_hooks) for m in model.modules()]
+        with pytest.raises(ValueError, match=r"action='raise' cannot raise the FP8 or block-scaled layers of an FSDP2 "
+                                             r"model \(1\): a raise puts a plain linear in a layer's place"):
             ampkit.Guard(model, torch.optim.AdamW(model.parameters()), action="raise")
-        guard = ampkit.Guard(model, torch.optim.AdamW(model.parameters()))
+        assert [len(m._forward_hooks) for m in model.modules()] == hooks
+        model = fully_shard(nn.Sequential(nn.Linear(4, 4)), opt_level="O1")
+        guard = ampkit.Guard(model, torch.optim.AdamW(model.parameters()), action="raise")
         assert guard.agreement.world == 1 and guard.agreement.group is not None  # found on the shards
     finally:
         dist.destroy_process_group()

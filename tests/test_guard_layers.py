@@ -185,12 +185,15 @@ def test_a_layer_signal_without_raise_is_recorded_and_the_step_taken(tmp_path: P
 
 def test_float16_figures_are_read_from_the_output() -> None:
     out = torch.tensor([1.0, 2.0**-20, -32752.0, 0.0], dtype=torch.float16)
-    assert layers.sixteen_figures(out).tolist() == [0.0, pytest.approx(1 / 3), 0.5]  # 2**-20 of 3 nonzero; 32752/65504
+    assert layers.output_figures(out).tolist() == [0.0, pytest.approx(1 / 3), 0.5]  # 2**-20 of 3 nonzero; 32752/65504
     out[0] = -math.inf
-    assert layers.sixteen_figures(out).tolist() == [1.0, pytest.approx(1 / 3), 1.0]  # an inf: saturated
+    assert layers.output_figures(out).tolist() == [1.0, pytest.approx(1 / 3), 1.0]  # an inf: saturated
     out[0] = math.nan
-    assert layers.sixteen_figures(out).tolist()[0] == 1.0
-    assert layers.sixteen_figures([out.bfloat16(), out.float()]).tolist() == [1.0, 0.0, 1.0]  # bf16: no underflow
+    assert layers.output_figures(out).tolist()[0] == 1.0
+    assert layers.output_figures([out.bfloat16(), out.float()]).tolist() == [1.0, 0.0, 1.0]  # bf16: no underflow
+    # float32 (a 16-bit product plus a float32 bias, under autocast): saturated where not finite, else nothing
+    assert layers.output_figures(torch.tensor([1.0, -math.inf])).tolist() == [1.0, 0.0, 1.0]
+    assert layers.output_figures(torch.tensor([1e30, 2.0**-140])).tolist() == [0.0, 0.0, pytest.approx(1e30 / 3.4028e38, rel=1e-3)]
 
 
 def test_a_sampled_step_keeps_each_layers_worst_over_its_calls_in_one_table_sorted_by_name() -> None:
@@ -378,6 +381,62 @@ def test_on_fsdp2_shards_every_rank_takes_the_same_action() -> None:
     assert ranks[0][True]["events"] == ranks[1][True]["events"]
     assert ranks[0][True]["losses"] == ranks[1][True]["losses"] and ranks[0][True]["losses"][3] is None
     assert all(torch.equal(a, b) for a, b in zip(ranks[0][True]["weights"], ranks[1][True]["weights"]))
+
+
+def _sharded_growing_worker(rank: int, world: int) -> dict:
+    """Fault (a) on 2 ranks: the growing layer of ``_growing``, sharded with FSDP2 at O1 (float32 shards and
+    all-gathers under float16 autocast) or O2 (float16 all-gathers: a raised layer computes on float32 copies of
+    them), each rank on its half of the batch, sampled every step; unguarded, then guarded with ``"raise"``."""
+    from ampkit.distributed import fully_shard, prepare_optimizer
+
+    out = {}
+    for level, guarded in (("O1", False), ("O1", True), ("O2", True)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), GrowingLinear(32, 32, rate=2.0), nn.LayerNorm(32), nn.ReLU(),
+                              nn.Linear(32, 4))
+        model = fully_shard(model, opt_level=level, dtype=torch.float16, compute="native")
+        optimizer = prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        scaler = ampkit.DynamicLossScaler()
+        every = 1 if level == "O1" else 7  # O2: steps 7, 14, 21...; after an unnamed one, the next
+        guard = ampkit.Guard(model, optimizer, scaler, action="raise", sample_every=every) if guarded else None
+        def half(step: int) -> tuple[torch.Tensor, torch.Tensor]:  # this rank's half of the step's batch
+            x, y = _batch(step)
+            return x[rank::world].clone(), y[rank::world]
+
+        losses = test_guard._train(model, optimizer, guard, half, scaler, steps=STEPS)
+        out[level, guarded] = {"losses": losses, "agreed": guard.losses if guard else [],
+                               "events": [dataclasses.astuple(e)[:4] for e in guard.events] if guard else [],
+                               "raised": dict(guard.raised) if guard else {}}
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # 2 spawned ranks: about 20 s
+def test_on_fsdp2_shards_an_overflowing_layer_is_raised_alike_on_every_rank() -> None:
+    """Issue 66's raise under FSDP2 (refused before): the growing layer's float16 output overflows; unguarded, the
+    scaler skips every step from then on; guarded, a run over ranks replays nothing, so the step's sampled figures,
+    reduced over the ranks, name the layer (sampled every step at O1; every 7 at O2, where the first overflow
+    goes unnamed and the next step is read): both ranks raise it at the same step, record the same events and
+    losses, and train on."""
+    from multiprocess import run_ranks
+
+    ranks = run_ranks(_sharded_growing_worker, 2, timeout_s=300)
+    for rank in ranks:
+        unguarded = rank["O1", False]["losses"]
+        first = next(step for step, value in enumerate(unguarded) if not math.isfinite(value))
+        assert not any(math.isfinite(value) for value in unguarded[first:])  # every step from the overflow on
+        for level in ("O1", "O2"):
+            run = rank[level, True]
+            *unnamed, event = run["events"]
+            assert event[1] == "nonfinite-loss" and event[3] == "raised to float32 and skipped", event
+            assert "1 (16-bit): values clamped or not finite" in event[2] and run["raised"] == {"1": "float32"}
+            if level == "O2":  # sampled every 7 steps: the first overflow is skipped unnamed, the next is read
+                [(step, _, where, action)] = unnamed
+                assert (step, action) == (first, "skipped") and where.startswith("not replayed: the run spans ranks")
+            assert event[0] == first + len(unnamed) and all(math.isfinite(v) for v in run["losses"][event[0] + 1:])
+    for level in ("O1", "O2"):
+        assert ranks[0][level, True]["events"] == ranks[1][level, True]["events"]
+        assert ranks[0][level, True]["agreed"] == ranks[1][level, True]["agreed"]  # the mean over the ranks
 
 
 @pytest.mark.slow  # torch.compile: about 10 s

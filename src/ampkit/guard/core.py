@@ -94,8 +94,10 @@ class Guard:
             run does not drift to float32 layer by layer, nor back and forth).
         suspect_after: transient faults (a non-finite step that its re-run from the same state, the replay, does not
             reproduce: a bit flip, not the numerics) that make a ``"suspect-machine"`` event (default 3).
-        sample_every: steps between samples of the layers' figures (default 10; 0: never). The step's own forward
-            is measured, so the steps between cost a Python call per watched module (benchmarks/bench_guard.py).
+        sample_every: steps between samples of the layers' figures (default 10; 0: never), and the step after a
+            non-finite one that nothing named (a run over ranks replays nothing: the figures name the layer). The
+            step's own forward is measured, so the steps between cost a Python call per watched module
+            (benchmarks/bench_guard.py).
         saturation: a sampled layer clamping (or, in 16 bits, not keeping finite) more than this fraction of its
             values is a signal (default 0.01).
         underflow: a sampled FP8 or block-scaled layer flushing more than this fraction of its input's nonzero
@@ -108,8 +110,8 @@ class Guard:
 
     Raises:
         ValueError: an unknown action, a bad number, torch's GradScaler, an optimizer over other tensors, a
-            ``checkpoint`` that is a folder or in a folder that does not exist, ``"raise"`` for an FSDP2 model, a
-            process group without torch.distributed.
+            ``checkpoint`` that is a folder or in a folder that does not exist, ``"raise"`` for an FSDP2 model's
+            FP8 or block-scaled layers, a process group without torch.distributed.
 
     Example:
         >>> guard = ampkit.Guard(model, optimizer, scaler)
@@ -232,11 +234,14 @@ class Guard:
         problem: tuple[str, str, str | None] | None
         if not (finite and math.isfinite(gradient)):
             where, layer = self._attribute(micro_batches, bad_batches)
-            if where == NOT_REPRODUCED and layer_problem is not None:  # the step's own figures name the layer
-                where, layer = f"{layer_problem[1]} ({layer_problem[0]}; {NOT_REPRODUCED})", layer_problem[2]
+            if layer is None and where.startswith((NOT_REPRODUCED, "not replayed")) and layer_problem is not None:
+                # not reproduced, or not replayed (a run over ranks): the step's own figures name the layer
+                where, layer = f"{layer_problem[1]} ({layer_problem[0]}; {where})", layer_problem[2]
             elif where == NOT_REPRODUCED:  # the step re-run from its state is sound: not the numerics
                 self.transients.append(step)
                 where = f"transient: {where} (the run's transient fault {len(self.transients)})"
+            if layer is None and self.sample_every > 0:  # nothing named it: the next step's figures are read
+                self.watch.sampling = True
             problem = ("nonfinite-loss" if not finite else "nonfinite-gradient", where, layer)
         else:
             problem = self._spike(value, micro_batches)

@@ -23,14 +23,15 @@ break: see ``raise_layer``). Not a policy's per-module override: the guard does 
 module's, as the layer that failed is one. A 16-bit layer of an O2 model has 16-bit weights whose float32 masters
 the optimizer steps: raised, its weights take their masters' values in float32 (the optimizer goes on stepping
 the masters and writes them back, now without rounding; the layer's float32 gradients are the masters' own), and
-a return rounds them to 16 bits again. Without masters (O3) the layer computes on float32 copies of its 16-bit
-weights (a torch function mode casts what its forward reads; autograd carries the gradients back to the weights the
+a return rounds them to 16 bits again. Without masters (O3, and FSDP2's 16-bit all-gathers) the layer computes on
+float32 copies of its 16-bit weights (a torch function mode casts what its forward reads; autograd carries the gradients back to the weights the
 optimizer steps) and its output is rounded to their dtype, which the rest of the 16-bit model takes: a raise cures
 what overflows inside the layer (its scores, a sum of squares), not an output 16 bits cannot hold.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from collections.abc import Callable
@@ -82,13 +83,15 @@ def block_figures(x: torch.Tensor, module: BlockScaledLinear) -> torch.Tensor:
                         torch.zeros((), device=x.device)]).float()
 
 
-def sixteen_extremes(output: Any) -> list[tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
-    """Each 16-bit floating tensor of ``output``: (its dtype, smallest value, largest value, and for float16 the
+def output_extremes(output: Any) -> list[tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """Each 16-bit or float32 tensor of ``output``: (its dtype, smallest value, largest value, and for float16 the
     fraction of its nonzero values below the smallest normal). One pass over a tensor, two more for float16's
-    underflow; the figures are made from them for every sampled layer at once (``sixteen_rows``)."""
+    underflow; the figures are made from them for every sampled layer at once (``extreme_rows``). A float32 output
+    counts where it is not finite (under autocast a layer adding a float32 bias to its 16-bit product gives one:
+    its overflow was missed when 16-bit outputs alone were read)."""
     found = []
     for out in _trees.leaves(output):
-        if isinstance(out, torch.Tensor) and out.dtype in SIXTEEN:
+        if isinstance(out, torch.Tensor) and (out.dtype in SIXTEEN or out.dtype == torch.float32):
             low, high = torch.aminmax(out.detach())
             tiny = None
             if out.dtype == torch.float16:  # bfloat16 has float32's range: no underflow
@@ -98,9 +101,9 @@ def sixteen_extremes(output: Any) -> list[tuple[torch.dtype, torch.Tensor, torch
     return found
 
 
-def sixteen_rows(extremes: list[tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor | None]]
+def extreme_rows(extremes: list[tuple[torch.dtype, torch.Tensor, torch.Tensor, torch.Tensor | None]]
                  ) -> torch.Tensor:
-    """(saturation, underflow, amax) of each 16-bit tensor ``sixteen_extremes`` read, one row each, in a few ops
+    """(saturation, underflow, amax) of each tensor ``output_extremes`` read, one row each, in a few ops
     for all of them: ``saturation`` is 1 where a value is not finite (an inf or a NaN reaches the min or the max),
     else 0; ``amax`` the largest magnitude over the format's largest (1 where not finite)."""
     low = torch.stack([e[1].float() for e in extremes])
@@ -112,11 +115,10 @@ def sixteen_rows(extremes: list[tuple[torch.dtype, torch.Tensor, torch.Tensor, t
                         torch.nan_to_num(largest / largest_normal, nan=1.0, posinf=1.0)], 1)
 
 
-def sixteen_figures(output: Any) -> torch.Tensor | None:
-    """(saturation, underflow, amax) of a 16-bit output's floating tensors, the worst of each, else None (a float32
-    output)."""
-    extremes = sixteen_extremes(output)
-    return sixteen_rows(extremes).amax(0) if extremes else None
+def output_figures(output: Any) -> torch.Tensor | None:
+    """(saturation, underflow, amax) of an output's 16-bit and float32 tensors, the worst of each, else None."""
+    extremes = output_extremes(output)
+    return extreme_rows(extremes).amax(0) if extremes else None
 
 
 SIGNALS = {"saturation": ("layer-saturation", "values clamped or not finite"),
@@ -187,8 +189,8 @@ class LayerWatch:
                 self._rows.append((name, fp8_figures(args[0], self._scales.pop(name), module.recipe.dtype(INPUT))))
             elif isinstance(module, BlockScaledLinear):
                 self._rows.append((name, block_figures(args[0], module)))
-            else:  # the figures of all 16-bit outputs are made at once, at take()
-                self._extremes += [(name, found) for found in sixteen_extremes(output)]
+            else:  # the figures of all outputs are made at once, at take()
+                self._extremes += [(name, found) for found in output_extremes(output)]
         return hook
 
     def take(self) -> tuple[list[str], torch.Tensor | None]:
@@ -202,8 +204,8 @@ class LayerWatch:
             return [], None
         parts = [torch.stack([row for _, row in rows])] if rows else []
         if extremes:
-            sixteen = sixteen_rows([found for _, found in extremes])
-            parts.append(sixteen.to(parts[0].device) if parts else sixteen)
+            outputs = extreme_rows([found for _, found in extremes])
+            parts.append(outputs.to(parts[0].device) if parts else outputs)
         table = torch.cat(parts) if len(parts) > 1 else parts[0]
         unique = sorted(set(names))
         row_of = {name: row for row, name in enumerate(unique)}
@@ -259,26 +261,22 @@ def raise_layer(model: nn.Module, name: str, master_of: MasterOf | None = None) 
     forward = module.__dict__.get("forward")  # an instance's own forward (a wrapper), else its class's
 
     def in_float32(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with torch.autocast(device_type, enabled=False):
-            run = forward if forward is not None else functools.partial(type(self).forward, self)
-            return run(*_float32(args), **_float32(kwargs))
+        # 16-bit weights with no float32 master (O3; FSDP2's 16-bit all-gathers, read as the forward runs) compute as
+        # float32 copies, and the output is rounded to their dtype, which the rest of the 16-bit model takes (O1's and
+        # O2's float32 outputs go on to an autocast region or a layer kept in float32)
+        sixteen = next((p.dtype for p in self.parameters() if p.dtype in SIXTEEN), None)
+        run = forward if forward is not None else functools.partial(type(self).forward, self)
+        with torch.autocast(device_type, enabled=False), _Float32Copies() if sixteen else contextlib.nullcontext():
+            output = run(*_float32(args), **_float32(kwargs))
+        if sixteen is None:
+            return output
+        return _trees.map_leaves(
+            lambda t: t.to(sixteen) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, output)
 
+    weights = _weights_in_float32(module, master_of)
     # A compiled model's raised layer runs eagerly, a graph break at it: a backward AOTAutograd traced would run under
     # the forward's outer autocast (16-bit GEMMs), and the float16 overflow it was raised for came back at every step
     # (a dynamic scaler skipped on, down to a scale of 1).
-    weights = _weights_in_float32(module, master_of)
-    # O3: 16-bit weights with no float32 master compute as float32 copies, and the output is rounded to their dtype,
-    # which the rest of the 16-bit model takes (O1 and O2 hand float32 on to an autocast region or a kept layer)
-    sixteen = next((p.dtype for p in module.parameters() if p.dtype in SIXTEEN), None)
-    if sixteen is not None:
-        float32_forward = in_float32
-
-        def in_float32(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            with _Float32Copies():
-                output = float32_forward(self, *args, **kwargs)
-            return _trees.map_leaves(
-                lambda t: t.to(sixteen) if isinstance(t, torch.Tensor) and t.dtype == torch.float32 else t, output)
-
     run_eagerly = torch.compiler.disable(in_float32)
     run_eagerly.before = forward  # type: ignore[attr-defined]  # what lower_layer puts back
     run_eagerly.weights = weights  # type: ignore[attr-defined]  # and their dtypes

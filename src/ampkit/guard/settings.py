@@ -48,11 +48,11 @@ def check_settings(model: nn.Module, optimizer: Any, scaler: Any, action: str, c
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"{name}={fraction!r} is invalid: a fraction in (0, 1].")
     sharded = next((p for p in model.parameters() if is_sharded(p)), None)
-    if sharded is not None and action == "raise":
-        raise ValueError("action='raise' does not take an FSDP2 model: its layers are sharded, and their "
-                         "all-gathers cast to the sharding's dtypes whatever a layer's region says. Use "
-                         "action='skip' or 'restore' (every rank acts alike), or raise the layer by hand with "
-                         "fully_shard's keep_float32.")
+    narrow = next((name for name, m in model.named_modules() if layers.raised_to(m) == "16 bits"), None)
+    if sharded is not None and action == "raise" and narrow is not None:
+        raise ValueError(f"action='raise' cannot raise the FP8 or block-scaled layers of an FSDP2 model ({narrow}): "
+                         "a raise puts a plain linear in a layer's place, and FSDP2 gathers into the module it "
+                         "sharded. Use action='skip' or 'restore', or shard the model with the layer in 16 bits.")
     if checkpoint is not None and action != "restore":
         raise ValueError(f"checkpoint={str(checkpoint)!r} is where action='restore' reads the state it puts back; "
                          f"the action is {action!r}: pass action='restore', or drop checkpoint.")
