@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 import ampkit
 
@@ -235,33 +236,52 @@ def test_an_optimizer_of_another_model_is_refused() -> None:
         ampkit.Guard(model, other_optimizer)
 
 
-def test_raise_on_an_fsdp2_model_is_refused_for_its_block_scaled_layers_only() -> None:
-    """A raise puts a plain linear in an FP8 or block-scaled layer's place, and FSDP2 gathers into the module it
-    sharded: refused at the first call, before any hook; a model of 16-bit layers is taken (raised alike on 2 ranks:
-    tests/test_guard_layers.py)."""
+def test_raise_on_an_fsdp2_model_takes_its_block_scaled_layers_in_place_and_refuses_fp8_all_gathers() -> None:
+    """A raise replaces a layer's forward, not the module FSDP2 gathers into: a block-scaled layer of a sharded model
+    is raised to a plain linear on its gathered weights (on 2 ranks, 16-bit layers: tests/test_guard_layers.py).
+    Weights torchao all-gathers in FP8 are cast at the all-gather whatever the layer computes: refused at the first
+    call, before any hook."""
     import socket
 
     import torch.distributed as dist
 
-    from ampkit.distributed import fully_shard
+    from ampkit.distributed import fully_shard, prepare_optimizer
     from ampkit.formats.block_linear import BlockScaledLinear
     from ampkit.formats.recipes import BlockScaledRecipe
+    from ampkit.guard import layers
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
     try:
+        torch.manual_seed(0)
         block = BlockScaledLinear.from_linear(nn.Linear(32, 32), BlockScaledRecipe("mxfp8"))
-        model = fully_shard(nn.Sequential(nn.Linear(4, 32), block), opt_level="O1")
-        hooks = [len(m._forward_hooks) for m in model.modules()]
-        with pytest.raises(ValueError, match=r"action='raise' cannot raise the FP8 or block-scaled layers of an FSDP2 "
-                                             r"model \(1\): a raise puts a plain linear in a layer's place"):
-            ampkit.Guard(model, torch.optim.AdamW(model.parameters()), action="raise")
-        assert [len(m._forward_hooks) for m in model.modules()] == hooks
-        model = fully_shard(nn.Sequential(nn.Linear(4, 4)), opt_level="O1")
-        guard = ampkit.Guard(model, torch.optim.AdamW(model.parameters()), action="raise")
+        model = fully_shard(nn.Sequential(nn.Linear(4, 32), block), opt_level="O1", dtype=torch.bfloat16)
+        optimizer = prepare_optimizer(model, torch.optim.AdamW(model.parameters()))
+        guard = ampkit.Guard(model, optimizer, action="raise")
         assert guard.agreement.world == 1 and guard.agreement.group is not None  # found on the shards
+        x = torch.randn(8, 4)
+        quantized = model(x)
+        assert guard.raises.raise_("1", 0) == "raised to 16 bits" and model[1] is block
+        raised = model(x)  # the plain 16-bit linear of the region, on the gathered weights
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            hidden = F.linear(x, model[0].weight.full_tensor(), model[0].bias.full_tensor())
+            plain = F.linear(hidden, block.weight.full_tensor(), block.bias.full_tensor())
+        assert torch.equal(raised.float(), plain.float()) and not torch.equal(raised.float(), quantized.float())
+        raised.float().sum().backward()
+        assert block.weight.grad is not None and layers.kind(block) == "16-bit"
+
+        pytest.importorskip("torchao.float8")
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+        ampkit.convert_to_fp8(model, ampkit.Fp8Recipe(scaling="current", fsdp_all_gather=True), include=["0"],
+                              emulate=True)
+        model = fully_shard(model, opt_level="O2", dtype=torch.bfloat16)
+        hooks = [len(m._forward_hooks) for m in model.modules()]
+        with pytest.raises(ValueError, match=r"action='raise' cannot raise the layers of an FSDP2 model whose "
+                                             r"weights torchao all-gathers in FP8 \(0.weight, \.\.\.\)"):
+            ampkit.Guard(model, prepare_optimizer(model, torch.optim.AdamW(model.parameters())), action="raise")
+        assert [len(m._forward_hooks) for m in model.modules()] == hooks
     finally:
         dist.destroy_process_group()
 

@@ -12,6 +12,7 @@ import sys
 from torch import nn
 
 from ampkit.formats.recipes import E4M3, GRAD, Fp8Recipe
+from ampkit.shards import local_shard
 
 
 def convert_current(model: nn.Module, recipe: Fp8Recipe, chosen: set[str], emulate: bool) -> None:
@@ -48,7 +49,8 @@ def fp8_gathered(model: nn.Module) -> list[str]:
         return []
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    return [name for name, p in model.named_parameters() if isinstance(p, WeightWithDynamicFloat8CastTensor)]
+    return [name for name, p in model.named_parameters()
+            if isinstance(local_shard(p), WeightWithDynamicFloat8CastTensor)]  # an FSDP2 shard's, too
 
 
 def check_fp8_gathers(model: nn.Module, level: str, pure16: bool) -> None:

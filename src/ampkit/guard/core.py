@@ -110,8 +110,8 @@ class Guard:
 
     Raises:
         ValueError: an unknown action, a bad number, torch's GradScaler, an optimizer over other tensors, a
-            ``checkpoint`` that is a folder or in a folder that does not exist, ``"raise"`` for an FSDP2 model's
-            FP8 or block-scaled layers, a process group without torch.distributed.
+            ``checkpoint`` that is a folder or in a folder that does not exist, ``"raise"`` where torchao all-gathers
+            an FSDP2 model's weights in FP8, a process group without torch.distributed.
 
     Example:
         >>> guard = ampkit.Guard(model, optimizer, scaler)

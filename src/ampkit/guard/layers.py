@@ -15,8 +15,9 @@ keep the worst): three figures a layer, kept as tensors and read with one host s
 
 Between samples the hooks return at once (a Python call per watched module per forward).
 
-**Raised** (``raise_layer``; ``lower_layer`` undoes it): an FP8 or block-scaled linear becomes a plain linear on
-the same Parameters (the 16-bit format of the run's region or model: the optimizer keeps them); a 16-bit layer
+**Raised** (``raise_layer``; ``lower_layer`` undoes it), in place: the module's forward is replaced, so the optimizer
+keeps its Parameters and FSDP2 gathers into it. An FP8 or block-scaled linear computes as a plain linear on its
+Parameters (the 16-bit format of the run's region or model); a 16-bit layer
 computes in float32: its forward runs with autocast off on float32 inputs (eagerly in a compiled model, a graph
 break: see ``raise_layer``). Not a policy's per-module override: the guard does not own the region the model runs in
 (``initialize``'s, a user's ``ampkit.autocast`` or a plain ``torch.autocast`` all take this), and the change is one
@@ -52,10 +53,11 @@ FIGURES = ("saturation", "underflow", "amax")
 
 
 def kind(module: nn.Module) -> str:
-    """How ``module`` is watched: ``"fp8"``, ``"block"``, ``"16-bit"`` (a leaf with parameters), or ``""``."""
-    if isinstance(module, Fp8Linear):
+    """How ``module`` is watched: ``"fp8"``, ``"block"``, ``"16-bit"`` (a leaf with parameters, an FP8 or
+    block-scaled linear raised among them), or ``""``."""
+    if isinstance(module, Fp8Linear) and _raised(module) is None:
         return "fp8"
-    if isinstance(module, BlockScaledLinear):
+    if isinstance(module, BlockScaledLinear) and _raised(module) is None:
         return "block"
     if next(module.children(), None) is None and next(module.parameters(recurse=False), None) is not None:
         return "16-bit"
@@ -159,11 +161,11 @@ class LayerWatch:
         """Hook ``module`` (again, after a raise replaced or rewrapped it) as ``name``."""
         for handle in self._handles.pop(name, []):
             handle.remove()
-        handles = [module.register_forward_hook(self._hook(name))]
-        if isinstance(module, Fp8Linear):  # the forward updates its scale: the one it uses is read before
+        self.kinds[name] = watched = kind(module)
+        handles = [module.register_forward_hook(self._hook(name, watched))]
+        if watched == "fp8":  # the forward updates its scale: the one it uses is read before
             handles.append(module.register_forward_pre_hook(self._scale_hook(name)))
         self._handles[name] = handles
-        self.kinds[name] = kind(module)
 
     def remove(self) -> None:
         """Take every hook off (``Guard.close``)."""
@@ -181,13 +183,13 @@ class LayerWatch:
                 self._scales[name] = module.scale[INPUT].clone()
         return pre_hook
 
-    def _hook(self, name: str) -> Any:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+    def _hook(self, name: str, watched: str) -> Any:
+        def hook(module: Any, args: tuple, output: Any) -> None:  # an Fp8Linear where "fp8", as kind() says
             if not self._active():
                 return
-            if isinstance(module, Fp8Linear) and name in self._scales:
+            if watched == "fp8" and name in self._scales:
                 self._rows.append((name, fp8_figures(args[0], self._scales.pop(name), module.recipe.dtype(INPUT))))
-            elif isinstance(module, BlockScaledLinear):
+            elif watched == "block":
                 self._rows.append((name, block_figures(args[0], module)))
             else:  # the figures of all outputs are made at once, at take()
                 self._extremes += [(name, found) for found in output_extremes(output)]
@@ -214,14 +216,16 @@ class LayerWatch:
         return unique, worst
 
 
-class _Raised16(nn.Linear):
-    """An FP8 or block-scaled linear raised to the run's 16-bit format: a linear on its Parameters (a transformers
-    ``Conv1D``'s weight kept in its transposed layout)."""
+def _raised(module: nn.Module) -> str | None:
+    """What ``raise_layer`` last made of ``module``: ``"16 bits"``, ``"float32"``, or None (not raised)."""
+    forward = module.__dict__.get("forward")
+    return getattr(getattr(forward, "__func__", None), "raised", None)
 
-    transposed: bool
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.t() if self.transposed else self.weight, self.bias)
+def _as_16_bit(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """An FP8 or block-scaled linear's forward once raised: a linear on its Parameters in the run's 16-bit format (a
+    transformers ``Conv1D``'s weight kept in its transposed layout)."""
+    return F.linear(x, self.weight.t() if getattr(self, "transposed", False) else self.weight, self.bias)
 
 
 def _float32(value: Any) -> Any:
@@ -229,8 +233,9 @@ def _float32(value: Any) -> Any:
 
 
 def raised_to(module: nn.Module) -> str:
-    """What ``raise_layer`` makes of ``module``: ``"16 bits"`` for FP8 and block-scaled linears, else ``"float32"``."""
-    return "16 bits" if isinstance(module, (Fp8Linear, BlockScaledLinear)) else "float32"
+    """What ``raise_layer`` makes of ``module``: ``"16 bits"`` for FP8 and block-scaled linears not raised yet,
+    else ``"float32"``."""
+    return "16 bits" if isinstance(module, (Fp8Linear, BlockScaledLinear)) and _raised(module) is None else "float32"
 
 
 def format_of(module: nn.Module) -> str:
@@ -244,21 +249,19 @@ MasterOf = Callable[[torch.Tensor], "torch.Tensor | None"]  # a parameter's floa
 
 
 def raise_layer(model: nn.Module, name: str, master_of: MasterOf | None = None) -> nn.Module:
-    """Raise ``model``'s layer ``name`` one step (see the module's docstring); returns the module now there. A
-    16-bit weight takes its float32 master's values (``master_of``)."""
+    """Raise ``model``'s layer ``name`` one step (see the module's docstring), in place: the module's forward is
+    replaced (FSDP2 gathers into the module it sharded, and the optimizer steps its Parameters); returns the module.
+    A 16-bit weight takes its float32 master's values (``master_of``)."""
     module = model.get_submodule(name)
-    if isinstance(module, (Fp8Linear, BlockScaledLinear)):
-        raised = _Raised16.__new__(_Raised16)
-        nn.Module.__init__(raised)
-        raised.in_features, raised.out_features = module.in_features, module.out_features
-        raised.weight, raised.bias = module.weight, module.bias  # type: ignore[assignment]  # its Parameters
-        raised.transposed = bool(getattr(module, "transposed", False))
-        raised.train(module.training)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, raised)
-        return raised
+    forward = module.__dict__.get("forward")  # an instance's own forward (a wrapper, a raise), else its class's
+    if raised_to(module) == "16 bits":
+        def as_16_bit(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # a function of its own, carrying
+            return _as_16_bit(self, x)  # what lower_layer reads
+
+        as_16_bit.raised, as_16_bit.before = "16 bits", forward  # type: ignore[attr-defined]
+        module.forward = types.MethodType(as_16_bit, module)  # type: ignore[method-assign]
+        return module
     device_type = next(module.parameters()).device.type
-    forward = module.__dict__.get("forward")  # an instance's own forward (a wrapper), else its class's
 
     def in_float32(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # 16-bit weights with no float32 master (O3; FSDP2's 16-bit all-gathers, read as the forward runs) compute as
@@ -278,7 +281,7 @@ def raise_layer(model: nn.Module, name: str, master_of: MasterOf | None = None) 
     # the forward's outer autocast (16-bit GEMMs), and the float16 overflow it was raised for came back at every step
     # (a dynamic scaler skipped on, down to a scale of 1).
     run_eagerly = torch.compiler.disable(in_float32)
-    run_eagerly.before = forward  # type: ignore[attr-defined]  # what lower_layer puts back
+    run_eagerly.raised, run_eagerly.before = "float32", forward  # type: ignore[attr-defined]  # lower_layer's
     run_eagerly.weights = weights  # type: ignore[attr-defined]  # and their dtypes
     # bound to the module, so that a deep copy (the guard's replay) runs the copy's own forward
     module.forward = types.MethodType(run_eagerly, module)  # type: ignore[method-assign]
@@ -306,28 +309,24 @@ def _weights_in_float32(module: nn.Module, master_of: MasterOf | None) -> list[t
     return changed
 
 
-def lower_layer(model: nn.Module, name: str, original: nn.Module) -> nn.Module:
-    """Undo ``raise_layer(model, name)``; ``original`` is the module ``raise_layer`` found there. An FP8 or
-    block-scaled linear comes back on the same Parameters (an FP8 one with a fresh amax history and scales: those it
-    had described the tensors of before its raise); a 16-bit layer's forward is its own again. Returns the module
-    now there."""
+def lower_layer(model: nn.Module, name: str) -> nn.Module:
+    """Undo every ``raise_layer(model, name)``: the module's forward is its own again, its 16-bit weights rounded from
+    their masters' values (O2), an FP8 linear's amax history and scales fresh (those it had described the tensors of
+    before its raise). Returns the module."""
     module = model.get_submodule(name)
-    if module is not original:  # the _Raised16 raise_layer put in its place
-        if isinstance(original, Fp8Linear):
+    fp8 = module if isinstance(module, Fp8Linear) and _raised(module) is not None else None
+    while (raised := _raised(module)) is not None:
+        run = module.__dict__["forward"].__func__
+        if raised == "float32":
             with torch.no_grad():
-                original.amax_history.zero_()
-                original.scale.fill_(1.0)
-        original.train(module.training)
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, original)
-        return original
-    raised = module.__dict__["forward"].__func__
-    with torch.no_grad():
-        for param, dtype in raised.weights:  # rounded from their masters' values, as a step writes them back
-            param.data = param.data.to(dtype)
-    before = raised.before
-    if before is None:
-        del module.forward
-    else:
-        module.forward = before  # type: ignore[method-assign]
+                for param, dtype in run.weights:  # rounded from their masters' values, as a step writes them back
+                    param.data = param.data.to(dtype)
+        if run.before is None:
+            del module.forward
+        else:
+            module.forward = run.before  # type: ignore[method-assign]
+    if fp8 is not None:
+        with torch.no_grad():
+            fp8.amax_history.zero_()
+            fp8.scale.fill_(1.0)
     return module

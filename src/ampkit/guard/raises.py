@@ -57,7 +57,7 @@ class Raises:
     def _return(self, layer: str) -> nn.Module:
         """``layer`` back in its own format (``layers.lower_layer``), watched there; its module before the raise."""
         original = self._originals.pop(layer)
-        self.watch.watch(layer, layers.lower_layer(self.model, layer, original))
+        self.watch.watch(layer, layers.lower_layer(self.model, layer))
         del self.raised[layer]
         return original
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ampkit.formats.torchao import fp8_gathered
 from ampkit.guard import layers
 from ampkit.modes import check_model_and_optimizer
 from ampkit.shards import is_sharded
@@ -48,11 +49,11 @@ def check_settings(model: nn.Module, optimizer: Any, scaler: Any, action: str, c
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"{name}={fraction!r} is invalid: a fraction in (0, 1].")
     sharded = next((p for p in model.parameters() if is_sharded(p)), None)
-    narrow = next((name for name, m in model.named_modules() if layers.raised_to(m) == "16 bits"), None)
-    if sharded is not None and action == "raise" and narrow is not None:
-        raise ValueError(f"action='raise' cannot raise the FP8 or block-scaled layers of an FSDP2 model ({narrow}): "
-                         "a raise puts a plain linear in a layer's place, and FSDP2 gathers into the module it "
-                         "sharded. Use action='skip' or 'restore', or shard the model with the layer in 16 bits.")
+    gathered = fp8_gathered(model) if sharded is not None and action == "raise" else []
+    if gathered:
+        raise ValueError(f"action='raise' cannot raise the layers of an FSDP2 model whose weights torchao all-gathers "
+                         f"in FP8 ({gathered[0]}, ...): the all-gather casts them whatever a raised layer computes. "
+                         "Use action='skip' or 'restore', or convert with Fp8Recipe(fsdp_all_gather=False).")
     if checkpoint is not None and action != "restore":
         raise ValueError(f"checkpoint={str(checkpoint)!r} is where action='restore' reads the state it puts back; "
                          f"the action is {action!r}: pass action='restore', or drop checkpoint.")
