@@ -31,16 +31,17 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train(model: nn.Module, optimizer: torch.optim.Optimizer, guard: ampkit.Guard | None,
            batch: object = _batch, scaler: object = None, plant: object = None, steps: int = STEPS,
-           forward: object = None) -> list[float]:
-    """``steps`` steps of mean square error on ``batch(step)``, through the guard, else the scaler, else plainly;
-    ``plant(step)`` first, where given (a fault planted at a step); ``forward(x)`` in place of ``model(x)``."""
+           forward: object = None, loss_fn: object = nn.functional.mse_loss) -> list[float]:
+    """``steps`` steps of ``loss_fn`` (mean square error) on ``batch(step)``, through the guard, else the scaler,
+    else plainly; ``plant(step)`` first, where given (a fault planted at a step); ``forward(x)`` in place of
+    ``model(x)``."""
     losses = []
     for step in range(steps):
         if plant is not None:
             plant(step)  # type: ignore[operator]
         optimizer.zero_grad(set_to_none=True)
         x, y = batch(step)  # type: ignore[operator]
-        loss = nn.functional.mse_loss((forward or model)(x).float(), y)  # type: ignore[operator]
+        loss = loss_fn((forward or model)(x).float(), y)  # type: ignore[operator]
         (scaler.scale(loss) if scaler is not None else loss).backward()  # type: ignore[attr-defined]
         if guard is not None:
             guard.step(loss, batch=(x, y))

@@ -3,6 +3,7 @@ the guard and the run without the fault."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -108,6 +109,68 @@ def test_at_o2_an_overflowing_layer_computes_from_its_float32_masters_and_return
     finite = [v for v in guarded[raised.step + 1:] if math.isfinite(v)]
     assert len(finite) == len(guarded) - raised.step - 2  # the two raised steps skipped, nothing else
     assert again.step < 81 and sum(guarded[-19:]) / 19 == pytest.approx(sum(unfaulted[-19:]) / 19, rel=0.02)
+
+
+def _growing_llama(level: str, rate: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A transformers Llama whose first attention output projection grows (``GrowingLinear``, from step 10) until its
+    float16 output overflows (about step 30): the fault issue 66 names, at ``level`` (or, "autocast", a float32 model
+    for the loop's own torch.autocast)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config)
+    attention = model.model.layers[0].self_attn
+    attention.o_proj = GrowingLinear.from_linear(attention.o_proj, rate, start=10)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    if level == "autocast":
+        return model, optimizer
+    return ampkit.initialize(model, optimizer, level, torch.float16, compute="native")
+
+
+def _tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eight windows of 32 tokens, each one or two past the one before, at random (a loss that falls to about 0.85
+    in 100 steps, not to 0)."""
+    g = torch.Generator().manual_seed(step)
+    starts, steps = torch.randint(0, 128, (8, 1), generator=g), torch.randint(1, 3, (8, 32), generator=g)
+    tokens = torch.cat([starts, starts + steps.cumsum(1)], 1) % 128
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _train_llama(level: str, rate: float, guarded: bool) -> tuple[list[float], ampkit.Guard | None]:
+    model, optimizer = _growing_llama(level, rate)
+    scaler = ampkit.DynamicLossScaler()
+    guard = ampkit.Guard(model, optimizer, scaler, action="raise") if guarded else None
+    region = torch.autocast("cpu", torch.float16) if level == "autocast" else contextlib.nullcontext()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with region:
+            return model(x).logits.reshape(-1, 128)
+
+    def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = _tokens(step)
+        return x, y.reshape(-1)
+
+    return test_guard._train(model, optimizer, guard, batch, scaler, steps=100, forward=forward,
+                             loss_fn=F.cross_entropy), guard
+
+
+@pytest.mark.parametrize("level", ["O1", "O2", "autocast"])
+def test_a_llama_whose_attention_projection_overflows_float16_is_named_raised_and_trains_on(level: str) -> None:
+    """Issue 66's user fault on a transformers Llama (at O1, at O2 and in the loop's own torch.autocast): the first
+    attention output projection grows until its float16 output overflows. Unguarded, the scaler skips every step
+    from then on and gives up; guarded, the projection is named at the first overflowing step, raised to float32
+    once, and the run ends within 1% of the run without the fault (the mean of the last 10 losses)."""
+    unfaulted, _ = _train_llama(level, 1.0, guarded=False)
+    with pytest.raises(NonFiniteError, match="optimizer steps in a row were skipped"):
+        _train_llama(level, 2.0, guarded=False)
+    losses, guard = _train_llama(level, 2.0, guarded=True)
+    [event] = guard.events
+    assert (event.signal, event.layer, event.action) == ("nonfinite-loss", "model.layers.0.self_attn.o_proj",
+                                                         "raised to float32 and skipped")
+    assert all(math.isfinite(v) for v in losses[:event.step]) and not math.isfinite(losses[event.step])
+    assert all(math.isfinite(v) for v in losses[event.step + 1:])
+    assert sum(losses[-10:]) / 10 == pytest.approx(sum(unfaulted[-10:]) / 10, rel=0.01)
 
 
 def _outlier_model() -> tuple[nn.Module, torch.optim.Optimizer, ChannelScale, nn.Module]:

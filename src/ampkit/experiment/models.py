@@ -186,15 +186,16 @@ class GrowingLinear(nn.Linear):
     gain: torch.Tensor
     calls: torch.Tensor
 
-    def __init__(self, in_features: int, out_features: int, rate: float = 2.0, start: int = 5) -> None:
-        super().__init__(in_features, out_features)
+    def __init__(self, in_features: int, out_features: int, rate: float = 2.0, start: int = 5,
+                 bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias)
         self.rate, self.start = rate, start
         self.register_buffer("gain", torch.ones(()))
         self.register_buffer("calls", torch.zeros(()))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, rate: float, start: int) -> GrowingLinear:
-        grown = cls(linear.in_features, linear.out_features, rate, start)
+        grown = cls(linear.in_features, linear.out_features, rate, start, bias=linear.bias is not None)
         grown.load_state_dict({**linear.state_dict(), "gain": grown.gain, "calls": grown.calls})
         return grown
 
@@ -202,7 +203,8 @@ class GrowingLinear(nn.Linear):
         if self.training and torch.is_grad_enabled():
             self.calls.add_(1)
             self.gain.copy_(torch.pow(self.rate, (self.calls - self.start).clamp(min=0)).clamp(max=2.0**24))
-        return F.linear(x, self.weight * self.gain) / self.gain + self.bias
+        out = F.linear(x, self.weight * self.gain) / self.gain
+        return out + self.bias if self.bias is not None else out
 
 
 def gpt_with_growing_layer(rate: float = 2.0, start: int = 20, **kwargs: int) -> GPT:
