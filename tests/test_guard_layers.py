@@ -265,7 +265,8 @@ def test_float16_figures_are_read_from_the_output() -> None:
     assert layers.output_figures([out.bfloat16(), out.float()]).tolist() == [1.0, 0.0, 1.0]  # bf16: no underflow
     # float32 (a 16-bit product plus a float32 bias, under autocast): saturated where not finite, else nothing
     assert layers.output_figures(torch.tensor([1.0, -math.inf])).tolist() == [1.0, 0.0, 1.0]
-    assert layers.output_figures(torch.tensor([1e30, 2.0**-140])).tolist() == [0.0, 0.0, pytest.approx(1e30 / 3.4028e38, rel=1e-3)]
+    assert layers.output_figures(torch.tensor([1e30, 2.0**-140])).tolist() == [0.0, 0.0,
+                                                                              pytest.approx(1e30 / 3.4028e38, rel=1e-3)]
 
 
 def test_a_sampled_step_keeps_each_layers_worst_over_its_calls_in_one_table_sorted_by_name() -> None:

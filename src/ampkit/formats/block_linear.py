@@ -99,8 +99,8 @@ def _call(function: Callable[..., torch.Tensor], configuration: tuple[Any, ...],
     arguments a graph takes as constants); the eager function once torch.compile failed here."""
     key = (function.__name__, *configuration)
     if key not in _compiled:
-        copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
-        _compiled[key] = torch.compile(copy, dynamic=True)
+        twin = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
+        _compiled[key] = torch.compile(twin, dynamic=True)
     compiled = _compiled[key]
     if compiled is None:
         return function(*args)
@@ -128,9 +128,11 @@ def operand_values(t: torch.Tensor, recipe: BlockScaledRecipe, seed: int = 0, st
         seed_tensor = torch.tensor(seed, dtype=torch.int64, device=t.device)
         draws = (_draw_values(seed_tensor, step, stream, count) if eager
                  else _call(_draw_values, (stream,), seed_tensor, step, stream, count))
-    configuration = (recipe.format, element, recipe.block, recipe.scale_mode, tiles, stochastic, recipe.four_over_six)
-    args = (t.detach().contiguous(), *configuration[:-1], draws, recipe.four_over_six)
-    return _operand_values(*args) if eager else _call(_operand_values, (*configuration, draws is None), *args)
+    constants = (recipe.format, element, recipe.block, recipe.scale_mode, tiles, stochastic)
+    args = (t.detach().contiguous(), *constants, draws, recipe.four_over_six)
+    if eager:
+        return _operand_values(*args)
+    return _call(_operand_values, (*constants, recipe.four_over_six, draws is None), *args)
 
 
 def _gemm(a: Quantized, b: Quantized, recipe: BlockScaledRecipe) -> torch.Tensor:

@@ -25,9 +25,10 @@ module's, as the layer that failed is one. A 16-bit layer of an O2 model has 16-
 the optimizer steps: raised, its weights take their masters' values in float32 (the optimizer goes on stepping
 the masters and writes them back, now without rounding; the layer's float32 gradients are the masters' own), and
 a return rounds them to 16 bits again. Without masters (O3, and FSDP2's 16-bit all-gathers) the layer computes on
-float32 copies of its 16-bit weights (a torch function mode casts what its forward reads; autograd carries the gradients back to the weights the
-optimizer steps) and its output is rounded to their dtype, which the rest of the 16-bit model takes: a raise cures
-what overflows inside the layer (its scores, a sum of squares), not an output 16 bits cannot hold.
+float32 copies of its 16-bit weights (a torch function mode casts what its forward reads; autograd carries the
+gradients back to the weights the optimizer steps) and its output is rounded to their dtype, which the rest of the
+16-bit model takes: a raise cures what overflows inside the layer (its scores, a sum of squares), not an output
+16 bits cannot hold.
 """
 
 from __future__ import annotations
@@ -222,12 +223,6 @@ def _raised(module: nn.Module) -> str | None:
     return getattr(getattr(forward, "__func__", None), "raised", None)
 
 
-def _as_16_bit(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """An FP8 or block-scaled linear's forward once raised: a linear on its Parameters in the run's 16-bit format (a
-    transformers ``Conv1D``'s weight kept in its transposed layout)."""
-    return F.linear(x, self.weight.t() if getattr(self, "transposed", False) else self.weight, self.bias)
-
-
 def _float32(value: Any) -> Any:
     return _trees.map_leaves(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in SIXTEEN else t, value)
 
@@ -255,8 +250,10 @@ def raise_layer(model: nn.Module, name: str, master_of: MasterOf | None = None) 
     module = model.get_submodule(name)
     forward = module.__dict__.get("forward")  # an instance's own forward (a wrapper, a raise), else its class's
     if raised_to(module) == "16 bits":
-        def as_16_bit(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:  # a function of its own, carrying
-            return _as_16_bit(self, x)  # what lower_layer reads
+        def as_16_bit(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            """The raised forward: a linear on its Parameters in the run's 16-bit format (a transformers ``Conv1D``'s
+            weight kept in its transposed layout); a function per raise, carrying what ``lower_layer`` reads."""
+            return F.linear(x, self.weight.t() if getattr(self, "transposed", False) else self.weight, self.bias)
 
         as_16_bit.raised, as_16_bit.before = "16 bits", forward  # type: ignore[attr-defined]
         module.forward = types.MethodType(as_16_bit, module)  # type: ignore[method-assign]

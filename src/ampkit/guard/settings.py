@@ -11,7 +11,6 @@ import torch.distributed as dist
 from torch import nn
 
 from ampkit.formats.torchao import fp8_gathered
-from ampkit.guard import layers
 from ampkit.modes import check_model_and_optimizer
 from ampkit.shards import is_sharded
 
