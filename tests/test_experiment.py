@@ -473,6 +473,13 @@ def test_loss_scalings_and_o3_updates_multiply_the_settings_with_labels_saying_s
                                               "bf16 O3 fp32-compute kahan"]
     with pytest.raises(ValueError, match=r"updates=\['kahan'\] applies to O3 runs only: add opt_levels=\['O3'\]"):
         settings.plan(model="mlp", updates=["kahan"])
+    # fp16 at O3 with torch's or torch-optimi's AdamW: float16 moments, the default eps 0 there (initialize refuses)
+    with pytest.raises(ValueError, match=r"precisions=\['bf16', 'fp16'\] with opt_levels=\['O3'\] and "
+                                         r"updates=\['kahan', 'plain'\]: fp16 at O3 keeps the runs' AdamW moments"):
+        settings.plan(model="mlp", precisions=["bf16", "fp16"], opt_levels=["O3"], updates=["plain", "kahan"])
+    assert [c.label for c in settings.plan(model="mlp", precisions=["fp16"], opt_levels=["O3"],
+                                           updates=["stochastic"], computes=["float32"])][1:] == [
+        "fp16 O3 fp32-compute stochastic"]
     with pytest.raises(ValueError, match=r"Unknown loss scaling 'global'. Choose from \['auto', 'none'"):
         settings.plan(model="mlp", loss_scales=["global"])
     configs = settings.plan(model="mlp", precisions=["bf16", "fp16"], opt_levels=["O1"], computes=["float32"],

@@ -98,3 +98,36 @@ def test_bad_settings_are_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match="update='kahan' applies at O3 only"):
         ampkit.initialize(nn.Linear(2, 2), torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1), "O2",
                           update="kahan")
+
+
+@pytest.mark.parametrize("update", ["plain", "kahan"])
+def test_o3_float16_adamw_with_an_eps_float16_cannot_hold_is_refused_and_one_it_holds_trains(update: str) -> None:
+    """torch's AdamW (and torch-optimi's) keep O3's float16 moments in float16 and divide by their root plus eps
+    there: the default eps, 1e-8, rounds to 0, and the first step made every weight with a zero gradient NaN with
+    no word. Refused at initialize, the model and the optimizer as they were; eps=1e-4 trains, as does
+    update='stochastic' (float32 arithmetic) with the default."""
+    if update == "kahan":
+        pytest.importorskip("optimi")
+
+    def run(eps: float, update: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=eps)
+
+    model, optimizer = run(1e-8, update)
+    before = {name: (p, p.dtype) for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"opt_level='O3' with float16 weights keeps AdamW's moments in float16, "
+                                         r"where eps=1e-08 rounds to 0.*eps=1e-4.*update='stochastic'"):
+        ampkit.initialize(model, optimizer, "O3", torch.float16, compute="native", update=update)
+    assert {name: (p, p.dtype) for name, p in model.named_parameters()} == before and not optimizer.state
+    assert not hasattr(model, "_ampkit_opt_level")
+    for eps, chosen in ((1e-4, update), (1e-8, "stochastic")):
+        model, optimizer = ampkit.initialize(*run(eps, chosen), "O3", torch.float16, compute="native", update=chosen)
+        scaler = ampkit.DynamicLossScaler()
+        x, y = torch.randn(16, 16, generator=torch.Generator().manual_seed(0)), torch.randn(16, 4)
+        for _ in range(3):
+            optimizer.zero_grad()
+            scaler.scale(nn.functional.mse_loss(model(x).float(), y)).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        assert all(bool(torch.isfinite(p).all()) for p in model.parameters()), (eps, chosen)

@@ -209,6 +209,12 @@ def plan(
     if updates and not any(OPT_LEVELS[level].pure16 for level in opt_levels or ()):
         raise ValueError(f"updates={list(updates)!r} applies to O3 runs only: add opt_levels=['O3'] (pure 16-bit "
                          "weights; O1 and O2 keep float32 weights or masters, which take small updates as they are).")
+    float16_moments = sorted(set(updates or ("plain",)) - {"stochastic"})
+    if "fp16" in (precisions or ()) and "O3" in (opt_levels or ()) and float16_moments:
+        raise ValueError(f"precisions={list(precisions or ())!r} with opt_levels={list(opt_levels or ())!r} and "
+                         f"updates={float16_moments!r}: fp16 at O3 keeps the runs' AdamW moments in float16, where "
+                         "its eps (1e-8) rounds to 0 and the first step makes the weights NaN. Use "
+                         "updates=['stochastic'] (float32 arithmetic) for fp16 at O3, or bf16.")
     for name, values in (("precisions", precisions), ("opt_levels", opt_levels), ("computes", computes),
                          ("loss_scales", loss_scales), ("updates", updates), ("grad_accums", grad_accums),
                          ("states", states)):

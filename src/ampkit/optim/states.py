@@ -57,6 +57,8 @@ def check_states(states: str | None, optimizer: torch.optim.Optimizer | None, op
         ImportError: a low-bit format without torchao.
     """
     check_format(states, opt_level, dtype, update)
+    if states is None and level_named(opt_level).pure16 and dtype == torch.float16 and update != "stochastic":
+        _check_float16_eps(optimizer)
     if states is None or states == "fp32" and not level_named(opt_level).pure16:
         return
     if optimizer is None:
@@ -98,6 +100,22 @@ def _check_o3(states: str, dtype: torch.dtype, update: str) -> None:
     if states in LOW_BIT and update == "stochastic" and dtype != torch.bfloat16:
         raise ValueError(f"states={states!r} with update='stochastic' on {dtype} weights: torchao rounds "
                          "stochastically into bfloat16 only. Use dtype=torch.bfloat16, or update='plain'.")
+
+
+def _check_float16_eps(optimizer: torch.optim.Optimizer | None) -> None:
+    """At O3 on float16 weights torch's Adam and AdamW (and torch-optimi's, ``update="kahan"``) keep the moments in
+    float16 and divide by their root plus ``eps`` there: an ``eps`` float16 rounds to 0 (the default, 1e-8) makes a
+    zero gradient 0 / 0, and the first step left NaN weights (measured: with no warning). ValueError, changing
+    nothing."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return
+    for group in optimizer.param_groups:
+        if float(torch.tensor(group["eps"], dtype=torch.float16)) == 0:
+            raise ValueError(f"opt_level='O3' with float16 weights keeps {type(optimizer).__name__}'s moments in "
+                             f"float16, where eps={group['eps']!r} rounds to 0: a zero gradient makes the first step "
+                             "0 / 0 and the weights NaN. Build the optimizer with an eps float16 holds (eps=1e-4 is "
+                             "the usual choice in pure float16), or use update='stochastic' (float32 arithmetic), "
+                             "dtype=torch.bfloat16, or O2.")
 
 
 def _adamw_groups(optimizer: torch.optim.Optimizer, states: str) -> list[dict[str, Any]]:
