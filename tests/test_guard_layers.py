@@ -512,6 +512,73 @@ def test_on_fsdp2_shards_an_overflowing_layer_is_raised_alike_on_every_rank() ->
         assert ranks[0][level, True]["agreed"] == ranks[1][level, True]["agreed"]  # the mean over the ranks
 
 
+def _sharded_outlier_worker(rank: int, world: int) -> dict:
+    """Fault (b) on 2 ranks: ``_outlier_model``'s network sharded with FSDP2 at O1 bf16, each rank on its half of
+    the batch, the outlier planted at step 21 (its weight column's gradient zeroed on the shards before each step,
+    as the single-process test's mask does); without the plant, with it unguarded, with it guarded."""
+    from ampkit.distributed import fully_shard, prepare_optimizer
+    from ampkit.shards import local_shard
+
+    out = {}
+    for planted, guarded in ((False, False), (True, False), (True, True), ("unkept", True)):
+        torch.manual_seed(0)
+        outlier = ChannelScale(64, channel=7, factor=1.0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), outlier,
+                              Fp8Linear.from_linear(nn.Linear(64, 64), Fp8Recipe()), nn.GELU(), nn.Linear(64, 4))
+        model = fully_shard(model, opt_level="O1", dtype=torch.bfloat16, compute="native")
+        optimizer = prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+        weight = model[3].weight
+
+        def keep_column(*_: object) -> None:
+            local_shard(weight.grad)[:, 7] = 0
+
+        if planted != "unkept":  # unkept: the column trains on, its outputs x 1e6: loss spikes from step 22
+            optimizer.register_step_pre_hook(keep_column)
+        guard = ampkit.Guard(model, optimizer, action="raise", sample_every=1) if guarded else None
+
+        def plant(step: int) -> None:
+            if planted and step == 21:
+                with torch.no_grad():
+                    outlier.scale[7] = 1e6
+                    local_shard(weight)[:, 7] /= 1e6
+
+        def half(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = _batch(step)
+            return x[rank::world].clone(), y[rank::world]
+
+        try:
+            losses = test_guard._train(model, optimizer, guard, half, None, plant, steps=STEPS)
+        except ampkit.GuardStopped:
+            losses = []
+        out[planted, guarded] = {"losses": losses, "agreed": guard.losses if guard else [],
+                                 "events": [dataclasses.astuple(e)[:4] for e in guard.events] if guard else []}
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # 2 spawned ranks: about 15 s
+def test_on_fsdp2_shards_an_fp8_linear_with_an_outlier_is_raised_alike_on_every_rank() -> None:
+    """Fault (b) under FSDP2: the FP8 linear, raised in place (its forward replaced on the module FSDP2 gathers
+    into), is named at step 21 on both ranks from the sampled figures reduced over them, with the same events and
+    agreed losses; the run ends within 2% of the unfaulted one, where the unguarded one is lost. With the planted
+    column left to train, the loss spikes: over ranks the spikes are not replayed, and the run stops."""
+    from multiprocess import run_ranks
+
+    ranks = run_ranks(_sharded_outlier_worker, 2, timeout_s=300)
+    for rank in ranks:
+        unfaulted, unguarded = rank[False, False]["losses"], rank[True, False]["losses"]
+        guarded = rank[True, True]
+        assert sum(unguarded[-10:]) > 3 * sum(unfaulted[-10:])  # FP8 flushes all but the outlier channel
+        [(step, signal, where, action)] = guarded["events"]
+        assert (step, action) == (21, "raised to 16 bits") and where.startswith("3 (fp8): values"), guarded["events"]
+        assert sum(guarded["losses"][-10:]) == pytest.approx(sum(unfaulted[-10:]), rel=0.02)
+        # spikes over ranks are not replayed (the replay copies the model, and FSDP2 refuses a copy: it crashed)
+        raised, *spikes = rank["unkept", True]["events"]
+        assert raised[3] == "raised to 16 bits" and spikes and {s[1] for s in spikes} == {"loss-spike"}
+        assert all(s[2].endswith("not replayed: the run spans ranks") for s in spikes), spikes
+    assert ranks[0][True, True]["agreed"] == ranks[1][True, True]["agreed"]
+
+
 @pytest.mark.slow  # torch.compile: about 10 s
 def test_under_torch_compile_the_raise_recompiles_once_and_the_run_matches_eager() -> None:
     """Fault (b) with the model compiled (a counting backend, dynamo's graphs run as traced): the guard names and

@@ -244,7 +244,7 @@ class Guard:
                 self.watch.sampling = True
             problem = ("nonfinite-loss" if not finite else "nonfinite-gradient", where, layer)
         else:
-            problem = self._spike(value, micro_batches)
+            problem = self._spike(value, micro_batches, layer_problem)
         if problem is None and layer_problem is not None:
             # finite gradients: the step is taken (skipping cannot cure a layer)
             signal, where, name = layer_problem
@@ -296,9 +296,10 @@ class Guard:
             self._kept = (step, {"model": snapshot(self.model.state_dict()),
                                  "optimizer": snapshot(self.optimizer.state_dict())})
 
-    def _spike(self, value: float, batches: list[Any]) -> tuple[str, str, str | None] | None:
+    def _spike(self, value: float, batches: list[Any], layer_problem: tuple[str, str, str] | None
+               ) -> tuple[str, str, str | None] | None:
         """A loss spike's signal, figures and source (a replay in float32: the precision's, and from which module,
-        or not), or None."""
+        or not; over ranks, which replay nothing, the step's sampled figures), or None."""
         if len(self._recent) >= self._recent.maxlen // 2:  # type: ignore[operator]
             mean, spread = statistics.fmean(self._recent), statistics.pstdev(self._recent)
             median = statistics.median(self._recent)
@@ -306,10 +307,18 @@ class Guard:
             # a loss at or below zero has no multiple to exceed: the band alone decides
             factor = self.spike_factor * median if median > 0 else math.inf
             limit = min(band, factor)
-            if value > limit:
+            if value <= limit:
+                return None
+            if self.agreement.group is None:
                 source, layer = self.attribution.spike(batches, limit)
-                return "loss-spike", (f"loss {value:.4g} against {mean:.4g} +- {spread:.2g} (median {median:.4g}) "
-                                      f"over the last {len(self._recent)} steps; {source}"), layer
+            elif layer_problem is not None:  # over ranks nothing is replayed (the replay copies the model, and an
+                # FSDP2 model refuses a copy): the step's figures name the layer
+                source = f"{layer_problem[1]} ({layer_problem[0]}; not replayed: the run spans ranks)"
+                layer = layer_problem[2]
+            else:
+                source, layer = "not replayed: the run spans ranks", None
+            return "loss-spike", (f"loss {value:.4g} against {mean:.4g} +- {spread:.2g} (median {median:.4g}) "
+                                  f"over the last {len(self._recent)} steps; {source}"), layer
         return None
 
     def _attribute(self, batches: list[Any], bad_batches: list[int]) -> tuple[str, str | None]:
