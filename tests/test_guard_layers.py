@@ -619,6 +619,25 @@ def test_under_torch_compile_the_raise_recompiles_once_and_the_run_matches_eager
     assert counts[22] > counts[21] and counts[-1] == counts[24]
 
 
+def test_a_deep_copy_of_a_layer_raised_twice_runs_its_own_weights() -> None:
+    """An FP8 linear raised to 16 bits, then to float32: the guard's replay deep-copies the model, and the copy's
+    raised forward ran the original's 16-bit forward, bound to the original module and its weights."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Fp8Linear.from_linear(nn.Linear(8, 8), Fp8Recipe()))
+    layers.raise_layer(model, "0")
+    layers.raise_layer(model, "0")
+    assert layers.kind(model[0]) == "16-bit" and layers.raised_to(model[0]) == "float32"
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[0].weight.mul_(2)
+    x = torch.randn(2, 8)
+    assert torch.equal(twin(x), F.linear(x, twin[0].weight, twin[0].bias))
+    assert torch.equal(model(x), F.linear(x, model[0].weight, model[0].bias))
+    assert layers.lower_layer(model, "0") is model[0] and layers.kind(model[0]) == "fp8"
+
+
 def test_the_fp8_figures_agree_with_the_diagnostics_cast_figures() -> None:
     """The guard's in-graph FP8 figures (no host read) against ``fp8.cast_numerics``, the diagnostics' own."""
     from ampkit.formats.fp8 import cast_numerics

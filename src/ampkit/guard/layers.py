@@ -265,7 +265,13 @@ def raise_layer(model: nn.Module, name: str, master_of: MasterOf | None = None) 
         # float32 copies, and the output is rounded to their dtype, which the rest of the 16-bit model takes (O1's and
         # O2's float32 outputs go on to an autocast region or a layer kept in float32)
         sixteen = next((p.dtype for p in self.parameters() if p.dtype in SIXTEEN), None)
-        run = forward if forward is not None else functools.partial(type(self).forward, self)
+        run: Callable[..., Any]
+        if forward is None:
+            run = functools.partial(type(self).forward, self)
+        elif getattr(forward, "__self__", None) is module:  # a raise before this one: bound to this module's copy
+            run = types.MethodType(forward.__func__, self)  # too (the replay's deep copy ran the original's weights)
+        else:
+            run = forward
         with torch.autocast(device_type, enabled=False), _Float32Copies() if sixteen else contextlib.nullcontext():
             output = run(*_float32(args), **_float32(kwargs))
         if sixteen is None:
