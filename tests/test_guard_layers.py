@@ -638,6 +638,27 @@ def test_a_deep_copy_of_a_layer_raised_twice_runs_its_own_weights() -> None:
     assert layers.lower_layer(model, "0") is model[0] and layers.kind(model[0]) == "fp8"
 
 
+def test_a_torchao_float8_linear_is_raised_to_a_16_bit_linear_on_its_weights() -> None:
+    """torchao's Float8Linear (FP8 with current scaling, as compare's fp8-current runs convert): it was taken for a
+    16-bit layer and "raised to float32" by running its own forward with autocast off, FP8 casts and all."""
+    pytest.importorskip("torchao.float8")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32))
+    ampkit.convert_to_fp8(model, Fp8Recipe(scaling="current"), include=["2"], emulate=True)
+    linear = model[2]
+    assert layers.raised_to(linear) == "16 bits" and layers.format_of(linear) == "fp8"
+    x = torch.randn(8, 16)
+    with torch.autocast("cpu", torch.bfloat16):
+        quantized = model(x)
+        raised = layers.raise_layer(model, "2")
+        plain = F.linear(model[1](model[0](x)), linear.weight, linear.bias)
+        assert raised is linear and torch.equal(model(x), plain) and not torch.equal(quantized, plain)
+    assert layers.raised_to(linear) == "float32" and layers.kind(linear) == "16-bit"
+    assert layers.lower_layer(model, "2") is linear and layers.raised_to(linear) == "16 bits"
+    with torch.autocast("cpu", torch.bfloat16):
+        assert torch.equal(model(x), quantized)  # torchao's own forward again
+
+
 def test_the_fp8_figures_agree_with_the_diagnostics_cast_figures() -> None:
     """The guard's in-graph FP8 figures (no host read) against ``fp8.cast_numerics``, the diagnostics' own."""
     from ampkit.formats.fp8 import cast_numerics

@@ -32,6 +32,16 @@ def convert_current(model: nn.Module, recipe: Fp8Recipe, chosen: set[str], emula
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn in chosen)
 
 
+def is_float8_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is torchao's ``Float8Linear`` (what ``convert_current`` made); False where torchao was never
+    imported (no module can be one then)."""
+    if "torchao.float8" not in sys.modules:
+        return False
+    from torchao.float8.float8_linear import Float8Linear
+
+    return isinstance(module, Float8Linear)
+
+
 def precompute_fsdp_scales(model: nn.Module) -> None:
     """torchao's ``precompute_float8_dynamic_scale_for_fsdp``: every FP8-all-gathered weight's scale in
     one all-reduce; nothing for a model without them (or without torchao)."""

@@ -53,7 +53,7 @@ from ampkit.files import atomic_write
 from ampkit.guard import layers, ranks
 from ampkit.guard.events import GuardEvent, GuardStopped
 from ampkit.guard.raises import Raises
-from ampkit.guard.replay import NOT_REPRODUCED, Replay
+from ampkit.guard.replay import NOT_REPRODUCED, OVER_RANKS, Replay, by_figures
 from ampkit.guard.settings import check_settings
 from ampkit.optim.states import snapshot
 from ampkit.shards import shard_group
@@ -233,11 +233,8 @@ class Guard:
         layer_problem = layers.worst(sampled, self.watch.kinds, self.limits) if sampled else None
         problem: tuple[str, str, str | None] | None
         if not (finite and math.isfinite(gradient)):
-            where, layer = self._attribute(micro_batches, bad_batches)
-            if layer is None and where.startswith((NOT_REPRODUCED, "not replayed")) and layer_problem is not None:
-                # not reproduced, or not replayed (a run over ranks): the step's own figures name the layer
-                where, layer = f"{layer_problem[1]} ({layer_problem[0]}; {where})", layer_problem[2]
-            elif where == NOT_REPRODUCED:  # the step re-run from its state is sound: not the numerics
+            where, layer = by_figures(*self._attribute(micro_batches, bad_batches), layer_problem)
+            if where == NOT_REPRODUCED:  # the step re-run from its state is sound: not the numerics
                 self.transients.append(step)
                 where = f"transient: {where} (the run's transient fault {len(self.transients)})"
             if layer is None and self.sample_every > 0:  # nothing named it: the next step's figures are read
@@ -309,14 +306,9 @@ class Guard:
             limit = min(band, factor)
             if value <= limit:
                 return None
-            if self.agreement.group is None:
-                source, layer = self.attribution.spike(batches, limit)
-            elif layer_problem is not None:  # over ranks nothing is replayed (the replay copies the model, and an
-                # FSDP2 model refuses a copy): the step's figures name the layer
-                source = f"{layer_problem[1]} ({layer_problem[0]}; not replayed: the run spans ranks)"
-                layer = layer_problem[2]
-            else:
-                source, layer = "not replayed: the run spans ranks", None
+            # over ranks nothing is replayed (the replay copies the model, and an FSDP2 model refuses a copy)
+            source, layer = (self.attribution.spike(batches, limit) if self.agreement.group is None
+                             else by_figures(OVER_RANKS, None, layer_problem))
             return "loss-spike", (f"loss {value:.4g} against {mean:.4g} +- {spread:.2g} (median {median:.4g}) "
                                   f"over the last {len(self._recent)} steps; {source}"), layer
         return None
@@ -326,8 +318,8 @@ class Guard:
         if self.agreement.group is not None:  # every rank says the same: no replay of one rank's batch
             if bad_batches:
                 return f"the batch of rank {', '.join(map(str, bad_batches))}: a tensor holding an inf or a NaN", None
-            return ("not replayed: the run spans ranks (ampkit.find_nonfinite on the model in one process, with "
-                    "this batch, names the op)"), None
+            return (f"{OVER_RANKS} (ampkit.find_nonfinite on the model in one process, with this batch, names the "
+                    "op)"), None
         return self.attribution.attribute(batches)
 
     def _act(self, step: int, signal: str, where: str, layer: str | None, loss: float | None) -> None:

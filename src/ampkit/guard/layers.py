@@ -16,8 +16,8 @@ keep the worst): three figures a layer, kept as tensors and read with one host s
 Between samples the hooks return at once (a Python call per watched module per forward).
 
 **Raised** (``raise_layer``; ``lower_layer`` undoes it), in place: the module's forward is replaced, so the optimizer
-keeps its Parameters and FSDP2 gathers into it. An FP8 or block-scaled linear computes as a plain linear on its
-Parameters (the 16-bit format of the run's region or model); a 16-bit layer
+keeps its Parameters and FSDP2 gathers into it. An FP8 linear (ampkit's, or torchao's ``Float8Linear``) or a
+block-scaled one computes as a plain linear on its Parameters (the 16-bit format of the run's region or model); a 16-bit layer
 computes in float32: its forward runs with autocast off on float32 inputs (eagerly in a compiled model, a graph
 break: see ``raise_layer``). Not a policy's per-module override: the guard does not own the region the model runs in
 (``initialize``'s, a user's ``ampkit.autocast`` or a plain ``torch.autocast`` all take this), and the change is one
@@ -48,6 +48,7 @@ from ampkit import _trees
 from ampkit.formats.block_linear import BlockScaledLinear, quantize_operand
 from ampkit.formats.fp8 import Fp8Linear, cast_fractions, fp8_max
 from ampkit.formats.recipes import INPUT
+from ampkit.formats.torchao import is_float8_linear
 
 SIXTEEN = (torch.float16, torch.bfloat16)
 FIGURES = ("saturation", "underflow", "amax")
@@ -227,15 +228,20 @@ def _float32(value: Any) -> Any:
     return _trees.map_leaves(lambda t: t.float() if isinstance(t, torch.Tensor) and t.dtype in SIXTEEN else t, value)
 
 
+def _narrow(module: nn.Module) -> bool:
+    """An FP8 linear (ampkit's, or torchao's current scaling) or a block-scaled one."""
+    return isinstance(module, (Fp8Linear, BlockScaledLinear)) or is_float8_linear(module)
+
+
 def raised_to(module: nn.Module) -> str:
     """What ``raise_layer`` makes of ``module``: ``"16 bits"`` for FP8 and block-scaled linears not raised yet,
     else ``"float32"``."""
-    return "16 bits" if isinstance(module, (Fp8Linear, BlockScaledLinear)) and _raised(module) is None else "float32"
+    return "16 bits" if _narrow(module) and _raised(module) is None else "float32"
 
 
 def format_of(module: nn.Module) -> str:
     """``module``'s format in words: ``"fp8"``, the block-scaled recipe's label, or ``"16 bits"``."""
-    if isinstance(module, Fp8Linear):
+    if isinstance(module, Fp8Linear) or is_float8_linear(module):
         return "fp8"
     return module.recipe.label if isinstance(module, BlockScaledLinear) else "16 bits"
 

@@ -22,6 +22,15 @@ from ampkit.guard.layers import LayerWatch
 from ampkit.precision.state import current_policy
 
 NOT_REPRODUCED = "not reproduced by a replay of the batch"
+OVER_RANKS = "not replayed: the run spans ranks"
+
+
+def by_figures(where: str, layer: str | None, sampled: tuple[str, str, str] | None) -> tuple[str, str | None]:
+    """``(where, layer)`` as the replay said; where it names no layer, not reproduced or not replayed (a run over
+    ranks, a step without its batch), the step's ``sampled`` figures' worst layer (``layers.worst``), if any."""
+    if layer is None and where.startswith((NOT_REPRODUCED, "not replayed")) and sampled is not None:
+        return f"{sampled[1]} ({sampled[0]}; {where})", sampled[2]
+    return where, layer
 
 
 class Replay:
