@@ -17,9 +17,9 @@ Between samples the hooks return at once (a Python call per watched module per f
 
 **Raised** (``raise_layer``; ``lower_layer`` undoes it), in place: the module's forward is replaced, so the optimizer
 keeps its Parameters and FSDP2 gathers into it. An FP8 linear (ampkit's, or torchao's ``Float8Linear``) or a
-block-scaled one computes as a plain linear on its Parameters (the 16-bit format of the run's region or model); a 16-bit layer
-computes in float32: its forward runs with autocast off on float32 inputs (eagerly in a compiled model, a graph
-break: see ``raise_layer``). Not a policy's per-module override: the guard does not own the region the model runs in
+block-scaled one computes as a plain linear on its Parameters (the 16-bit format of the run's region or model); a
+16-bit layer computes in float32: its forward runs with autocast off on float32 inputs (eagerly in a compiled model,
+a graph break: see ``raise_layer``). Not a policy's per-module override: the guard does not own the region the model runs in
 (``initialize``'s, a user's ``ampkit.autocast`` or a plain ``torch.autocast`` all take this), and the change is one
 module's, as the layer that failed is one. A 16-bit layer of an O2 model has 16-bit weights whose float32 masters
 the optimizer steps: raised, its weights take their masters' values in float32 (the optimizer goes on stepping
