@@ -19,9 +19,9 @@ Between samples the hooks return at once (a Python call per watched module per f
 keeps its Parameters and FSDP2 gathers into it. An FP8 linear (ampkit's, or torchao's ``Float8Linear``) or a
 block-scaled one computes as a plain linear on its Parameters (the 16-bit format of the run's region or model); a
 16-bit layer computes in float32: its forward runs with autocast off on float32 inputs (eagerly in a compiled model,
-a graph break: see ``raise_layer``). Not a policy's per-module override: the guard does not own the region the model runs in
-(``initialize``'s, a user's ``ampkit.autocast`` or a plain ``torch.autocast`` all take this), and the change is one
-module's, as the layer that failed is one. A 16-bit layer of an O2 model has 16-bit weights whose float32 masters
+a graph break: see ``raise_layer``). Not a policy's per-module override: the guard does not own the region the model
+runs in (``initialize``'s, a user's ``ampkit.autocast`` or a plain ``torch.autocast`` all take this), and the change
+is one module's, as the layer that failed is one. A 16-bit layer of an O2 model has 16-bit weights whose float32 masters
 the optimizer steps: raised, its weights take their masters' values in float32 (the optimizer goes on stepping
 the masters and writes them back, now without rounding; the layer's float32 gradients are the masters' own), and
 a return rounds them to 16 bits again. Without masters (O3, and FSDP2's 16-bit all-gathers) the layer computes on
