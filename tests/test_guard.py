@@ -316,6 +316,66 @@ def test_a_non_finite_gradient_with_a_finite_loss_is_skipped_and_said_transient(
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) and model[0].weight.grad is None
 
 
+def test_under_a_float16_scaler_a_bit_flip_is_transient_and_an_overflow_a_lower_scale_cures_is_the_scalers() -> None:
+    """A skip of the loss scaler's is re-run from the step's state at its scale: a bit flip in a gradient, which the
+    scaler took for an overflow and skipped with no word, is not reproduced there and is said transient; an
+    overflow of a scale grown too far is reproduced at that scale and not unscaled: the scaler's own, no event."""
+    model, optimizer = _setup("O1", torch.float16)
+    scaler = ampkit.DynamicLossScaler()
+    guard = ampkit.Guard(model, optimizer, scaler)
+    for step in range(12):
+        if step == 9:
+            scaler.update(2.0**24)  # float16 gradients cannot hold the loss x 2**24
+        optimizer.zero_grad(set_to_none=True)
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        if step == 5:
+            model[2].weight.grad.view(torch.int32)[1, 2] |= 0x7F800000  # every exponent bit set: an inf or a NaN
+        guard.step(loss, batch=(x, y))
+    assert [(e.step, e.signal) for e in guard.events] == [(5, "nonfinite-gradient")]
+    assert guard.events[0].where == ("transient: not reproduced by a replay of the batch at loss scale 65536 (the "
+                                     "run's transient fault 1)") and guard.transients == [5]
+    assert scaler.stats.skipped == 4  # step 5, and 9 to 11 while the scale came down: one event
+
+
+class _MaskFault(nn.Module):
+    """Armed, its output is inf for the dropout mask it first saw (kept, as an attribute, by the replay's copy) and
+    finite for any other: a fault that one mask makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed, self.seen = False, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.armed:
+            return x
+        if self.seen is None:
+            self.seen = x != 0
+        return x * math.inf if torch.equal(x != 0, self.seen) else x
+
+
+def test_a_replay_draws_the_dropout_masks_of_the_step_it_re_runs() -> None:
+    """The replay re-runs each micro-batch from the random state its forward began with: a fault that only the
+    step's dropout mask makes is reproduced and named (it read as transient, the replay's masks drawn anew)."""
+    torch.manual_seed(0)
+    fault = _MaskFault()
+    model = nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.5), fault, nn.Linear(64, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    guard = ampkit.Guard(model, optimizer)
+    for step in range(4):
+        fault.armed = step == 2
+        optimizer.zero_grad(set_to_none=True)
+        x, y = _batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        guard.step(loss, batch=(x, y))
+    (event,) = guard.events
+    assert (event.step, event.signal, event.layer) == (2, "nonfinite-loss", "2"), event
+    assert event.where.startswith("2 (mul in forward")
+    assert guard.transients == []
+
+
 @pytest.mark.parametrize("loss, match", [(0.5, r"got 0.5"), (torch.ones(3), r"got a tensor of shape \(3,\)")])
 def test_a_loss_that_is_not_one_value_is_refused_before_anything_changes(loss: object, match: str) -> None:
     model, optimizer = _setup()

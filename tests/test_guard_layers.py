@@ -19,7 +19,7 @@ import test_guard
 from ampkit.experiment.models import ChannelScale, GrowingLinear
 from ampkit.formats.fp8 import Fp8Linear, Fp8Recipe
 from ampkit.guard import layers
-from ampkit.guard.replay import NOT_REPRODUCED
+from ampkit.guard.replay import NOT_REPRODUCED, Replay
 from ampkit.scaling.scaler import NonFiniteError
 
 STEPS = 40
@@ -111,15 +111,40 @@ def test_at_o2_an_overflowing_layer_computes_from_its_float32_masters_and_return
     assert again.step < 81 and sum(guarded[-19:]) / 19 == pytest.approx(sum(unfaulted[-19:]) / 19, rel=0.02)
 
 
-def _growing_llama(level: str, rate: float) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A transformers Llama whose first attention output projection grows (``GrowingLinear``, from step 10) until its
-    float16 output overflows (about step 30): the fault issue 66 names, at ``level`` (or, "autocast", a float32 model
-    for the loop's own torch.autocast)."""
+def test_at_o2_a_raised_block_computes_its_children_in_float32_where_inputs_are_cast() -> None:
+    """A raised module that holds linears (a transformers MLP, a block) at O2 where a kept float32 module's output
+    reaches 16-bit layers, so each casts its inputs to float16: the raised block's children have float32 weights
+    (their masters') and took float16 inputs: its first call raised torch's dtype mismatch of a GEMM (found by a gradient-only fault on a Llama's MLP, tests/test_guard_llama.py). Now they take their inputs as the
+    block gives them, in float32: its output is the block's float32 function of the masters' values."""
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    model = nn.Sequential(nn.Embedding(32, 16), block, nn.Linear(16, 4))
+    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters()), "O2", torch.float16,
+                                         keep_float32=[nn.Embedding], compute="native")
+    tokens = torch.randint(0, 32, (8,))
+    layers.raise_layer(model, "1", optimizer.master_of)
+    assert {p.dtype for p in block.parameters()} == {torch.float32}
+    with torch.no_grad():
+        output = block(model[0](tokens))
+        assert output.dtype == torch.float32
+        hidden = torch.relu(F.linear(model[0](tokens), block[0].weight, block[0].bias))
+        assert torch.equal(output, F.linear(hidden, block[2].weight, block[2].bias))
+
+
+def tiny_llama() -> nn.Module:
+    """A transformers Llama of 2 layers, 64 wide, over 128 tokens, its random weights seeded with 0."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _growing_llama(level: str, rate: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A transformers Llama whose first attention output projection grows (``GrowingLinear``, from step 10) until its
+    float16 output overflows (about step 30): the fault issue 66 names, at ``level`` (or, "autocast", a float32 model
+    for the loop's own torch.autocast)."""
+    model = tiny_llama()
     attention = model.model.layers[0].self_attn
     attention.o_proj = GrowingLinear.from_linear(attention.o_proj, rate, start=10)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -778,6 +803,8 @@ def test_where_the_replay_does_not_reproduce_a_fault_the_steps_sampled_figures_n
     import ampkit.diagnostics.nonfinite as nonfinite
 
     monkeypatch.setattr(nonfinite, "find_nonfinite", lambda *args, **kwargs: None)
+    # the scaler's own skips later (its scale grown too far) stay its own: their re-runs would find nothing too
+    monkeypatch.setattr(Replay, "scaler_skip", lambda *args: None)
     model, optimizer = _overflowing()
     scaler = ampkit.DynamicLossScaler()
     guard = ampkit.Guard(model, optimizer, scaler, action="raise", sample_every=1)

@@ -324,6 +324,33 @@ def test_the_guard_looks_at_every_micro_batch_of_an_accumulated_step() -> None:
     assert event.where == "micro-batch 1 of 4: its tensor 0 holds an inf or a NaN", event.where
 
 
+class _FlippedGradient(Digits):
+    """Digits whose last linear's gradient gets every exponent bit of one value set after the backward of
+    ``flip_at`` (a bit flip), where the plugin's float16 loss scaler takes it for an overflow."""
+
+    flip_at = 2
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step == self.flip_at:
+            self.net[4].weight.grad.view(torch.int32)[1, 2] |= 0x7F800000
+
+
+def test_the_guard_callback_says_a_bit_flip_the_plugins_scaler_skipped_is_transient() -> None:
+    """Under AmpkitPrecision's float16 scaler a bit flip in a gradient was a skip of the scaler's, with no word: the
+    callback hands the guard the scale the step's backward ran at, and the step re-run from its state at that scale is
+    sound: transient."""
+    from ampkit.integrations.lightning_guard import GuardCallback
+
+    torch.manual_seed(0)
+    callback = GuardCallback(None)
+    plugin = AmpkitPrecision("O1", torch.float16, compute="float32", device="cpu")
+    _trainer(plugin, callbacks=[callback]).fit(_FlippedGradient(), loader(32, 32 * STEPS))
+    [event] = callback.guard.events
+    assert (event.step, event.signal, event.action) == (2, "nonfinite-gradient", "skipped")
+    assert event.where.startswith("transient: not reproduced by a replay of the batch at loss scale ")
+    assert callback.guard.transients == [2] and plugin.scaler.stats.skipped == 1
+
+
 def test_the_guard_callback_takes_no_scaler_and_one_optimizer() -> None:
     from ampkit.integrations.lightning_guard import GuardCallback
 

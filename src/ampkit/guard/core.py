@@ -51,15 +51,15 @@ from torch import nn
 
 from ampkit.files import atomic_write
 from ampkit.guard import layers, ranks
-from ampkit.guard.events import GuardEvent, GuardStopped
+from ampkit.guard.events import GuardEvent, GuardStopped, Record
 from ampkit.guard.raises import Raises
-from ampkit.guard.replay import NOT_REPRODUCED, OVER_RANKS, Replay, by_figures
+from ampkit.guard.replay import NOT_REPRODUCED, OVER_RANKS, Replay, by_figures, split
 from ampkit.guard.settings import check_settings
 from ampkit.optim.states import snapshot
 from ampkit.shards import shard_group
 
 
-class Guard:
+class Guard(Record):
     """Take the optimizer step only when the step's loss and gradients are sound; name what was not.
 
     Args:
@@ -160,17 +160,8 @@ class Guard:
         self._good_steps = 0
         self._skips_in_a_row = 0
         self._refused_in_a_row = 0
+        self._batches: list[Any] = [None]  # the last checked step's micro-batches
         self.attribution = Replay(model, self.watch, loss_fn, replay)
-
-    @property
-    def raised(self) -> dict[str, str]:
-        """The layers raised now: name -> ``"float32"`` or ``"16 bits"``, in the order raised."""
-        return self.raises.raised
-
-    @property
-    def step_count(self) -> int:
-        """Steps the guard has seen (taken or not)."""
-        return len(self.losses)
 
     def step(self, loss: torch.Tensor, batch: Any = None, batches: list[Any] | None = None) -> bool:
         """Check this step's loss, gradients and (on a sampled step) layers, after ``backward``; then take the
@@ -187,13 +178,14 @@ class Guard:
         """
         if not self.check(loss, batch, batches=batches):
             return False
+        scale = self.scaler.get_scale() if self.scaler is not None else None
         if self.scaler is not None:
             took = bool(self.scaler.step(self.optimizer))
             self.scaler.update()
         else:
             self.optimizer.step()
             took = True
-        self.taken(took)
+        self.taken(took, scale)
         return took
 
     def check(self, loss: torch.Tensor, batch: Any = None, gradients: bool | None = None,
@@ -217,7 +209,7 @@ class Guard:
         if batches is not None and (batch is not None or not isinstance(batches, (list, tuple))):
             raise ValueError(f"batches={type(batches).__name__} with batch={type(batch).__name__}: pass the step's "
                              "micro-batches as one list, batches=[...], and no batch= (or one batch=, no batches).")
-        micro_batches = list(batches) if batches is not None else [batch]
+        micro_batches = self._batches = list(batches) if batches is not None else [batch]
         step = self.step_count
         if gradients is None:
             gradients = self.scaler is None or not getattr(self.scaler, "enabled", True)
@@ -249,10 +241,7 @@ class Guard:
             self._record(step, signal, where, name, action, value)
         if problem is not None:
             self._act(step, *problem, value if finite else None)
-            if problem[1].startswith("transient") and len(self.transients) == self.suspect_after:
-                self._record(step, "suspect-machine", f"{len(self.transients)} transient faults (steps "
-                             f"{', '.join(map(str, self.transients))}): a re-run of each step from its state was "
-                             "sound; check the machine (memory errors, an overheating device)", None, "recorded", None)
+            self._suspect(step)
             self._refused_in_a_row += 1
             if self._refused_in_a_row >= self.max_refused:
                 self._stop()
@@ -261,6 +250,13 @@ class Guard:
         for layer, where, action in self.raises.return_quiet(step):
             self._record(step, "layer-returned", where, layer, action, value)
         return True
+
+    def _suspect(self, step: int) -> None:
+        """The ``"suspect-machine"`` event, at the step whose transient fault is the run's ``suspect_after``-th."""
+        if self.transients[-1:] == [step] and len(self.transients) == self.suspect_after:
+            self._record(step, "suspect-machine", f"{len(self.transients)} transient faults (steps "
+                         f"{', '.join(map(str, self.transients))}): a re-run of each step from its state was sound; "
+                         "check the machine (memory errors, an overheating device)", None, "recorded", None)
 
     def _stop(self) -> None:
         """Raise ``GuardStopped`` with the refused steps' events."""
@@ -274,15 +270,28 @@ class Guard:
             "the learning rate, or check the data. guard.events holds every event (write_timeline writes them).",
             refused)
 
-    def taken(self, took: bool = True) -> None:
+    def taken(self, took: bool = True, scale: float | None = None) -> None:
         """``step``'s second half: whether the optimizer stepped after a ``check`` that allowed it (False: a loss
-        scaler skipped it)."""
+        scaler skipped it), and the loss scale its backward ran at. The first of skips in a row is re-run from the
+        step's state (``Replay.scaler_skip``): an overflow a lower scale cures is the scaler's (no event); one the
+        re-run does not reproduce at that scale, a bit flip the scaler took for an overflow, is transient; one that
+        overflows unscaled is the layer's, acted on as a non-finite gradient."""
         step, value = self.step_count - 1, self.losses[-1]
         assert value is not None, "taken() follows a check() that allowed the step"
+        replayable = self.agreement.group is None and split(self._batches[0])[0] is not None  # as _attribute's
+        found = (self.attribution.scaler_skip(self._batches, scale)
+                 if not took and not self._skips_in_a_row and scale is not None and replayable else None)
+        if found is not None:
+            where, layer = found
+            if where == NOT_REPRODUCED:
+                self.transients.append(step)
+                where = f"transient: {where} at loss scale {scale:g} (the run's transient fault {len(self.transients)})"
+            self._act(step, "nonfinite-gradient", where, layer, value)
+            self._suspect(step)
         self._skips_in_a_row = 0 if took else self._skips_in_a_row + 1
         if self._skips_in_a_row == self.max_skips:
-            scale = f" (scale now {self.scaler.get_scale():g})" if self.scaler is not None else ""
-            self._record(step, "repeated-skips", f"the loss scaler skipped {self.max_skips} steps in a row{scale}",
+            now = f" (scale now {self.scaler.get_scale():g})" if self.scaler is not None else ""
+            self._record(step, "repeated-skips", f"the loss scaler skipped {self.max_skips} steps in a row{now}",
                          None, "recorded", value)
         if not took:
             return
@@ -354,46 +363,3 @@ class Guard:
         self.watch.remove()
         self.watch.sampling = False
         self.sample_every = 0
-
-    def timeline(self) -> dict[str, Any]:
-        """What the guard saw, as plain data (strict JSON: a non-finite loss is None): every step's loss, the
-        events, the layers raised, and each sample's figures by layer, with the limits and each layer's kind."""
-        samples = [{"step": step, "layers": {name: dict(zip(layers.FIGURES, figures)) for name, figures in found.items()}}
-                   for step, found in self.samples]
-        return {"version": 2, "steps": self.step_count, "sample_every": self.sample_every, "limits": self.limits,
-                "kinds": dict(self.watch.kinds), "losses": list(self.losses),
-                "events": [dataclasses.asdict(e) for e in self.events], "raised": dict(self.raised), "samples": samples}
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a resumed run needs to go on as this one: the timeline (``timeline()``), the raised layers with their
-        windows, the transient faults and the counters (``save_checkpoint(path, guard=guard, ...)``)."""
-        return {"timeline": self.timeline(), "raises": self.raises.state_dict(), "transients": list(self.transients),
-                "recent": list(self._recent), "counters": [self._good_steps, self._skips_in_a_row,
-                                                           self._refused_in_a_row]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Go on from ``state_dict()``'s: the same layers raised (the model's layers raised or returned to match),
-        the same timeline."""
-        timeline = state["timeline"]
-        self.raises.load_state_dict(state["raises"])
-        self.losses = list(timeline["losses"])
-        self.events = [GuardEvent(**event) for event in timeline["events"]]
-        self.samples = [(sample["step"], {name: tuple(figures[f] for f in layers.FIGURES)  # type: ignore[misc]
-                                          for name, figures in sample["layers"].items()})
-                        for sample in timeline["samples"]]
-        self.transients, self._recent = list(state["transients"]), deque(state["recent"], maxlen=self._recent.maxlen)
-        self._good_steps, self._skips_in_a_row, self._refused_in_a_row = state["counters"]
-
-    def write_timeline(self, path: str | Path) -> Path:
-        """``timeline()`` as strict JSON, written atomically."""
-        text = json.dumps(self.timeline(), indent=1, allow_nan=False)
-        atomic_write(Path(path), lambda tmp: tmp.write_text(text + "\n"))
-        return Path(path)
-
-    def write_plot(self, path: str | Path, title: str = "") -> Path:
-        """The loss with the events marked, and the sampled layers' figures over the steps (``plot.py``; PNG)."""
-        from ampkit.guard.plot import plot_timeline
-
-        timeline = self.timeline()
-        atomic_write(Path(path), lambda tmp: plot_timeline(timeline, tmp, title))
-        return Path(path)

@@ -10,8 +10,10 @@ overflow of a loop's own torch.autocast, and every later step was skipped unexpl
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -54,10 +56,16 @@ class Replay:
         note = _region_noter(self.region, self.device_type)
         first = next(model.children(), None)
         self._hooks = [module.register_forward_pre_hook(note) for module in (model, first) if module is not None]
+        # the random state each training forward began with, for the replay to draw dropout's masks as the step did:
+        # at the model's call, or where a step's own code calls no forward (run: a training_step), its first child's
+        self.random = _RandomStates(self.device_type)
+        at = model if run is None or first is None else first
+        self._hooks.append(at.register_forward_pre_hook(self.random.note))
 
-    def attribute(self, batches: list[Any]) -> tuple[str, str | None]:
+    def attribute(self, batches: list[Any], scale: float = 1.0) -> tuple[str, str | None]:
         """Where the step's non-finite value came from, in words, and the module to raise (None: a batch, or
-        unknown): the first micro-batch holding an inf or a NaN, else the first op a replay finds."""
+        unknown): the first micro-batch holding an inf or a NaN, else the first op a replay finds, its loss multiplied
+        by ``scale`` (the loss scale the step's backward ran at)."""
         what = (lambda i: "the batch") if len(batches) == 1 else (lambda i: f"micro-batch {i} of {len(batches)}")
         for i, batch in enumerate(batches):
             index = ranks.nonfinite_batch(batch if self.run is not None else split(batch))
@@ -65,8 +73,9 @@ class Replay:
                 return f"{what(i)}: its tensor {index} holds an inf or a NaN", None
         if all(split(batch)[0] is None for batch in batches):
             return "unknown (pass the batch to Guard.step to replay it)", None
+        states = self.random.last(len(batches))
         for i, batch in enumerate(batches):
-            finding = self._replay(batch)
+            finding = self._replay(batch, scale, states[i])
             if finding is not None:
                 upstream = "" if finding.finite_inputs else ", its inputs already non-finite"
                 layer = finding.module if finding.finite_inputs and finding.module != "(model)" else None
@@ -74,9 +83,20 @@ class Replay:
                 return f"{finding.module} ({finding.op} in {finding.phase}{upstream}{of})", layer
         return NOT_REPRODUCED, None
 
-    def _replay(self, batch: Any) -> Any:
-        """``find_nonfinite`` on a copy of the model with ``batch``, under the region the step's forward ran in."""
+    def scaler_skip(self, batches: list[Any], scale: float) -> tuple[str, str | None] | None:
+        """A step a loss scaler skipped, re-run at its ``scale``: None where the overflow is reproduced there and not
+        unscaled (the scaler's own: a lower scale cures it); ``(NOT_REPRODUCED, None)`` where it is not reproduced
+        (transient); else where it overflows unscaled, and the module to raise (no scale cures it)."""
+        if self.attribute(batches, scale) == (NOT_REPRODUCED, None):
+            return NOT_REPRODUCED, None
+        where, layer = self.attribute(batches)
+        return None if where == NOT_REPRODUCED else (f"{where}, unscaled", layer)
+
+    def _replay(self, batch: Any, scale: float, state: Any) -> Any:
+        """``find_nonfinite`` on a copy of the model with ``batch``, under the region the step's forward ran in, its
+        loss multiplied by ``scale``, from the random ``state`` its forward began with (None: the run's own)."""
         from ampkit.diagnostics.nonfinite import find_nonfinite
+        from ampkit.diagnostics.numerics import default_loss
 
         sampling, self.watch.sampling = self.watch.sampling, False
         region = self.region[0]
@@ -84,10 +104,14 @@ class Replay:
             region = torch.autocast(self.device_type, dtype=region)
         try:
             replica = copy.deepcopy(self.model)  # the replay's backward must not add into the run's gradients
-            if self.run is None:
+            with self.random.restored(state):
+                if self.run is not None:
+                    run = self.run
+                    return find_nonfinite(replica, batch, region, run=lambda model, batch: run(model, batch) * scale)
                 inputs, target = split(batch)
-                return find_nonfinite(replica, inputs, region, target=target, loss_fn=self.loss_fn)
-            return find_nonfinite(replica, batch, region, run=self.run)
+                loss_fn = self.loss_fn or default_loss
+                return find_nonfinite(replica, inputs, region, target=target,
+                                      loss_fn=lambda output, target: loss_fn(output, target) * scale)
         finally:
             self.watch.sampling = sampling
 
@@ -143,6 +167,40 @@ def _region_noter(region: list[Any], device_type: str) -> Callable[[nn.Module, t
         region[0] = (policy if policy is not None else torch.get_autocast_dtype(device_type)
                      if torch.is_autocast_enabled(device_type) else None)
     return note
+
+
+class _RandomStates:
+    """The random state (the CPU's, and the device's) at the start of each training forward, the last 64 kept; not
+    while a replay runs (its copy of the model carries the hook), nor in compiled code (a replay of a compiled step
+    draws its own masks)."""
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type, self.states, self.on = device_type, deque[Any](maxlen=64), True
+
+    def note(self, module: nn.Module, args: tuple) -> None:
+        if self.on and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            device = torch.cuda.get_rng_state() if self.device_type == "cuda" else None
+            self.states.append((torch.get_rng_state(), device))
+
+    def last(self, count: int) -> list[Any]:
+        """The states the last ``count`` training forwards began with (None each where fewer were noted)."""
+        return list(self.states)[-count:] if len(self.states) >= count else [None] * count
+
+    @contextlib.contextmanager
+    def restored(self, state: Any) -> Iterator[None]:
+        """Within: the random state is ``state`` (none noted: as it is) and nothing is noted; after, the run's own
+        again, as if the replay drew nothing."""
+        devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
+        self.on = False
+        try:
+            with torch.random.fork_rng(devices=devices):
+                if state is not None:
+                    torch.set_rng_state(state[0])
+                    if state[1] is not None:
+                        torch.cuda.set_rng_state(state[1])
+                yield
+        finally:
+            self.on = True
 
 
 def split(batch: Any) -> tuple[Any, Any]:

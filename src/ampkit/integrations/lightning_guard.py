@@ -48,6 +48,7 @@ class GuardCallback(Callback):
         self._batches: list[Any] = []  # the micro-batches of the step under way
         self._losses: list[torch.Tensor] = []
         self._allowed: bool | None = None
+        self._scale: float | None = None
         self._resumed: dict[str, Any] | None = None  # a checkpoint's guard state, for the guard on_fit_start builds
 
     def state_dict(self) -> dict[str, Any]:
@@ -84,7 +85,9 @@ class GuardCallback(Callback):
         self._losses = []
         # an enabled scaler of the plugin checks the gradients and skips an overflowing step itself
         batches, self._batches = self._batches, []
-        self._allowed = self.guard.check(loss, gradients=_scaler(trainer) is None, batches=batches)
+        scaler = _scaler(trainer)
+        self._scale = scaler.get_scale() if scaler is not None else None  # the scale this step's backward ran at
+        self._allowed = self.guard.check(loss, gradients=scaler is None, batches=batches)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -93,7 +96,7 @@ class GuardCallback(Callback):
         if self._allowed:
             plugin = trainer.precision_plugin
             taken = getattr(plugin, "last_step_taken", None)
-            self.guard.taken(taken(trainer.optimizers[0]) if taken is not None else True)
+            self.guard.taken(taken(trainer.optimizers[0]) if taken is not None else True, self._scale)
         self._allowed = None
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

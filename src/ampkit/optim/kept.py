@@ -118,11 +118,18 @@ def cast_inputs(dtype: torch.dtype) -> Any:
 
 def add_input_casts(model: nn.Module, dtype: torch.dtype, kept_params: set[int]) -> None:
     """Give each module below ``model`` with weights of its own, none of them kept (``kept_params``: ids), a
-    ``cast_inputs(dtype)`` pre-hook: where float32 activations can reach O2's 16-bit layers (``needs_input_casts``)."""
+    pre-hook casting its floating inputs to ``dtype`` while its weights are 16-bit: where float32 activations can
+    reach O2's 16-bit layers (``needs_input_casts``). A module whose weights are float32 at the call, inside a layer
+    the guard raised to float32 from its masters, takes its inputs as they are (cast, they met float32 weights)."""
+    cast = cast_inputs(dtype)
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        return None if next(module.parameters(recurse=False)).dtype == torch.float32 else cast(module, args, kwargs)
+
     for module in model.modules():
         own = list(module.parameters(recurse=False))
         if module is not model and own and not any(id(p) in kept_params for p in own):
-            module.register_forward_pre_hook(cast_inputs(dtype), with_kwargs=True)
+            module.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def cast_output_to_input_dtype(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
