@@ -16,6 +16,12 @@
 # This machine's pip configuration caps torch at the releases on its disk (a constraints file); a user's has no
 # such cap, so the venvs here are installed with an empty constraints file (PIP_CONSTRAINT=/dev/null), as a user's.
 # AMPKIT_TORCH_VERSIONS="2.14.1 2.11.0" picks releases by hand; --list prints the releases and stops.
+# CI's time: .ci/run hands on AMPKIT_CI_LEFT_S, the seconds left of its budget, and AMPKIT_CI_README_S, how long the
+# README's whole suite took on this machine. Each release's need is estimated from that (its tier's share of the whole
+# suite, as measured on two machines: the fast tier 90%, the loans tier 25%, the oldest's compiled slow tier and
+# rehearsal 30%; an install 300 s, then as long as the last one took). The newest goes first, then the oldest, then the
+# rest; a fast tier that does not fit runs the loans tier, and what does not fit at all is a SKIPPED line naming the
+# command that runs it. Without AMPKIT_CI_LEFT_S (run by hand) everything runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 versions=${AMPKIT_TORCH_VERSIONS:-$(python -c '
@@ -39,16 +45,33 @@ served=$(python -m pip index versions torch 2>/dev/null | sed -n 's/^Available v
 oldest=$(printf '%s\n' $versions | sort -V | head -n1)
 newest=$(printf '%s\n' $versions | sort -V | tail -n1)
 export PIP_CONSTRAINT=/dev/null
+left=${AMPKIT_CI_LEFT_S:-} whole=${AMPKIT_CI_README_S:-0} begun=$SECONDS install_s=300
+remaining() { echo $((left - (SECONDS - begun))); }
+need() { echo $((install_s + whole * $1 / 100)); }  # need SHARE: an install and SHARE% of the whole suite's time
+fits() { [ -z "$left" ] || [ "$(remaining)" -ge "$1" ]; }
+out_of_time() {  # out_of_time VERSION WHAT SECONDS
+  echo "SKIPPED torch $1: $2 needs about $3 s on this machine (the README's whole suite took $whole s here), $(remaining)" \
+       "s of CI's budget are left: run it with AMPKIT_TORCH_VERSIONS=$1 bash .ci/torch_matrix.sh"
+}
 failed=()
-for version in $versions; do
+for version in $(printf '%s\n' "$newest" "$oldest" $versions | awk '!seen[$0]++'); do
   start=$SECONDS
   if [[ ",$served," != *",$version,"* ]]; then
     echo "SKIPPED torch $version: the package registry does not serve it (the newest it serves: ${served%%,*})"
     continue
   fi
-  tier=fast test=$fast_test
+  tier=fast test=$fast_test share=90
   if [ "$version" != "$oldest" ] && [ "$version" != "$newest" ] && [ "${AMPKIT_MATRIX_SLOW:-0}" != 1 ]; then
-    tier=loans test=$loans_test
+    tier=loans test=$loans_test share=25
+  fi
+  if ! fits "$(need $share)"; then
+    if [ $tier = fast ] && fits "$(need 25)"; then
+      echo "torch $version: the loans tier, not the fast tier (about $(need 90) s here; $(remaining) s of CI's budget left)"
+      tier=loans test=$loans_test
+    else
+      out_of_time "$version" "its loans tier" "$(need 25)"
+      continue
+    fi
   fi
   echo "=== torch $version: a fresh venv, then the README's test command, the $tier tier"
   python -m venv "$work/$version"
@@ -56,12 +79,15 @@ for version in $versions; do
     failed+=("$version (its install)")
     continue
   fi
+  install_s=$((SECONDS - start))
   if (source "$work/$version/bin/activate" && cd "$PWD" && eval "$test"); then
     echo "torch $version: the README's test command, the $tier tier, passed in $((SECONDS - start)) s"
   else
     failed+=("$version")
   fi
-  if [ "$version" = "$oldest" ] && [ "${AMPKIT_MATRIX_SLOW:-0}" != 1 ]; then
+  if [ "$version" = "$oldest" ] && [ "${AMPKIT_MATRIX_SLOW:-0}" != 1 ] && ! fits $((whole * 30 / 100)); then
+    out_of_time "$version" "its compiled slow tier and the device rehearsal" $((whole * 30 / 100))
+  elif [ "$version" = "$oldest" ] && [ "${AMPKIT_MATRIX_SLOW:-0}" != 1 ]; then
     echo "=== torch $version, the oldest: the compiled slow tier and the device rehearsal"
     if (source "$work/$version/bin/activate" && python -m pytest -q -m slow tests/test_compiling.py \
           tests/test_device_scripts.py); then
