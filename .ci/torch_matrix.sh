@@ -18,7 +18,7 @@
 # AMPKIT_TORCH_VERSIONS="2.14.1 2.11.0" picks releases by hand; --list prints the releases and stops.
 # CI's time: .ci/run hands on AMPKIT_CI_LEFT_S, the seconds left of its budget, and AMPKIT_CI_README_S, how long the
 # README's whole suite took on this machine. Each release's need is estimated from that (its tier's share of the whole
-# suite, as measured on two machines: the fast tier 90%, the loans tier 25%, the oldest's compiled slow tier and
+# suite, as measured on two machines: the fast tier 85%, the loans tier 15%, the oldest's compiled slow tier and
 # rehearsal 30%; an install 300 s, then as long as the last one took). The newest goes first, then the oldest, then the
 # rest; a fast tier that does not fit runs the loans tier, and what does not fit at all is a SKIPPED line naming the
 # command that runs it. Without AMPKIT_CI_LEFT_S (run by hand) everything runs.
@@ -60,16 +60,16 @@ for version in $(printf '%s\n' "$newest" "$oldest" $versions | awk '!seen[$0]++'
     echo "SKIPPED torch $version: the package registry does not serve it (the newest it serves: ${served%%,*})"
     continue
   fi
-  tier=fast test=$fast_test share=90
+  tier=fast test=$fast_test share=85
   if [ "$version" != "$oldest" ] && [ "$version" != "$newest" ] && [ "${AMPKIT_MATRIX_SLOW:-0}" != 1 ]; then
-    tier=loans test=$loans_test share=25
+    tier=loans test=$loans_test share=15
   fi
   if ! fits "$(need $share)"; then
-    if [ $tier = fast ] && fits "$(need 25)"; then
-      echo "torch $version: the loans tier, not the fast tier (about $(need 90) s here; $(remaining) s of CI's budget left)"
+    if [ $tier = fast ] && fits "$(need 15)"; then
+      echo "torch $version: the loans tier, not the fast tier (about $(need 85) s here; $(remaining) s of CI's budget left)"
       tier=loans test=$loans_test
     else
-      out_of_time "$version" "its loans tier" "$(need 25)"
+      out_of_time "$version" "its loans tier" "$(need 15)"
       continue
     fi
   fi
