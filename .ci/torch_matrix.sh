@@ -17,11 +17,11 @@
 # such cap, so the venvs here are installed with an empty constraints file (PIP_CONSTRAINT=/dev/null), as a user's.
 # AMPKIT_TORCH_VERSIONS="2.14.1 2.11.0" picks releases by hand; --list prints the releases and stops.
 # CI's time: .ci/run hands on AMPKIT_CI_LEFT_S, the seconds left of its budget, and AMPKIT_CI_README_S, how long the
-# README's whole suite took on this machine. Each release's need is estimated from that (its tier's share of the whole
-# suite, as measured on two machines: the fast tier 85%, the loans tier 15%, the oldest's compiled slow tier and
-# rehearsal 30%; an install 300 s, then as long as the last one took). The newest goes first, then the oldest, then the
-# rest; a fast tier that does not fit runs the loans tier, and what does not fit at all is a SKIPPED line naming the
-# command that runs it. Without AMPKIT_CI_LEFT_S (run by hand) everything runs.
+# README's whole suite took on this machine. Each release's need is estimated from that (its tier's share of the
+# whole suite, as CI's replays on a 2-core machine measured them: the fast tier 85%, the loans tier 15%, the oldest's
+# compiled slow tier and rehearsal 30%; an install 300 s, then as long as the last one took). The newest goes first,
+# then the oldest, then the rest; a fast tier that does not fit runs the loans tier, and what does not fit at all is a
+# SKIPPED line naming the command that runs it. Without AMPKIT_CI_LEFT_S (run by hand) everything runs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 versions=${AMPKIT_TORCH_VERSIONS:-$(python -c '
