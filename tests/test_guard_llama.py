@@ -1,6 +1,6 @@
 """Issue 66's planted faults (c), (d) and (e) on a transformers Llama, in the loops users write: ``initialize`` at O1
 in float16 with a loss scaler and at O2 in bfloat16, and the loop's own ``torch.autocast`` in float16 with a scaler;
-each step accumulates four micro-batches, its loss the user's own (a token-weighted cross-entropy computed from the
+each step accumulates two micro-batches, its loss the user's own (a token-weighted cross-entropy computed from the
 logits). Fault (a) on the Llama, and (b): test_guard_layers.py."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def _llama(loop: str) -> tuple[nn.Module, torch.optim.Optimizer, _Loud]:
 
 
 def _micro_batch(step: int, index: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Two windows of 32 tokens, each one or two past the one before, at random; the target's tokens and their
+    """Four windows of 32 tokens, each one or two past the one before, at random; the target's tokens and their
     weights (a padded tail weighs 0)."""
     g = torch.Generator().manual_seed(step * MICRO + index)
     starts, gaps = torch.randint(0, 128, (4, 1), generator=g), torch.randint(1, 3, (4, 32), generator=g)
