@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import matplotlib
@@ -78,10 +79,11 @@ def planted() -> Comparison:
 
 
 def test_a_planted_regression_is_called_out_as_outside_seed_noise(planted: Comparison) -> None:
-    verdicts = {v.label: v for v in planted.verdicts()}
-    assert verdicts["bf16 O1"].matches, verdicts["bf16 O1"].sentence()
-    assert not verdicts["bf16 O2"].matches, verdicts["bf16 O2"].sentence()
-    assert "outside float32's seed noise over 3 seeds" in verdicts["bf16 O2"].sentence()
+    o1, o2 = planted.verdicts()  # labelled "bf16 O1" or, where bf16 computes in float32 here, "bf16 O1 fp32-compute"
+    assert o1.label.startswith("bf16 O1") and o2.label.startswith("bf16 O2"), (o1.label, o2.label)
+    assert o1.matches, o1.sentence()
+    assert not o2.matches, o2.sentence()
+    assert "outside float32's seed noise over 3 seeds" in o2.sentence()
 
 
 def test_results_json_holds_every_seed_and_the_curves_draw_each_settings_band(planted: Comparison, tmp_path: Path,
@@ -115,9 +117,9 @@ def test_compare_seeds_3_on_the_gpt_prints_bands_and_a_verdict_per_setting(tmp_p
                  "--out", str(out)]) == 0
     printed = " ".join(capsys.readouterr().out.split())
     assert "with each of 3 seeds (0 to 2)" in printed
-    for label in ("bf16 O1", "bf16 O2"):
-        assert f"{label} matches float32 within seed noise over 3 seeds" in printed or \
-            f"{label} is outside float32's seed noise over 3 seeds" in printed
+    for label in ("bf16 O1", "bf16 O2"):  # " fp32-compute" after it where bf16 computes in float32 on this machine
+        assert re.search(rf"{label}( fp32-compute)? (matches float32 within seed noise|is outside float32's seed "
+                         "noise) over 3 seeds", printed), printed
     record = json.loads((out / "results.json").read_text())
     assert [len(run["seed_runs"]) for run in record["runs"]] == [3, 3, 3]
     assert all(math.isfinite(seed["final_train_loss"]) for run in record["runs"] for seed in run["seed_runs"])
