@@ -50,8 +50,8 @@ remaining() { echo $((left - (SECONDS - begun))); }
 need() { echo $((install_s + whole * $1 / 100)); }  # need SHARE: an install and SHARE% of the whole suite's time
 fits() { [ -z "$left" ] || [ "$(remaining)" -ge "$1" ]; }
 out_of_time() {  # out_of_time VERSION WHAT SECONDS
-  echo "SKIPPED torch $1: $2 needs about $3 s on this machine (the README's whole suite took $whole s here), $(remaining)" \
-       "s of CI's budget are left: run it with AMPKIT_TORCH_VERSIONS=$1 bash .ci/torch_matrix.sh"
+  echo "SKIPPED torch $1: $2 needs about $3 s on this machine (the README's whole suite took $whole s here)," \
+       "$(remaining) s of CI's budget are left: run it with AMPKIT_TORCH_VERSIONS=$1 bash .ci/torch_matrix.sh"
 }
 failed=()
 for version in $(printf '%s\n' "$newest" "$oldest" $versions | awk '!seen[$0]++'); do
@@ -66,7 +66,8 @@ for version in $(printf '%s\n' "$newest" "$oldest" $versions | awk '!seen[$0]++'
   fi
   if ! fits "$(need $share)"; then
     if [ $tier = fast ] && fits "$(need 15)"; then
-      echo "torch $version: the loans tier, not the fast tier (about $(need 85) s here; $(remaining) s of CI's budget left)"
+      echo "torch $version: the loans tier, not the fast tier (about $(need 85) s here;" \
+           "$(remaining) s of CI's budget left)"
       tier=loans test=$loans_test
     else
       out_of_time "$version" "its loans tier" "$(need 15)"

@@ -928,8 +928,8 @@ def torch_versions_blocks() -> dict[str, str]:
                    "calls, in each call form it makes, of torch's autocast lists and of the call shapes users write "
                    "(the whole suite on every release would not fit CI's 90 minutes on 2 cores)")
     tested += (". A release the registry does not serve is a SKIPPED line there, never a silent pass; so is one that "
-               "does not fit CI's time on a slower machine (its tier's time estimated from the whole suite's there: the "
-               "newest first, then the oldest, a fast tier that does not fit run as the loans tier), naming the "
+               "does not fit CI's time on a slower machine (its tier's time estimated from the whole suite's there: "
+               "the newest first, then the oldest, a fast tier that does not fit run as the loans tier), naming the "
                "command that runs it.")
     suite = RESULTS / "test-suite.json"
     if suite.exists():  # benchmarks/bench_test_suite.py

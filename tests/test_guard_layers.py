@@ -114,8 +114,9 @@ def test_at_o2_an_overflowing_layer_computes_from_its_float32_masters_and_return
 def test_at_o2_a_raised_block_computes_its_children_in_float32_where_inputs_are_cast() -> None:
     """A raised module that holds linears (a transformers MLP, a block) at O2 where a kept float32 module's output
     reaches 16-bit layers, so each casts its inputs to float16: the raised block's children have float32 weights
-    (their masters') and took float16 inputs: its first call raised torch's dtype mismatch of a GEMM (found by a gradient-only fault on a Llama's MLP, tests/test_guard_llama.py). Now they take their inputs as the
-    block gives them, in float32: its output is the block's float32 function of the masters' values."""
+    (their masters') and took float16 inputs: its first call raised torch's dtype mismatch of a GEMM (found by a
+    gradient-only fault on a Llama's MLP, tests/test_guard_llama.py). Now they take their inputs as the block gives
+    them, in float32: its output is the block's float32 function of the masters' values."""
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
     model = nn.Sequential(nn.Embedding(32, 16), block, nn.Linear(16, 4))

@@ -79,8 +79,8 @@ def _run(loop: str, fault: str | None, guarded: bool = True, compiled: bool = Fa
          ) -> tuple[list[float], ampkit.Guard | None]:
     """STEPS steps of MICRO micro-batches each; ``fault`` planted at step FAULT: "c" a NaN in micro-batch 1's token
     weights, "d" an output gradient x1e10 in layer 0's MLP down projection (x inf in bfloat16, which holds that as
-    float32 does, and compiled), "e" every exponent bit of one gradient value set after the backward (a bit flip). ``compiled``: the
-    forward through torch.compile (inductor)."""
+    float32 does, and compiled), "e" every exponent bit of one gradient value set after the backward (a bit flip).
+    ``compiled``: the forward through torch.compile (inductor)."""
     model, optimizer, loud = _llama(loop)
     if compiled:
         torch.compiler.reset()

@@ -77,7 +77,8 @@ class Record:
     def timeline(self) -> dict[str, Any]:
         """What the guard saw, as plain data (strict JSON: a non-finite loss is None): every step's loss, the
         events, the layers raised, and each sample's figures by layer, with the limits and each layer's kind."""
-        samples = [{"step": step, "layers": {name: dict(zip(layers.FIGURES, figures)) for name, figures in found.items()}}
+        samples = [{"step": step,
+                    "layers": {name: dict(zip(layers.FIGURES, figures)) for name, figures in found.items()}}
                    for step, found in self.samples]
         return {"version": 2, "steps": self.step_count, "sample_every": self.sample_every, "limits": self.limits,
                 "kinds": dict(self.watch.kinds), "losses": list(self.losses),
