@@ -170,15 +170,15 @@ def _region_noter(region: list[Any], device_type: str) -> Callable[[nn.Module, t
 
 
 class _RandomStates:
-    """The random state (the CPU's, and the device's) at the start of each training forward, the last 64 kept; not
-    while a replay runs (its copy of the model carries the hook), nor in compiled code (a replay of a compiled step
-    draws its own masks)."""
+    """The random state (the CPU's, and the device's) at the start of each training forward, the last 64 kept; not in
+    compiled code (a replay of a compiled step draws its own masks). The replay's deep copy of the model copies this
+    object with its hook (a bound method), so a replay notes into its copy, not here."""
 
     def __init__(self, device_type: str) -> None:
-        self.device_type, self.states, self.on = device_type, deque[Any](maxlen=64), True
+        self.device_type, self.states = device_type, deque[Any](maxlen=64)
 
     def note(self, module: nn.Module, args: tuple) -> None:
-        if self.on and torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             device = torch.cuda.get_rng_state() if self.device_type == "cuda" else None
             self.states.append((torch.get_rng_state(), device))
 
@@ -188,19 +188,15 @@ class _RandomStates:
 
     @contextlib.contextmanager
     def restored(self, state: Any) -> Iterator[None]:
-        """Within: the random state is ``state`` (none noted: as it is) and nothing is noted; after, the run's own
-        again, as if the replay drew nothing."""
+        """Within: the random state is ``state`` (none noted: as it is); after, the run's own again, as if the replay
+        drew nothing."""
         devices = [torch.cuda.current_device()] if self.device_type == "cuda" else []
-        self.on = False
-        try:
-            with torch.random.fork_rng(devices=devices):
-                if state is not None:
-                    torch.set_rng_state(state[0])
-                    if state[1] is not None:
-                        torch.cuda.set_rng_state(state[1])
-                yield
-        finally:
-            self.on = True
+        with torch.random.fork_rng(devices=devices):
+            if state is not None:
+                torch.set_rng_state(state[0])
+                if state[1] is not None:
+                    torch.cuda.set_rng_state(state[1])
+            yield
 
 
 def split(batch: Any) -> tuple[Any, Any]:
