@@ -15,6 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import ampkit
+from ampkit.shards import local_shard
 from test_guard_layers import tiny_llama
 
 STEPS, FAULT, MICRO = 80, 40, 2
@@ -46,12 +47,20 @@ class _Loud(nn.Module):
         return _Amplify.apply(self.linear(x), self.factor)
 
 
-def _llama(loop: str) -> tuple[nn.Module, torch.optim.Optimizer, _Loud]:
+def _llama(loop: str, sharded: bool = False) -> tuple[nn.Module, torch.optim.Optimizer, _Loud]:
+    """The Llama with its ``_Loud`` projection, initialized for ``loop``, or ``sharded`` with FSDP2 at its level
+    (every rank's weights the same: the seed set)."""
+    torch.manual_seed(0)
     model = tiny_llama()
     mlp = model.model.layers[0].mlp
     mlp.down_proj = loud = _Loud(mlp.down_proj)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     level, dtype = LOOPS[loop]
+    if sharded:
+        from ampkit.distributed import fully_shard, prepare_optimizer
+
+        model = fully_shard(model, opt_level=level, dtype=dtype, compute="auto", blocks=[type(model.model.layers[0])])
+        return model, prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=3e-3)), loud
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if level != "autocast":
         model, optimizer = ampkit.initialize(model, optimizer, level, dtype, compute="auto")
     return model, optimizer, loud
@@ -75,13 +84,14 @@ def _loss(output: Any, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
     return (each * weights.reshape(-1)).sum() / weights.sum()
 
 
-def _run(loop: str, fault: str | None, guarded: bool = True, compiled: bool = False
+def _run(loop: str, fault: str | None, guarded: bool = True, compiled: bool = False, rank: int | None = None
          ) -> tuple[list[float], ampkit.Guard | None]:
     """STEPS steps of MICRO micro-batches each; ``fault`` planted at step FAULT: "c" a NaN in micro-batch 1's token
     weights, "d" an output gradient x1e10 in layer 0's MLP down projection (x inf in bfloat16, which holds that as
     float32 does, and compiled), "e" every exponent bit of one gradient value set after the backward (a bit flip).
-    ``compiled``: the forward through torch.compile (inductor)."""
-    model, optimizer, loud = _llama(loop)
+    ``compiled``: the forward through torch.compile (inductor). ``rank``: of 2, sharded with FSDP2, each rank on
+    two of each micro-batch's windows ((c) and (e) on rank 1's; (e) in its shard of the gradient)."""
+    model, optimizer, loud = _llama(loop, sharded=rank is not None)
     if compiled:
         torch.compiler.reset()
     forward = torch.compile(model) if compiled else model
@@ -99,7 +109,9 @@ def _run(loop: str, fault: str | None, guarded: bool = True, compiled: bool = Fa
         batches, total = [], torch.zeros(())
         for index in range(MICRO):
             x, (tokens, weights) = _micro_batch(step, index)
-            if fault == "c" and step == FAULT and index == 1:
+            if rank is not None:
+                x, tokens, weights = x[rank::2], tokens[rank::2], weights[rank::2].clone()
+            if fault == "c" and step == FAULT and index == 1 and rank in (None, 1):
                 weights[0, 3] = math.nan
             with region:
                 output = forward(x)
@@ -107,8 +119,8 @@ def _run(loop: str, fault: str | None, guarded: bool = True, compiled: bool = Fa
             (scaler.scale(loss) if scaler is not None else loss).backward()
             batches.append((x, (tokens, weights)))
             total = total + loss.detach()
-        if fault == "e" and step == FAULT:
-            grad = model.model.layers[1].mlp.up_proj.weight.grad
+        if fault == "e" and step == FAULT and rank in (None, 1):
+            grad = local_shard(model.model.layers[1].mlp.up_proj.weight.grad)
             grad.view(torch.int16 if grad.element_size() == 2 else torch.int32)[1, 2] |= (
                 0x7C00 if grad.dtype is torch.float16 else 0x7F80 if grad.element_size() == 2 else 0x7F800000)
         if guard is not None:
@@ -178,3 +190,42 @@ def test_a_compiled_llamas_fault_under_a_float16_scaler_is_named_as_eagerly(faul
     else:
         assert guard.events[0].where.startswith("transient: ") and guard.transients == [FAULT]
     assert _final(losses) == pytest.approx(_final(unfaulted), rel=0.01)
+
+
+
+def _sharded_worker(rank: int, world: int) -> dict:
+    """``_run`` on one of 2 FSDP2 ranks at O1 float16 with ampkit's scaler: unguarded without a fault, then guarded
+    with each of (c), (d) and (e)."""
+    out = {}
+    for fault in (None, "c", "d", "e"):
+        losses, guard = _run("O1 float16", fault, guarded=fault is not None, rank=rank)
+        out[fault] = {"losses": losses, "events": [(e.step, e.signal, e.where, e.action) for e in guard.events]
+                      if guard else [], "raised": dict(guard.raised) if guard else {},
+                      "transients": list(guard.transients) if guard else []}
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # 2 spawned ranks, four runs: about 40 s here
+def test_a_sharded_llamas_fault_under_a_float16_scaler_is_named_alike_on_every_rank() -> None:
+    """(c), (d) and (e) on 2 FSDP2 ranks at O1 float16, each rank on two of each micro-batch's windows, (c) and (e)
+    on rank 1's. Over ranks the guard re-runs the step on the live model (FSDP2 refuses a copy; before, a run over
+    ranks replayed nothing and the scaler's skips of (d) and (e) went unnamed): (c) rank 1's micro-batch named; (d)
+    the module named by rank 0's re-run, unscaled, and raised; (e) transient. Both ranks record the same events, and
+    each ends within 1% of its unfaulted run."""
+    from multiprocess import run_ranks
+
+    ranks = run_ranks(_sharded_worker, 2, timeout_s=400)
+    for rank in ranks:
+        c, d, e = (rank[fault]["events"] for fault in "cde")
+        assert c == [(FAULT, "nonfinite-loss", "the batch of rank 1: a tensor holding an inf or a NaN", "skipped")]
+        assert d == [(FAULT, "nonfinite-gradient", "model.layers.0.mlp.down_proj (mul in backward, micro-batch 0 of 2) "
+                      "on rank 0, unscaled", "raised to float32 and skipped")], d
+        assert rank["d"]["raised"] == {"model.layers.0.mlp.down_proj": "float32"}
+        [(step, signal, where, action)] = e
+        assert (step, signal, action) == (FAULT, "nonfinite-gradient", "skipped") and where.startswith("transient: ")
+        assert rank["e"]["transients"] == [FAULT]
+        for fault in "cde":
+            assert _final(rank[fault]["losses"]) == pytest.approx(_final(rank[None]["losses"]), rel=0.01)
+    for fault in "cde":
+        assert ranks[0][fault]["events"] == ranks[1][fault]["events"]

@@ -14,6 +14,7 @@ from ampkit import _trees
 from ampkit._torch import TorchDispatchMode
 from ampkit.diagnostics.numerics import default_loss, first_tensor, output_tensor, policy_region, probing
 from ampkit.precision.policy import Policy
+from ampkit.shards import local_shard
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,8 @@ class NonFiniteFinding:
 # Ops whose output is allocated but not yet written (autograd's gradient buffers):
 # whatever bits they hold are not a finding.
 _UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+# The namespaces of torch.distributed's collectives (FSDP2's all-gathers and reduce-scatters)
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional"})
 
 
 class _FirstNonFinite(TorchDispatchMode):
@@ -62,10 +65,15 @@ class _FirstNonFinite(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         name = str(func.overloadpacket.__name__)
-        if self.finding is None and not self.paused and name not in _UNINITIALIZED:
+        # a collective's output is another rank's values: that rank's replay names their op
+        moved = str(func).split(".")[0] in _COLLECTIVES
+        if self.finding is None and not self.paused and name not in _UNINITIALIZED and not moved:
+            # this rank's values only: a sharded tensor's check would be a collective, run by the ranks whose
+            # replay has found nothing yet
             tensor = first_tensor(out)
-            inputs = [a for a in _trees.leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-            if tensor is not None and not bool(torch.isfinite(tensor).all()):
+            tensor = local_shard(tensor) if tensor is not None else None
+            inputs = [local_shard(a) for a in _trees.leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+            if tensor is not None and not bool(torch.isfinite(tensor).all()) and not _view(tensor, inputs):
                 previous = self._previous
                 if name in ("to", "_to_copy") and previous is not None and args and args[0] is previous[2]:
                     # float32 compute (ampkit.float32_compute): a GEMM's float32 result overflowed when rounded
@@ -93,6 +101,7 @@ def find_nonfinite(
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
     backward: bool = True,
     run: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+    collective: bool = False,
 ) -> NonFiniteFinding | None:
     """Run the forward (and backward) under ``policy``; name the first op that makes inf/NaN.
 
@@ -113,6 +122,8 @@ def find_nonfinite(
         backward: also run the backward and look there (default True).
         run: ``run(model, inputs) -> loss`` in place of ``loss_fn(model(*inputs), target)``: a training step's own
             code (a LightningModule's ``training_step``, which may not call ``forward``).
+        collective: the backward runs whatever the forward found (``backward`` True), and each op's values are
+            checked on this rank only: every rank of a sharded model, called alike, runs the same collectives.
 
     Returns:
         A NonFiniteFinding, or None when everything stayed finite.
@@ -147,10 +158,19 @@ def find_nonfinite(
         with policy_region(model, policy):
             loss = run(model, inputs) if run is not None else loss_fn(output_tensor(model(*args)), target)
         mode.settle(0, loss)
-        if backward and mode.finding is None and loss.requires_grad:
+        if backward and (mode.finding is None or collective) and loss.requires_grad:
             phase[0] = "backward"
             loss.backward()
     return mode.finding
+
+
+def _view(tensor: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+    """Whether ``tensor`` is a view of one of ``inputs`` (a new tensor on its storage; an in-place op's output is the
+    input itself). A view computes nothing: its values are its base's, non-finite where an earlier op made them so,
+    or where the base is a buffer not yet written (FSDP2 views its all-gather and reduce-scatter buffers before
+    the collective fills them)."""
+    storage = tensor.untyped_storage().data_ptr()
+    return any(t is not tensor and t.untyped_storage().data_ptr() == storage for t in inputs)
 
 
 def _finite(value: Any) -> bool:

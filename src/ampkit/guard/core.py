@@ -10,8 +10,9 @@ where the step is taken:
   ``window`` values?), the gradients (finite? one summing pass and one host read, where no loss scaler checks
   them), and the scaler's skipped steps in a row;
 - **attributes** a non-finite loss or gradient: the batch itself (a NaN in the inputs), else a replay of the batch
-  on a copy of the model (``find_nonfinite``) names the first module and op whose output is not finite (in the
-  backward, the module whose gradient was being computed). The replay runs under the region the step's forward
+  on a copy of the model (``find_nonfinite``; over ranks, each rank's batch on the live model: ``replay.py``) names
+  the first module and op whose output is not finite (in the backward, the module whose gradient was being
+  computed). The replay runs under the region the step's forward
   ran in, as a hook on the model noted it: an ampkit policy, or the loop's own ``torch.autocast`` (a replay in
   float32 reproduced no float16 overflow, and every later step was skipped unexplained). Where the replay does not
   reproduce it, a layer the step's own sampled figures name is the cause;
@@ -95,7 +96,7 @@ class Guard(Record):
         suspect_after: transient faults (a non-finite step that its re-run from the same state, the replay, does not
             reproduce: a bit flip, not the numerics) that make a ``"suspect-machine"`` event (default 3).
         sample_every: steps between samples of the layers' figures (default 10; 0: never), and the step after a
-            non-finite one that nothing named (a run over ranks replays nothing: the figures name the layer). The
+            non-finite one that nothing named (where the replay names no layer, the figures name it). The
             step's own forward is measured, so the steps between cost a Python call per watched module
             (benchmarks/bench_guard.py).
         saturation: a sampled layer clamping (or, in 16 bits, not keeping finite) more than this fraction of its
@@ -278,9 +279,10 @@ class Guard(Record):
         overflows unscaled is the layer's, acted on as a non-finite gradient."""
         step, value = self.step_count - 1, self.losses[-1]
         assert value is not None, "taken() follows a check() that allowed the step"
-        replayable = self.agreement.group is None and split(self._batches[0])[0] is not None  # as _attribute's
-        found = (self.attribution.scaler_skip(self._batches, scale)
-                 if not took and not self._skips_in_a_row and scale is not None and replayable else None)
+        found = None
+        if not took and not self._skips_in_a_row and scale is not None and split(self._batches[0])[0] is not None:
+            found = self.attribution.scaler_skip(self._batches, scale, self.agreement.group)
+            self._drop_gradients()  # the skipped step's (over ranks, the re-run's)
         if found is not None:
             where, layer = found
             if where == NOT_REPRODUCED:
@@ -305,7 +307,7 @@ class Guard(Record):
     def _spike(self, value: float, batches: list[Any], layer_problem: tuple[str, str, str] | None
                ) -> tuple[str, str, str | None] | None:
         """A loss spike's signal, figures and source (a replay in float32: the precision's, and from which module,
-        or not; over ranks, which replay nothing, the step's sampled figures), or None."""
+        or not; over ranks, where it is not replayed, the step's sampled figures), or None."""
         if len(self._recent) >= self._recent.maxlen // 2:  # type: ignore[operator]
             mean, spread = statistics.fmean(self._recent), statistics.pstdev(self._recent)
             median = statistics.median(self._recent)
@@ -315,7 +317,7 @@ class Guard(Record):
             limit = min(band, factor)
             if value <= limit:
                 return None
-            # over ranks nothing is replayed (the replay copies the model, and an FSDP2 model refuses a copy)
+            # over ranks a spike is not replayed (its float32 replay copies the model: FSDP2 refuses a copy)
             source, layer = (self.attribution.spike(batches, limit) if self.agreement.group is None
                              else by_figures(OVER_RANKS, None, layer_problem))
             return "loss-spike", (f"loss {value:.4g} against {mean:.4g} +- {spread:.2g} (median {median:.4g}) "
@@ -324,17 +326,17 @@ class Guard(Record):
 
     def _attribute(self, batches: list[Any], bad_batches: list[int]) -> tuple[str, str | None]:
         """Where a non-finite value came from, in words, and the module to raise (None: the batch, or unknown)."""
-        if self.agreement.group is not None:  # every rank says the same: no replay of one rank's batch
-            if bad_batches:
-                return f"the batch of rank {', '.join(map(str, bad_batches))}: a tensor holding an inf or a NaN", None
-            return (f"{OVER_RANKS} (ampkit.find_nonfinite on the model in one process, with this batch, names the "
-                    "op)"), None
-        return self.attribution.attribute(batches)
+        if bad_batches:  # the verdict's flags, over ranks
+            return f"the batch of rank {', '.join(map(str, bad_batches))}: a tensor holding an inf or a NaN", None
+        return self.attribution.attribute(batches, group=self.agreement.group)
 
-    def _act(self, step: int, signal: str, where: str, layer: str | None, loss: float | None) -> None:
+    def _drop_gradients(self) -> None:
         for param in (p for group in self.optimizer.param_groups for p in group["params"]):
             param.grad = None  # nothing of this step reaches a later one
         self.model.zero_grad(set_to_none=True)
+
+    def _act(self, step: int, signal: str, where: str, layer: str | None, loss: float | None) -> None:
+        self._drop_gradients()
         action = "skipped"
         if self.action == "restore" and self.checkpoint is not None:
             if self.checkpoint.exists():

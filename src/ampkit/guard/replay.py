@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ampkit.guard import ranks
@@ -62,39 +63,77 @@ class Replay:
         at = model if run is None or first is None else first
         self._hooks.append(at.register_forward_pre_hook(self.random.note))
 
-    def attribute(self, batches: list[Any], scale: float = 1.0) -> tuple[str, str | None]:
+    def attribute(self, batches: list[Any], scale: float = 1.0, group: Any = None) -> tuple[str, str | None]:
         """Where the step's non-finite value came from, in words, and the module to raise (None: a batch, or
         unknown): the first micro-batch holding an inf or a NaN, else the first op a replay finds, its loss multiplied
-        by ``scale`` (the loss scale the step's backward ran at)."""
-        what = (lambda i: "the batch") if len(batches) == 1 else (lambda i: f"micro-batch {i} of {len(batches)}")
-        for i, batch in enumerate(batches):
-            index = ranks.nonfinite_batch(batch if self.run is not None else split(batch))
-            if index is not None:
-                return f"{what(i)}: its tensor {index} holds an inf or a NaN", None
+        by ``scale`` (the loss scale the step's backward ran at). Over ``group``'s ranks (a process group): each rank
+        re-runs its own micro-batches on the live model (``_over_ranks``), every rank called alike."""
         if all(split(batch)[0] is None for batch in batches):
             return "unknown (pass the batch to Guard.step to replay it)", None
+        if group is not None:
+            return self._over_ranks(batches, scale, group)
+        held = self._held(batches)
+        if held is not None:
+            return held
         states = self.random.last(len(batches))
         for i, batch in enumerate(batches):
             finding = self._replay(batch, scale, states[i])
             if finding is not None:
-                upstream = "" if finding.finite_inputs else ", its inputs already non-finite"
-                layer = finding.module if finding.finite_inputs and finding.module != "(model)" else None
-                of = "" if len(batches) == 1 else f", {what(i)}"
-                return f"{finding.module} ({finding.op} in {finding.phase}{upstream}{of})", layer
+                return _finding(finding, i, len(batches))
         return NOT_REPRODUCED, None
 
-    def scaler_skip(self, batches: list[Any], scale: float) -> tuple[str, str | None] | None:
+    def scaler_skip(self, batches: list[Any], scale: float, group: Any = None) -> tuple[str, str | None] | None:
         """A step a loss scaler skipped, re-run at its ``scale``: None where the overflow is reproduced there and not
         unscaled (the scaler's own: a lower scale cures it); ``(NOT_REPRODUCED, None)`` where it is not reproduced
-        (transient); else where it overflows unscaled, and the module to raise (no scale cures it)."""
-        if self.attribute(batches, scale) == (NOT_REPRODUCED, None):
+        (transient); else where it overflows unscaled, and the module to raise (no scale cures it). ``group``: as
+        ``attribute``'s."""
+        if self.attribute(batches, scale, group) == (NOT_REPRODUCED, None):
             return NOT_REPRODUCED, None
-        where, layer = self.attribute(batches)
+        where, layer = self.attribute(batches, 1.0, group)
         return None if where == NOT_REPRODUCED else (f"{where}, unscaled", layer)
 
-    def _replay(self, batch: Any, scale: float, state: Any) -> Any:
+    def _held(self, batches: list[Any]) -> tuple[str, None] | None:
+        """The first micro-batch holding an inf or a NaN, in words; None where none does."""
+        for i, batch in enumerate(batches):
+            index = ranks.nonfinite_batch(batch if self.run is not None else split(batch))
+            if index is not None:
+                return f"{_micro_batch(i, len(batches))}: its tensor {index} holds an inf or a NaN", None
+        return None
+
+    def _over_ranks(self, batches: list[Any], scale: float, group: Any) -> tuple[str, str | None]:
+        """``attribute`` over ranks. The model is not copied (FSDP2 refuses a copy): each rank re-runs every one of
+        its micro-batches on the live model, forward and backward whatever it finds (FSDP2's all-gathers and
+        reduce-scatters are collectives: every rank must run the same ones), from the gradients of none (the step is
+        refused either way: its gradients are dropped after), its buffers as they were after it. Each rank's answer
+        is gathered; the lowest rank whose micro-batch holds an inf or a NaN decides, else the lowest whose replay
+        names a module to raise, else the lowest with any finding; none: not reproduced on any rank."""
+        states = self.random.last(len(batches))
+        for param in self.model.parameters():
+            param.grad = None
+        kept = [(buffer, buffer.detach().clone()) for buffer in self.model.buffers()]  # a norm's running figures
+        try:
+            findings = [self._replay(batch, scale, state, live=True) for batch, state in zip(batches, states)]
+        finally:
+            with torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
+        first = next(((i, f) for i, f in enumerate(findings) if f is not None), None)
+        mine = self._held(batches) or (_finding(first[1], first[0], len(batches)) if first else (NOT_REPRODUCED, None))
+        answers: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(answers, mine, group=group)
+        held = [r for r, (where, _) in enumerate(answers) if where.startswith(("the batch", "micro-batch"))]
+        named = [r for r, (_, layer) in enumerate(answers) if layer is not None]
+        found = [r for r, (where, _) in enumerate(answers) if where != NOT_REPRODUCED]
+        rank = next(iter(held or named or found), None)
+        if rank is None:
+            return NOT_REPRODUCED, None
+        where, layer = answers[rank]
+        return f"{where} on rank {rank}", layer
+
+    def _replay(self, batch: Any, scale: float, state: Any, live: bool = False) -> Any:
         """``find_nonfinite`` on a copy of the model with ``batch``, under the region the step's forward ran in, its
-        loss multiplied by ``scale``, from the random ``state`` its forward began with (None: the run's own)."""
+        loss multiplied by ``scale``, from the random ``state`` its forward began with (None: the run's own).
+        ``live``: on the model itself, the backward run whatever the forward found (``_over_ranks``)."""
         from ampkit.diagnostics.nonfinite import find_nonfinite
         from ampkit.diagnostics.numerics import default_loss
 
@@ -103,14 +142,16 @@ class Replay:
         if isinstance(region, torch.dtype):  # the loop's own torch.autocast
             region = torch.autocast(self.device_type, dtype=region)
         try:
-            replica = copy.deepcopy(self.model)  # the replay's backward must not add into the run's gradients
+            # the replay's backward must not add into the run's gradients: a copy, or (live) the gradients dropped
+            replica = self.model if live else copy.deepcopy(self.model)
             with self.random.restored(state):
                 if self.run is not None:
                     run = self.run
-                    return find_nonfinite(replica, batch, region, run=lambda model, batch: run(model, batch) * scale)
+                    return find_nonfinite(replica, batch, region, run=lambda model, batch: run(model, batch) * scale,
+                                          collective=live)
                 inputs, target = split(batch)
                 loss_fn = self.loss_fn or default_loss
-                return find_nonfinite(replica, inputs, region, target=target,
+                return find_nonfinite(replica, inputs, region, target=target, collective=live,
                                       loss_fn=lambda output, target: loss_fn(output, target) * scale)
         finally:
             self.watch.sampling = sampling
@@ -197,6 +238,19 @@ class _RandomStates:
                 if state[1] is not None:
                     torch.cuda.set_rng_state(state[1])
             yield
+
+
+def _micro_batch(index: int, count: int) -> str:
+    return "the batch" if count == 1 else f"micro-batch {index} of {count}"
+
+
+def _finding(finding: Any, index: int, count: int) -> tuple[str, str | None]:
+    """A replay's ``NonFiniteFinding`` of micro-batch ``index`` (of ``count``) in words, and the module to raise (None:
+    its inputs were already non-finite, or no module ran it)."""
+    upstream = "" if finding.finite_inputs else ", its inputs already non-finite"
+    layer = finding.module if finding.finite_inputs and finding.module != "(model)" else None
+    of = "" if count == 1 else f", {_micro_batch(index, count)}"
+    return f"{finding.module} ({finding.op} in {finding.phase}{upstream}{of})", layer
 
 
 def split(batch: Any) -> tuple[Any, Any]:
