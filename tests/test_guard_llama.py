@@ -1,7 +1,7 @@
 """Issue 66's planted faults (c), (d) and (e) on a transformers Llama, in the loops users write: ``initialize`` at O1
 in float16 with a loss scaler and at O2 in bfloat16, and the loop's own ``torch.autocast`` in float16 with a scaler;
 each step accumulates two micro-batches, its loss the user's own (a token-weighted cross-entropy computed from the
-logits). Fault (a) on the Llama, and (b): test_guard_layers.py."""
+logits); the same faults on 2 FSDP2 ranks and under Lightning. Fault (a) on the Llama, and (b): test_guard_layers.py."""
 
 from __future__ import annotations
 
@@ -229,3 +229,101 @@ def test_a_sharded_llamas_fault_under_a_float16_scaler_is_named_alike_on_every_r
             assert _final(rank[fault]["losses"]) == pytest.approx(_final(rank[None]["losses"]), rel=0.01)
     for fault in "cde":
         assert ranks[0][fault]["events"] == ranks[1][fault]["events"]
+
+
+
+# the last Lightning's own: torch.autocast (on a CPU Lightning makes "16-mixed" this, with no scaler)
+PRECISIONS = {"ampkit O1 float16": ("O1", torch.float16), "ampkit O2 bfloat16": ("O2", torch.bfloat16),
+              "bf16-mixed": ("bf16-mixed", torch.bfloat16)}
+
+
+def _lightning_run(fault: str | None, with_forward: bool, precision: str = "ampkit O1 float16"
+                   ) -> tuple[list[float], ampkit.Guard | None]:
+    """``_run``'s loop as a Lightning user writes it: a LightningModule holding the Llama (with a ``forward`` or
+    without: ``training_step`` calls the Llama), the Trainer's ``precision`` (``PRECISIONS``),
+    ``accumulate_grad_batches=2`` over the same micro-batches, ``GuardCallback`` (unguarded without a fault); the
+    faults planted by the module's hooks. The step's losses: the mean of its micro-batches'."""
+    L = pytest.importorskip("lightning")
+    from ampkit.integrations.lightning import AmpkitPrecision
+    from ampkit.integrations.lightning_guard import GuardCallback
+
+    level, dtype = PRECISIONS[precision]
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.llama, _, self.loud = _llama("autocast float16")  # float32, as built: the plugin initializes it
+            self.micro_losses: list[float] = []
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            factor = 1e10 if dtype is torch.float16 else math.inf  # as _run's
+            self.loud.factor = factor if fault == "d" and self.trainer.global_step == FAULT else 1.0
+
+        def on_after_backward(self) -> None:
+            if fault == "e" and self.trainer.global_step == FAULT and len(self.micro_losses) % MICRO == 0:
+                grad = self.llama.model.layers[1].mlp.up_proj.weight.grad
+                grad.view(torch.int16 if grad.element_size() == 2 else torch.int32)[1, 2] |= (
+                    0x7F80 if grad.element_size() == 2 else 0x7F800000)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, target = batch
+            loss = _loss(self(x) if with_forward else self.llama(x), target)
+            self.micro_losses.append(loss.item())  # a replay's copy appends to its own copy of the list
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    if with_forward:
+        Module.forward = lambda self, x: self.llama(x)  # type: ignore[method-assign, assignment]
+    batches = []
+    for step in range(STEPS):
+        for index in range(MICRO):
+            x, (tokens, weights) = _micro_batch(step, index)
+            if fault == "c" and step == FAULT and index == 1:
+                weights[0, 3] = math.nan
+            batches.append((x, (tokens, weights)))
+    module = Module()
+    callback = GuardCallback(None, action="raise") if fault is not None else None
+    plugin = ({"precision": level} if level == "bf16-mixed" else
+              {"plugins": [AmpkitPrecision(level, dtype, compute="float32", device="cpu")]})
+    L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, accumulate_grad_batches=MICRO,
+              callbacks=[callback] if callback is not None else [], **plugin).fit(
+        module, torch.utils.data.DataLoader(batches, batch_size=None))
+    losses = module.micro_losses
+    return [sum(losses[i:i + MICRO]) / MICRO for i in range(0, len(losses), MICRO)], (
+        callback.guard if callback is not None else None)
+
+
+_lightning_unfaulted: dict[str, list[float]] = {}
+
+
+@pytest.mark.slow  # 18 Lightning runs and 3 unfaulted: about 40 s here
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.parametrize("with_forward", [True, False], ids=["forward", "no-forward"])
+@pytest.mark.parametrize("fault", ["c", "d", "e"])
+def test_under_lightning_a_llamas_fault_is_named_at_its_first_bad_step(fault: str, with_forward: bool,
+                                                                      precision: str) -> None:
+    """(c), (d) and (e) through ``GuardCallback``, two micro-batches a step by the Trainer's gradient accumulation,
+    under ampkit's plugin at O1 float16 (its scaler's skips re-run) and O2 bfloat16 and under Lightning's own
+    bf16-mixed, with and without ``forward`` (the replay runs ``training_step``): each one event at its step, named as
+    in a plain loop (the module by its name in the LightningModule), the run within 1% of the unfaulted one."""
+    if precision not in _lightning_unfaulted:
+        _lightning_unfaulted[precision], _ = _lightning_run(None, True, precision)
+    losses, guard = _lightning_run(fault, with_forward, precision)
+    assert guard is not None
+    [(step, signal, where, action)] = [(e.step, e.signal, e.where, e.action) for e in guard.events]
+    assert step == FAULT
+    if fault == "c":
+        assert (signal, action) == ("nonfinite-loss", "skipped")
+        assert where == "micro-batch 1 of 2: its tensor 2 holds an inf or a NaN"
+    elif fault == "d":
+        scaled = ", unscaled" if precision == "ampkit O1 float16" else ""
+        assert (signal, action) == ("nonfinite-gradient", "raised to float32 and skipped")
+        assert where == f"llama.model.layers.0.mlp.down_proj (mul in backward, micro-batch 0 of 2){scaled}", where
+        assert guard.raised == {"llama.model.layers.0.mlp.down_proj": "float32"}
+    else:
+        assert (signal, action) == ("nonfinite-gradient", "skipped") and where.startswith("transient: ")
+        assert guard.transients == [FAULT]
+    assert _final(losses) == pytest.approx(_final(_lightning_unfaulted[precision]), rel=0.01)
