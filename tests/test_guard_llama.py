@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 import ampkit
 from ampkit.shards import local_shard
+from ampkit.experiment.models import GrowingLinear
 from test_guard_layers import tiny_llama
 
 STEPS, FAULT, MICRO = 80, 40, 2
@@ -47,13 +48,17 @@ class _Loud(nn.Module):
         return _Amplify.apply(self.linear(x), self.factor)
 
 
-def _llama(loop: str, sharded: bool = False) -> tuple[nn.Module, torch.optim.Optimizer, _Loud]:
+def _llama(loop: str, sharded: bool = False, growing: bool = False) -> tuple[nn.Module, torch.optim.Optimizer, _Loud]:
     """The Llama with its ``_Loud`` projection, initialized for ``loop``, or ``sharded`` with FSDP2 at its level
-    (every rank's weights the same: the seed set)."""
+    (every rank's weights the same: the seed set); ``growing``: fault (a), its first attention output projection a
+    ``GrowingLinear`` (x2 a training forward from the 10th; in float16 its output overflows at about step 20)."""
     torch.manual_seed(0)
     model = tiny_llama()
     mlp = model.model.layers[0].mlp
     mlp.down_proj = loud = _Loud(mlp.down_proj)
+    if growing:
+        attention = model.model.layers[0].self_attn
+        attention.o_proj = GrowingLinear.from_linear(attention.o_proj, rate=2.0, start=10)
     level, dtype = LOOPS[loop]
     if sharded:
         from ampkit.distributed import fully_shard, prepare_optimizer
@@ -86,12 +91,13 @@ def _loss(output: Any, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
 
 def _run(loop: str, fault: str | None, guarded: bool = True, compiled: bool = False, rank: int | None = None
          ) -> tuple[list[float], ampkit.Guard | None]:
-    """STEPS steps of MICRO micro-batches each; ``fault`` planted at step FAULT: "c" a NaN in micro-batch 1's token
+    """STEPS steps of MICRO micro-batches each; ``fault``: "a" the growing projection (``_llama``), or planted at
+    step FAULT: "c" a NaN in micro-batch 1's token
     weights, "d" an output gradient x1e10 in layer 0's MLP down projection (x inf in bfloat16, which holds that as
     float32 does, and compiled), "e" every exponent bit of one gradient value set after the backward (a bit flip).
     ``compiled``: the forward through torch.compile (inductor). ``rank``: of 2, sharded with FSDP2, each rank on
     two of each micro-batch's windows ((c) and (e) on rank 1's; (e) in its shard of the gradient)."""
-    model, optimizer, loud = _llama(loop, sharded=rank is not None)
+    model, optimizer, loud = _llama(loop, sharded=rank is not None, growing=fault == "a")
     if compiled:
         torch.compiler.reset()
     forward = torch.compile(model) if compiled else model
@@ -141,16 +147,30 @@ def _final(losses: list[float]) -> float:
     return sum(losses[-10:]) / 10
 
 
+def _the_first_overflow_named_and_raised(losses: list[float], events: list[tuple], raised: dict[str, str],
+                                         suffix: str = "", prefix: str = "") -> None:
+    """Fault (a): one event (step, signal, where, action), at the first step whose loss is not finite, naming the
+    growing projection (``prefix``: the Llama's name in the module the guard watches), raised to float32 once; every
+    later loss finite."""
+    [(step, signal, where, action)] = events
+    assert (signal, action) == ("nonfinite-loss", "raised to float32 and skipped"), events
+    assert where.startswith(f"{prefix}model.layers.0.self_attn.o_proj (") and where.endswith(suffix), where
+    assert raised == {f"{prefix}model.layers.0.self_attn.o_proj": "float32"}
+    assert all(math.isfinite(v) for v in losses[:step]) and not math.isfinite(losses[step])
+    assert all(math.isfinite(v) for v in losses[step + 1:])
+
+
 @pytest.mark.slow  # 3 minutes here (a fast one of the scaler's skips: test_guard.py)
-@pytest.mark.parametrize("loop", list(LOOPS))
-@pytest.mark.parametrize("fault", ["c", "d", "e"])
+@pytest.mark.parametrize("loop, fault", [(loop, fault) for fault in "acde" for loop in LOOPS
+                                         if fault != "a" or LOOPS[loop][1] is torch.float16])
 def test_a_llama_fault_is_named_at_its_first_bad_step_and_the_run_ends_as_the_unfaulted_one(fault: str,
                                                                                            loop: str) -> None:
-    """Each fault is one event at step FAULT, named by its cause ((c) the micro-batch and its tensor, (d) the
-    module whose backward made the inf, (e) transient), the step skipped and no other, at most one raise, and the
-    mean of the last 10 losses within 1% of the unfaulted run's. Under a float16 loss scaler a gradient-only fault
-    is a skip of the scaler's, re-run at its loss scale and unscaled (before, the scaler skipped it with no word:
-    (d) and (e) were never named)."""
+    """Each fault is one event at its first bad step, named by its cause ((a) the growing projection, its float16
+    output overflowing (bfloat16 holds it: not planted there), (c) the micro-batch and its tensor, (d) the module
+    whose backward made the inf, (e) transient), the step skipped and no other, at most one raise, and the mean of
+    the last 10 losses within 1% of the unfaulted run's. Under a float16 loss scaler a gradient-only fault is a skip
+    of the scaler's, re-run at its loss scale and unscaled (before, the scaler skipped it with no word: (d) and (e)
+    were never named)."""
     if loop not in _unfaulted:
         _unfaulted[loop], _ = _run(loop, None, guarded=False)
     losses, guard = _run(loop, fault)
@@ -158,7 +178,10 @@ def test_a_llama_fault_is_named_at_its_first_bad_step_and_the_run_ends_as_the_un
     scaled = LOOPS[loop][1] is torch.float16
     events = [(e.step, e.signal) for e in guard.events]
     wheres = [e.where for e in guard.events]
-    if fault == "c":
+    if fault == "a":
+        _the_first_overflow_named_and_raised(losses, [(e.step, e.signal, e.where, e.action) for e in guard.events],
+                                             guard.raised)
+    elif fault == "c":
         assert events == [(FAULT, "nonfinite-loss")], guard.events
         assert wheres[0].startswith("micro-batch 1 of 2: its tensor") and guard.events[0].action == "skipped"
     elif fault == "d":  # the module named (under a scaler: its skip re-run overflows unscaled too) and raised
@@ -170,7 +193,8 @@ def test_a_llama_fault_is_named_at_its_first_bad_step_and_the_run_ends_as_the_un
     else:  # the step re-run from its state (at its loss scale, where it has one) is sound
         assert events == [(FAULT, "nonfinite-gradient")], guard.events
         assert wheres[0].startswith("transient: ") and guard.transients == [FAULT]
-    assert all(math.isfinite(v) for i, v in enumerate(losses) if not (fault == "c" and i == FAULT))
+    if fault != "a":
+        assert all(math.isfinite(v) for i, v in enumerate(losses) if not (fault == "c" and i == FAULT))
     assert _final(losses) == pytest.approx(_final(_unfaulted[loop]), rel=0.01)
 
 
@@ -195,9 +219,9 @@ def test_a_compiled_llamas_fault_under_a_float16_scaler_is_named_as_eagerly(faul
 
 def _sharded_worker(rank: int, world: int) -> dict:
     """``_run`` on one of 2 FSDP2 ranks at O1 float16 with ampkit's scaler: unguarded without a fault, then guarded
-    with each of (c), (d) and (e)."""
+    with each of (a), (c), (d) and (e)."""
     out = {}
-    for fault in (None, "c", "d", "e"):
+    for fault in (None, "a", "c", "d", "e"):
         losses, guard = _run("O1 float16", fault, guarded=fault is not None, rank=rank)
         out[fault] = {"losses": losses, "events": [(e.step, e.signal, e.where, e.action) for e in guard.events]
                       if guard else [], "raised": dict(guard.raised) if guard else {},
@@ -206,17 +230,20 @@ def _sharded_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # 2 spawned ranks, four runs: about 40 s here
+@pytest.mark.slow  # 2 spawned ranks, five runs: about 30 s here
 def test_a_sharded_llamas_fault_under_a_float16_scaler_is_named_alike_on_every_rank() -> None:
-    """(c), (d) and (e) on 2 FSDP2 ranks at O1 float16, each rank on two of each micro-batch's windows, (c) and (e)
-    on rank 1's. Over ranks the guard re-runs the step on the live model (FSDP2 refuses a copy; before, a run over
-    ranks replayed nothing and the scaler's skips of (d) and (e) went unnamed): (c) rank 1's micro-batch named; (d)
+    """(a), (c), (d) and (e) on 2 FSDP2 ranks at O1 float16, each rank on two of each micro-batch's windows, (c)
+    and (e) on rank 1's. Over ranks the guard re-runs the step on the live model (FSDP2 refuses a copy; before, a run over
+    ranks replayed nothing and the scaler's skips of (d) and (e) went unnamed): (a) the projection named by rank 0's
+    replay at the first overflow and raised; (c) rank 1's micro-batch named; (d)
     the module named by rank 0's re-run, unscaled, and raised; (e) transient. Both ranks record the same events, and
     each ends within 1% of its unfaulted run."""
     from multiprocess import run_ranks
 
     ranks = run_ranks(_sharded_worker, 2, timeout_s=400)
     for rank in ranks:
+        a = rank["a"]
+        _the_first_overflow_named_and_raised(a["losses"], a["events"], a["raised"], suffix=" on rank 0")
         c, d, e = (rank[fault]["events"] for fault in "cde")
         assert c == [(FAULT, "nonfinite-loss", "the batch of rank 1: a tensor holding an inf or a NaN", "skipped")]
         assert d == [(FAULT, "nonfinite-gradient", "model.layers.0.mlp.down_proj (mul in backward, micro-batch 0 of 2) "
@@ -225,9 +252,9 @@ def test_a_sharded_llamas_fault_under_a_float16_scaler_is_named_alike_on_every_r
         [(step, signal, where, action)] = e
         assert (step, signal, action) == (FAULT, "nonfinite-gradient", "skipped") and where.startswith("transient: ")
         assert rank["e"]["transients"] == [FAULT]
-        for fault in "cde":
+        for fault in "acde":
             assert _final(rank[fault]["losses"]) == pytest.approx(_final(rank[None]["losses"]), rel=0.01)
-    for fault in "cde":
+    for fault in "acde":
         assert ranks[0][fault]["events"] == ranks[1][fault]["events"]
 
 
@@ -252,7 +279,8 @@ def _lightning_run(fault: str | None, with_forward: bool, precision: str = "ampk
     class Module(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.llama, _, self.loud = _llama("autocast float16")  # float32, as built: the plugin initializes it
+            # float32, as built: the plugin initializes it
+            self.llama, _, self.loud = _llama("autocast float16", growing=fault == "a")
             self.micro_losses: list[float] = []
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -299,13 +327,13 @@ def _lightning_run(fault: str | None, with_forward: bool, precision: str = "ampk
 _lightning_unfaulted: dict[str, list[float]] = {}
 
 
-@pytest.mark.slow  # 18 Lightning runs and 3 unfaulted: about 40 s here
-@pytest.mark.parametrize("precision", list(PRECISIONS))
+@pytest.mark.slow  # 20 Lightning runs and 3 unfaulted: about 40 s here
+@pytest.mark.parametrize("precision, fault", [(precision, fault) for fault in "acde" for precision in PRECISIONS
+                                              if fault != "a" or PRECISIONS[precision][1] is torch.float16])
 @pytest.mark.parametrize("with_forward", [True, False], ids=["forward", "no-forward"])
-@pytest.mark.parametrize("fault", ["c", "d", "e"])
 def test_under_lightning_a_llamas_fault_is_named_at_its_first_bad_step(fault: str, with_forward: bool,
                                                                       precision: str) -> None:
-    """(c), (d) and (e) through ``GuardCallback``, two micro-batches a step by the Trainer's gradient accumulation,
+    """(a) (in float16), (c), (d) and (e) through ``GuardCallback``, two micro-batches a step by the Trainer's gradient accumulation,
     under ampkit's plugin at O1 float16 (its scaler's skips re-run) and O2 bfloat16 and under Lightning's own
     bf16-mixed, with and without ``forward`` (the replay runs ``training_step``): each one event at its step, named as
     in a plain loop (the module by its name in the LightningModule), the run within 1% of the unfaulted one."""
@@ -313,9 +341,10 @@ def test_under_lightning_a_llamas_fault_is_named_at_its_first_bad_step(fault: st
         _lightning_unfaulted[precision], _ = _lightning_run(None, True, precision)
     losses, guard = _lightning_run(fault, with_forward, precision)
     assert guard is not None
-    [(step, signal, where, action)] = [(e.step, e.signal, e.where, e.action) for e in guard.events]
-    assert step == FAULT
-    if fault == "c":
+    [(step, signal, where, action)] = events = [(e.step, e.signal, e.where, e.action) for e in guard.events]
+    if fault == "a":
+        _the_first_overflow_named_and_raised(losses, events, guard.raised, prefix="llama.")
+    elif fault == "c":
         assert (signal, action) == ("nonfinite-loss", "skipped")
         assert where == "micro-batch 1 of 2: its tensor 2 holds an inf or a NaN"
     elif fault == "d":
@@ -326,4 +355,5 @@ def test_under_lightning_a_llamas_fault_is_named_at_its_first_bad_step(fault: st
     else:
         assert (signal, action) == ("nonfinite-gradient", "skipped") and where.startswith("transient: ")
         assert guard.transients == [FAULT]
+    assert fault == "a" or step == FAULT
     assert _final(losses) == pytest.approx(_final(_lightning_unfaulted[precision]), rel=0.01)
