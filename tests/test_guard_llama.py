@@ -233,11 +233,11 @@ def _sharded_worker(rank: int, world: int) -> dict:
 @pytest.mark.slow  # 2 spawned ranks, five runs: about 30 s here
 def test_a_sharded_llamas_fault_under_a_float16_scaler_is_named_alike_on_every_rank() -> None:
     """(a), (c), (d) and (e) on 2 FSDP2 ranks at O1 float16, each rank on two of each micro-batch's windows, (c)
-    and (e) on rank 1's. Over ranks the guard re-runs the step on the live model (FSDP2 refuses a copy; before, a run over
-    ranks replayed nothing and the scaler's skips of (d) and (e) went unnamed): (a) the projection named by rank 0's
-    replay at the first overflow and raised; (c) rank 1's micro-batch named; (d)
-    the module named by rank 0's re-run, unscaled, and raised; (e) transient. Both ranks record the same events, and
-    each ends within 1% of its unfaulted run."""
+    and (e) on rank 1's. Over ranks the guard re-runs the step on the live model (FSDP2 refuses a copy; before, a
+    run over ranks replayed nothing and the scaler's skips of (d) and (e) went unnamed): (a) the projection named
+    by rank 0's replay at the first overflow and raised; (c) rank 1's micro-batch named; (d) the module named by
+    rank 0's re-run, unscaled, and raised; (e) transient. Both ranks record the same events, and each ends within
+    1% of its unfaulted run."""
     from multiprocess import run_ranks
 
     ranks = run_ranks(_sharded_worker, 2, timeout_s=400)
@@ -333,10 +333,11 @@ _lightning_unfaulted: dict[str, list[float]] = {}
 @pytest.mark.parametrize("with_forward", [True, False], ids=["forward", "no-forward"])
 def test_under_lightning_a_llamas_fault_is_named_at_its_first_bad_step(fault: str, with_forward: bool,
                                                                       precision: str) -> None:
-    """(a) (in float16), (c), (d) and (e) through ``GuardCallback``, two micro-batches a step by the Trainer's gradient accumulation,
-    under ampkit's plugin at O1 float16 (its scaler's skips re-run) and O2 bfloat16 and under Lightning's own
-    bf16-mixed, with and without ``forward`` (the replay runs ``training_step``): each one event at its step, named as
-    in a plain loop (the module by its name in the LightningModule), the run within 1% of the unfaulted one."""
+    """(a) (in float16), (c), (d) and (e) through ``GuardCallback``, two micro-batches a step by the Trainer's
+    gradient accumulation, under ampkit's plugin at O1 float16 (its scaler's skips re-run) and O2 bfloat16 and
+    under Lightning's own bf16-mixed, with and without ``forward`` (the replay runs ``training_step``): each one
+    event at its first bad step, named as in a plain loop (the module by its name in the LightningModule), the run
+    within 1% of the unfaulted one."""
     if precision not in _lightning_unfaulted:
         _lightning_unfaulted[precision], _ = _lightning_run(None, True, precision)
     losses, guard = _lightning_run(fault, with_forward, precision)
