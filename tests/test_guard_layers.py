@@ -1091,3 +1091,26 @@ def test_the_region_a_compiled_forward_ran_in_is_noted_for_the_replay() -> None:
     guard = ampkit.Guard(model16, optimizer)
     torch.compile(model16, backend="eager")(torch.randn(8, 16))
     assert isinstance(guard.attribution.region[0], ampkit.Policy)
+
+
+def test_a_module_without_parameters_is_raised_to_float32() -> None:
+    """A module with no parameters of its own (an elementwise scale) whose float16 output overflows: its raise took
+    the device from its first parameter and crashed the run (StopIteration, found with an outlier channel planted in
+    float16 on a Llama); it computes in float32 on the model's device now, and the LayerNorm after it takes its
+    float32 output: named, raised once, every later step finite."""
+    torch.manual_seed(0)
+    scale = ChannelScale(32, channel=3, factor=1.0)
+    model = nn.Sequential(nn.Linear(16, 32), scale, nn.LayerNorm(32), nn.Linear(32, 4))
+    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O1", torch.float16,
+                                         compute="native")
+    scaler = ampkit.DynamicLossScaler()
+    guard = ampkit.Guard(model, optimizer, scaler, action="raise")
+
+    def plant(step: int) -> None:
+        if step == 12:
+            scale.scale[3] = 1e6
+
+    losses = test_guard._train(model, optimizer, guard, _batch, scaler, plant)
+    assert [(e.step, e.signal, e.where, e.action) for e in guard.events] == [
+        (12, "nonfinite-loss", "1 (_to_copy in forward)", "raised to float32 and skipped")]
+    assert guard.raised == {"1": "float32"} and all(math.isfinite(v) for v in losses[13:])

@@ -16,7 +16,8 @@ from torch.nn import functional as F
 
 import ampkit
 from ampkit.shards import local_shard
-from ampkit.experiment.models import GrowingLinear
+from ampkit.experiment.models import ChannelScale, GrowingLinear
+from ampkit.formats.fp8 import Fp8Linear, Fp8Recipe
 from test_guard_layers import tiny_llama
 
 STEPS, FAULT, MICRO = 80, 40, 2
@@ -48,27 +49,71 @@ class _Loud(nn.Module):
         return _Amplify.apply(self.linear(x), self.factor)
 
 
-def _llama(loop: str, sharded: bool = False, growing: bool = False) -> tuple[nn.Module, torch.optim.Optimizer, _Loud]:
+class _Planted:
+    """Where ``_run`` plants its faults in the Llama: ``loud`` (d), and for (b) ``outlier`` and ``fp8``."""
+
+    def __init__(self, loud: _Loud, outlier: ChannelScale | None = None, fp8: Fp8Linear | None = None) -> None:
+        self.loud, self.outlier, self.fp8 = loud, outlier, fp8
+        self.master_of: Any = lambda param: None  # O2's optimizer's: a 16-bit weight's float32 master
+
+    def weights(self) -> list[torch.Tensor]:
+        """The FP8 linear's weight, and its float32 master at O2 (what the optimizer steps); none without (b)."""
+        if self.fp8 is None:
+            return []
+        master = self.master_of(self.fp8.weight)
+        return [self.fp8.weight] + ([master] if master is not None else [])
+
+    def outlier_at(self, step: int) -> None:
+        """Fault (b) at ``step`` FAULT: channel 7 of the FP8 linear's input x 1e6, its weight column / 1e6 (the same
+        function in exact arithmetic; as ``gpt_with_outlier``), in its master too."""
+        if self.outlier is not None and step == FAULT:
+            with torch.no_grad():
+                self.outlier.scale[7] = 1e6
+                for weight in self.weights():
+                    local_shard(weight)[:, 7] /= 1e6
+
+    def keep_column(self, *_: object) -> None:
+        """An optimizer step pre-hook: the planted column's gradient zeroed."""
+        for weight in self.weights():
+            if weight.grad is not None:
+                local_shard(weight.grad)[:, 7] = 0
+
+
+def _llama(loop: str, sharded: bool = False, fault: str | None = None
+           ) -> tuple[nn.Module, torch.optim.Optimizer, _Planted]:
     """The Llama with its ``_Loud`` projection, initialized for ``loop``, or ``sharded`` with FSDP2 at its level
-    (every rank's weights the same: the seed set); ``growing``: fault (a), its first attention output projection a
-    ``GrowingLinear`` (x2 a training forward from the 10th; in float16 its output overflows at about step 20)."""
+    (every rank's weights the same: the seed set). ``fault`` "a": its first attention output projection a
+    ``GrowingLinear`` (x2 a training forward from the 10th; in float16 its output overflows at about step 20); "b":
+    the second layer's MLP down projection an FP8 linear (delayed scaling) after a ``ChannelScale`` of its input,
+    whose planted column's gradient is zeroed before each step (it stays as planted: ``gpt_with_outlier``); "b
+    unplanted": the same, the outlier never planted (fault (b)'s unfaulted run)."""
     torch.manual_seed(0)
     model = tiny_llama()
     mlp = model.model.layers[0].mlp
     mlp.down_proj = loud = _Loud(mlp.down_proj)
-    if growing:
+    planted = _Planted(loud)
+    if fault == "a":
         attention = model.model.layers[0].self_attn
         attention.o_proj = GrowingLinear.from_linear(attention.o_proj, rate=2.0, start=10)
+    if fault in ("b", "b unplanted"):
+        mlp = model.model.layers[1].mlp
+        planted.outlier, planted.fp8 = ChannelScale(128, channel=7, factor=1.0), Fp8Linear.from_linear(
+            mlp.down_proj, Fp8Recipe())
+        mlp.down_proj = nn.Sequential(planted.outlier, planted.fp8)
     level, dtype = LOOPS[loop]
     if sharded:
         from ampkit.distributed import fully_shard, prepare_optimizer
 
         model = fully_shard(model, opt_level=level, dtype=dtype, compute="auto", blocks=[type(model.model.layers[0])])
-        return model, prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=3e-3)), loud
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    if level != "autocast":
-        model, optimizer = ampkit.initialize(model, optimizer, level, dtype, compute="auto")
-    return model, optimizer, loud
+        optimizer = prepare_optimizer(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        if level != "autocast":
+            model, optimizer = ampkit.initialize(model, optimizer, level, dtype, compute="auto")
+    if planted.fp8 is not None:
+        planted.master_of = getattr(optimizer, "master_of", planted.master_of)
+        optimizer.register_step_pre_hook(planted.keep_column)
+    return model, optimizer, planted
 
 
 def _micro_batch(step: int, index: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -92,18 +137,20 @@ def _loss(output: Any, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tenso
 def _run(loop: str, fault: str | None, guarded: bool = True, compiled: bool = False, rank: int | None = None
          ) -> tuple[list[float], ampkit.Guard | None]:
     """STEPS steps of MICRO micro-batches each; ``fault``: "a" the growing projection (``_llama``), or planted at
-    step FAULT: "c" a NaN in micro-batch 1's token
+    step FAULT: "b" the FP8 linear's input outlier (``_Planted.outlier_at``), "c" a NaN in micro-batch 1's token
     weights, "d" an output gradient x1e10 in layer 0's MLP down projection (x inf in bfloat16, which holds that as
     float32 does, and compiled), "e" every exponent bit of one gradient value set after the backward (a bit flip).
     ``compiled``: the forward through torch.compile (inductor). ``rank``: of 2, sharded with FSDP2, each rank on
     two of each micro-batch's windows ((c) and (e) on rank 1's; (e) in its shard of the gradient)."""
-    model, optimizer, loud = _llama(loop, sharded=rank is not None, growing=fault == "a")
+    model, optimizer, planted = _llama(loop, sharded=rank is not None, fault=fault)
     if compiled:
         torch.compiler.reset()
     forward = torch.compile(model) if compiled else model
     level, dtype = LOOPS[loop]
     scaler = ampkit.DynamicLossScaler() if dtype is torch.float16 else None
-    guard = ampkit.Guard(model, optimizer, scaler, action="raise", loss_fn=_loss) if guarded else None
+    # (b) is seen by the layers' figures: sampled every step
+    guard = ampkit.Guard(model, optimizer, scaler, action="raise", loss_fn=_loss,
+                         sample_every=1 if fault == "b" else 10) if guarded else None
     region = torch.autocast("cpu", dtype) if level == "autocast" else contextlib.nullcontext()
     losses = []
     for step in range(STEPS):
@@ -111,7 +158,9 @@ def _run(loop: str, fault: str | None, guarded: bool = True, compiled: bool = Fa
         # float16 cannot hold the gradient x1e10 at any loss scale; bfloat16, of float32's range, holds it, and so does
         # inductor's fused backward in float16 (nothing overflowed, nothing to name: measured): an inf there
         factor = 1e10 if dtype is torch.float16 and not compiled else math.inf
-        loud.factor = factor if fault == "d" and step == FAULT else 1.0
+        planted.loud.factor = factor if fault == "d" and step == FAULT else 1.0
+        if fault == "b":
+            planted.outlier_at(step)
         batches, total = [], torch.zeros(())
         for index in range(MICRO):
             x, (tokens, weights) = _micro_batch(step, index)
@@ -140,7 +189,7 @@ def _run(loop: str, fault: str | None, guarded: bool = True, compiled: bool = Fa
     return losses, guard
 
 
-_unfaulted: dict[str, list[float]] = {}
+_unfaulted: dict[tuple[str, str | None], list[float]] = {}  # (loop, fault: None, or "b unplanted")
 
 
 def _final(losses: list[float]) -> float:
@@ -160,25 +209,38 @@ def _the_first_overflow_named_and_raised(losses: list[float], events: list[tuple
     assert all(math.isfinite(v) for v in losses[step + 1:])
 
 
+def _the_outlier_named_and_raised(events: list[tuple], raised: dict[str, str], prefix: str = "") -> None:
+    """Fault (b): one event (step, signal, where, action), at step FAULT, the FP8 linear's figures (the first step's
+    delayed scale of 1 is no calibration: not a signal), raised to 16 bits once (its step taken)."""
+    [(step, signal, where, action)] = events
+    assert (step, action) == (FAULT, "raised to 16 bits") and signal in ("layer-underflow", "layer-saturation"), events
+    assert where.startswith(f"{prefix}model.layers.1.mlp.down_proj.1 (fp8): "), where
+    assert raised == {f"{prefix}model.layers.1.mlp.down_proj.1": "16 bits"}
+
+
 @pytest.mark.slow  # 3 minutes here (a fast one of the scaler's skips: test_guard.py)
-@pytest.mark.parametrize("loop, fault", [(loop, fault) for fault in "acde" for loop in LOOPS
-                                         if fault != "a" or LOOPS[loop][1] is torch.float16])
+@pytest.mark.parametrize("loop, fault", [(loop, fault) for fault in "abcde" for loop in LOOPS
+                                         if fault not in "ab" or (LOOPS[loop][1] is torch.float16) == (fault == "a")])
 def test_a_llama_fault_is_named_at_its_first_bad_step_and_the_run_ends_as_the_unfaulted_one(fault: str,
                                                                                            loop: str) -> None:
     """Each fault is one event at its first bad step, named by its cause ((a) the growing projection, its float16
-    output overflowing (bfloat16 holds it: not planted there), (c) the micro-batch and its tensor, (d) the module
-    whose backward made the inf, (e) transient), the step skipped and no other, at most one raise, and the mean of
-    the last 10 losses within 1% of the unfaulted run's. Under a float16 loss scaler a gradient-only fault is a skip
-    of the scaler's, re-run at its loss scale and unscaled (before, the scaler skipped it with no word: (d) and (e)
-    were never named)."""
-    if loop not in _unfaulted:
-        _unfaulted[loop], _ = _run(loop, None, guarded=False)
+    output overflowing (bfloat16 holds it: not planted there), (b) the FP8 linear's figures, against its run without
+    the outlier (in bfloat16: float16 cannot hold the outlier itself), (c) the micro-batch and its tensor, (d) the
+    module whose backward made the inf, (e) transient), the step skipped and no other, at most one raise, and the
+    mean of the last 10 losses within 1% of the unfaulted run's. Under a float16 loss scaler a gradient-only fault
+    is a skip of the scaler's, re-run at its loss scale and unscaled (before, the scaler skipped it with no word:
+    (d) and (e) were never named)."""
+    unfaulted = "b unplanted" if fault == "b" else None
+    if (loop, unfaulted) not in _unfaulted:
+        _unfaulted[loop, unfaulted], _ = _run(loop, unfaulted, guarded=False)
     losses, guard = _run(loop, fault)
     assert guard is not None
     scaled = LOOPS[loop][1] is torch.float16
     events = [(e.step, e.signal) for e in guard.events]
     wheres = [e.where for e in guard.events]
-    if fault == "a":
+    if fault == "b":
+        _the_outlier_named_and_raised([(e.step, e.signal, e.where, e.action) for e in guard.events], guard.raised)
+    elif fault == "a":
         _the_first_overflow_named_and_raised(losses, [(e.step, e.signal, e.where, e.action) for e in guard.events],
                                              guard.raised)
     elif fault == "c":
@@ -195,7 +257,7 @@ def test_a_llama_fault_is_named_at_its_first_bad_step_and_the_run_ends_as_the_un
         assert wheres[0].startswith("transient: ") and guard.transients == [FAULT]
     if fault != "a":
         assert all(math.isfinite(v) for i, v in enumerate(losses) if not (fault == "c" and i == FAULT))
-    assert _final(losses) == pytest.approx(_final(_unfaulted[loop]), rel=0.01)
+    assert _final(losses) == pytest.approx(_final(_unfaulted[loop, unfaulted]), rel=0.01)
 
 
 @pytest.mark.slow  # inductor: about 2 minutes here
@@ -221,8 +283,10 @@ def _sharded_worker(rank: int, world: int) -> dict:
     """``_run`` on one of 2 FSDP2 ranks at O1 float16 with ampkit's scaler: unguarded without a fault, then guarded
     with each of (a), (c), (d) and (e)."""
     out = {}
-    for fault in (None, "a", "c", "d", "e"):
-        losses, guard = _run("O1 float16", fault, guarded=fault is not None, rank=rank)
+    runs = [("O1 float16", fault) for fault in (None, "a", "c", "d", "e")] + [
+        ("O2 bfloat16", "b unplanted"), ("O2 bfloat16", "b")]
+    for loop, fault in runs:
+        losses, guard = _run(loop, fault, guarded=fault not in (None, "b unplanted"), rank=rank)
         out[fault] = {"losses": losses, "events": [(e.step, e.signal, e.where, e.action) for e in guard.events]
                       if guard else [], "raised": dict(guard.raised) if guard else {},
                       "transients": list(guard.transients) if guard else []}
@@ -230,20 +294,23 @@ def _sharded_worker(rank: int, world: int) -> dict:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # 2 spawned ranks, five runs: about 30 s here
-def test_a_sharded_llamas_fault_under_a_float16_scaler_is_named_alike_on_every_rank() -> None:
-    """(a), (c), (d) and (e) on 2 FSDP2 ranks at O1 float16, each rank on two of each micro-batch's windows, (c)
-    and (e) on rank 1's. Over ranks the guard re-runs the step on the live model (FSDP2 refuses a copy; before, a
-    run over ranks replayed nothing and the scaler's skips of (d) and (e) went unnamed): (a) the projection named
-    by rank 0's replay at the first overflow and raised; (c) rank 1's micro-batch named; (d) the module named by
-    rank 0's re-run, unscaled, and raised; (e) transient. Both ranks record the same events, and each ends within
-    1% of its unfaulted run."""
+@pytest.mark.slow  # 2 spawned ranks, seven runs: about 45 s here
+def test_a_sharded_llamas_fault_is_named_alike_on_every_rank() -> None:
+    """(a), (c), (d) and (e) on 2 FSDP2 ranks at O1 float16 with ampkit's scaler, (b) at O2 bfloat16, each rank on
+    two of each micro-batch's windows, (c) and (e) on rank 1's. Over ranks the guard re-runs the step on the live
+    model (FSDP2 refuses a copy; before, a run over ranks replayed nothing and the scaler's skips of (d) and (e)
+    went unnamed): (a) the projection named by rank 0's replay at the first overflow and raised; (b) the FP8 linear
+    by the figures reduced over the ranks, raised to 16 bits; (c) rank 1's micro-batch named; (d) the module named
+    by rank 0's re-run, unscaled, and raised; (e) transient. Both ranks record the same events, and each ends
+    within 1% of its unfaulted run."""
     from multiprocess import run_ranks
 
     ranks = run_ranks(_sharded_worker, 2, timeout_s=400)
     for rank in ranks:
         a = rank["a"]
         _the_first_overflow_named_and_raised(a["losses"], a["events"], a["raised"], suffix=" on rank 0")
+        _the_outlier_named_and_raised(rank["b"]["events"], rank["b"]["raised"])
+        assert _final(rank["b"]["losses"]) == pytest.approx(_final(rank["b unplanted"]["losses"]), rel=0.01)
         c, d, e = (rank[fault]["events"] for fault in "cde")
         assert c == [(FAULT, "nonfinite-loss", "the batch of rank 1: a tensor holding an inf or a NaN", "skipped")]
         assert d == [(FAULT, "nonfinite-gradient", "model.layers.0.mlp.down_proj (mul in backward, micro-batch 0 of 2) "
@@ -254,7 +321,7 @@ def test_a_sharded_llamas_fault_under_a_float16_scaler_is_named_alike_on_every_r
         assert rank["e"]["transients"] == [FAULT]
         for fault in "acde":
             assert _final(rank[fault]["losses"]) == pytest.approx(_final(rank[None]["losses"]), rel=0.01)
-    for fault in "acde":
+    for fault in "abcde":
         assert ranks[0][fault]["events"] == ranks[1][fault]["events"]
 
 
@@ -280,12 +347,23 @@ def _lightning_run(fault: str | None, with_forward: bool, precision: str = "ampk
         def __init__(self) -> None:
             super().__init__()
             # float32, as built: the plugin initializes it
-            self.llama, _, self.loud = _llama("autocast float16", growing=fault == "a")
+            self.llama, _, self.planted = _llama("autocast float16", fault=fault)
             self.micro_losses: list[float] = []
+
+        def on_train_start(self) -> None:  # (b): the optimizer that steps (at O2 the plugin's, over masters)
+            optimizer = self.trainer.optimizers[0]
+            self.planted.master_of = getattr(optimizer, "master_of", self.planted.master_of)
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            # (b): not an optimizer's step pre-hook: Lightning's bf16-mixed runs the closure, the last micro-batch's
+            # backward, inside the optimizer's step, after its pre-hooks
+            self.planted.keep_column()
 
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             factor = 1e10 if dtype is torch.float16 else math.inf  # as _run's
-            self.loud.factor = factor if fault == "d" and self.trainer.global_step == FAULT else 1.0
+            self.planted.loud.factor = factor if fault == "d" and self.trainer.global_step == FAULT else 1.0
+            if fault == "b" and len(self.micro_losses) % MICRO == 0:  # a step's first micro-batch
+                self.planted.outlier_at(self.trainer.global_step)
 
         def on_after_backward(self) -> None:
             if fault == "e" and self.trainer.global_step == FAULT and len(self.micro_losses) % MICRO == 0:
@@ -312,7 +390,8 @@ def _lightning_run(fault: str | None, with_forward: bool, precision: str = "ampk
                 weights[0, 3] = math.nan
             batches.append((x, (tokens, weights)))
     module = Module()
-    callback = GuardCallback(None, action="raise") if fault is not None else None
+    guarded = fault not in (None, "b unplanted")
+    callback = GuardCallback(None, action="raise", sample_every=1 if fault == "b" else 10) if guarded else None
     plugin = ({"precision": level} if level == "bf16-mixed" else
               {"plugins": [AmpkitPrecision(level, dtype, compute="float32", device="cpu")]})
     L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
@@ -324,26 +403,31 @@ def _lightning_run(fault: str | None, with_forward: bool, precision: str = "ampk
         callback.guard if callback is not None else None)
 
 
-_lightning_unfaulted: dict[str, list[float]] = {}
+# (precision, fault: None, or "b unplanted")
+_lightning_unfaulted: dict[tuple[str, str | None], list[float]] = {}
 
 
-@pytest.mark.slow  # 20 Lightning runs and 3 unfaulted: about 40 s here
-@pytest.mark.parametrize("precision, fault", [(precision, fault) for fault in "acde" for precision in PRECISIONS
-                                              if fault != "a" or PRECISIONS[precision][1] is torch.float16])
+@pytest.mark.slow  # 24 Lightning runs and 5 unfaulted: about 60 s here
+@pytest.mark.parametrize("precision, fault", [
+    (precision, fault) for fault in "abcde" for precision in PRECISIONS
+    if fault not in "ab" or (PRECISIONS[precision][1] is torch.float16) == (fault == "a")])
 @pytest.mark.parametrize("with_forward", [True, False], ids=["forward", "no-forward"])
 def test_under_lightning_a_llamas_fault_is_named_at_its_first_bad_step(fault: str, with_forward: bool,
                                                                       precision: str) -> None:
-    """(a) (in float16), (c), (d) and (e) through ``GuardCallback``, two micro-batches a step by the Trainer's
-    gradient accumulation, under ampkit's plugin at O1 float16 (its scaler's skips re-run) and O2 bfloat16 and
-    under Lightning's own bf16-mixed, with and without ``forward`` (the replay runs ``training_step``): each one
-    event at its first bad step, named as in a plain loop (the module by its name in the LightningModule), the run
-    within 1% of the unfaulted one."""
-    if precision not in _lightning_unfaulted:
-        _lightning_unfaulted[precision], _ = _lightning_run(None, True, precision)
+    """(a) (in float16), (b) (in bfloat16), (c), (d) and (e) through ``GuardCallback``, two micro-batches a step by
+    the Trainer's gradient accumulation, under ampkit's plugin at O1 float16 (its scaler's skips re-run) and O2
+    bfloat16 and under Lightning's own bf16-mixed, with and without ``forward`` (the replay runs ``training_step``):
+    each one event at its first bad step, named as in a plain loop (the module by its name in the LightningModule),
+    the run within 1% of the unfaulted one."""
+    unfaulted = "b unplanted" if fault == "b" else None
+    if (precision, unfaulted) not in _lightning_unfaulted:
+        _lightning_unfaulted[precision, unfaulted], _ = _lightning_run(unfaulted, True, precision)
     losses, guard = _lightning_run(fault, with_forward, precision)
     assert guard is not None
     [(step, signal, where, action)] = events = [(e.step, e.signal, e.where, e.action) for e in guard.events]
-    if fault == "a":
+    if fault == "b":
+        _the_outlier_named_and_raised(events, guard.raised, prefix="llama.")
+    elif fault == "a":
         _the_first_overflow_named_and_raised(losses, events, guard.raised, prefix="llama.")
     elif fault == "c":
         assert (signal, action) == ("nonfinite-loss", "skipped")
@@ -357,4 +441,4 @@ def test_under_lightning_a_llamas_fault_is_named_at_its_first_bad_step(fault: st
         assert (signal, action) == ("nonfinite-gradient", "skipped") and where.startswith("transient: ")
         assert guard.transients == [FAULT]
     assert fault == "a" or step == FAULT
-    assert _final(losses) == pytest.approx(_final(_lightning_unfaulted[precision]), rel=0.01)
+    assert _final(losses) == pytest.approx(_final(_lightning_unfaulted[precision, unfaulted]), rel=0.01)

@@ -402,3 +402,26 @@ def test_o2_trains_torchs_norms_on_cuda(dtype: str) -> None:
     low = torch.float16 if dtype == "fp16" else torch.bfloat16
     assert outputs == [low] * len(model) and torch.isfinite(loss)
     assert model[4].weight.dtype == torch.float32 and model[5].weight.dtype == low
+
+
+def test_a_deep_copy_of_the_model_and_its_optimizer_steps_on_its_own() -> None:
+    """``copy.deepcopy`` of the master-weight optimizer (the guard's replay copies a LightningModule that holds it)
+    failed with AttributeError: torch's pickled state of an optimizer is its defaults, state and groups, which this
+    wrapper delegates to the inner optimizer. A copy of the model and the optimizer together steps the copy's masters
+    and writes them into the copy's model; the original's masters are untouched."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "O2",
+                                         torch.bfloat16, compute="native")
+    model(torch.randn(3, 4)).float().sum().backward()
+    optimizer.step()
+    copied, copied_optimizer = copy.deepcopy((model, optimizer))
+    before = [master.clone() for master in optimizer.master_params]
+    copied_optimizer.zero_grad()
+    copied(torch.randn(3, 4)).float().sum().backward()
+    copied_optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, optimizer.master_params))
+    assert not all(torch.equal(a, b) for a, b in zip(before, copied_optimizer.master_params))
+    assert torch.equal(copied[0].weight, copied_optimizer.master_params[0].to(torch.bfloat16))

@@ -1,6 +1,7 @@
 """The guard's watch on the layers that compute narrower than float32, and the one precision raise it makes.
 
-**Watched**: FP8 linears (``Fp8Linear``: their input as cast with the delayed scale that forward used),
+**Watched**: FP8 linears (``Fp8Linear``: their input as cast with the delayed scale that forward used, once an
+amax made it: the first forward's scale of 1 is no calibration),
 block-scaled linears (their input as the recipe quantizes it) and every other leaf module with parameters
 whose output is float16 or bfloat16 (under an autocast region, or a 16-bit model). Every ``sample_every``
 steps, forward hooks measure the step's own forward (no extra pass; several forwards in a step, micro-batches,
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -182,7 +184,9 @@ class LayerWatch:
     def _scale_hook(self, name: str) -> Any:
         def pre_hook(module: Fp8Linear, args: tuple) -> None:
             if self._active():
-                self._scales[name] = module.scale[INPUT].clone()
+                # and whether an amax made it: before the first (a new layer, one returned with its history reset) the
+                # delayed scale is 1, whose flushes say nothing of the layer (a Llama's MLP input: 17% at step 0)
+                self._scales[name] = torch.stack([module.scale[INPUT], module.amax_history[INPUT].amax() > 0])
         return pre_hook
 
     def _hook(self, name: str, watched: str) -> Any:
@@ -190,7 +194,9 @@ class LayerWatch:
             if not self._active():
                 return
             if watched == "fp8" and name in self._scales:
-                self._rows.append((name, fp8_figures(args[0], self._scales.pop(name), module.recipe.dtype(INPUT))))
+                scale, calibrated = self._scales.pop(name)
+                figures = fp8_figures(args[0], scale, module.recipe.dtype(INPUT))
+                self._rows.append((name, figures * torch.stack([calibrated, calibrated, torch.ones_like(calibrated)])))
             elif watched == "block":
                 self._rows.append((name, block_figures(args[0], module)))
             else:  # the figures of all outputs are made at once, at take()
@@ -264,7 +270,8 @@ def raise_layer(model: nn.Module, name: str, master_of: MasterOf | None = None) 
         as_16_bit.raised, as_16_bit.before = "16 bits", forward  # type: ignore[attr-defined]
         module.forward = types.MethodType(as_16_bit, module)  # type: ignore[method-assign]
         return module
-    device_type = next(module.parameters()).device.type
+    # a module without parameters (an elementwise scale) computes in float32 on the model's device, its output float32
+    device_type = next((p.device.type for p in itertools.chain(module.parameters(), model.parameters())), "cpu")
 
     def in_float32(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # 16-bit weights with no float32 master (O3; FSDP2's 16-bit all-gathers, read as the forward runs) compute as

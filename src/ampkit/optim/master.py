@@ -175,6 +175,14 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
+    # A copy (copy.deepcopy: the guard's replay of a module that holds its optimizer) is of the wrapper's own
+    # attributes; torch.optim.Optimizer's pickled state (defaults, state, groups) is the inner optimizer's.
+    def __getstate__(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
     def master_of(self, param: torch.Tensor) -> torch.Tensor | None:
         """The float32 master of the model's parameter ``param``; None where ``param`` is not one of the model's
         weights this optimizer steps, or is its own master (a float32 weight, from the first step on)."""
