@@ -297,49 +297,54 @@ def test_a_compiled_llamas_fault_at_o2_is_named_as_eagerly(fault: str) -> None:
 
 
 def _sharded_worker(rank: int, world: int) -> dict:
-    """``_run`` on one of 2 FSDP2 ranks at O1 float16 with ampkit's scaler: unguarded without a fault, then guarded
-    with each of (a), (c), (d) and (e)."""
+    """``_run`` on one of 2 FSDP2 ranks, keyed (loop, fault): at O1 float16 with ampkit's scaler unguarded without a
+    fault, then guarded with each of (a), (c), (d) and (e); at O2 bfloat16 unguarded without a fault and without
+    (b)'s outlier, then guarded with (b), (c), (d) and (e)."""
     out = {}
     runs = [("O1 float16", fault) for fault in (None, "a", "c", "d", "e")] + [
-        ("O2 bfloat16", "b unplanted"), ("O2 bfloat16", "b")]
+        ("O2 bfloat16", fault) for fault in (None, "b unplanted", "b", "c", "d", "e")]
     for loop, fault in runs:
         losses, guard = _run(loop, fault, guarded=fault not in (None, "b unplanted"), rank=rank)
-        out[fault] = {"losses": losses, "events": [(e.step, e.signal, e.where, e.action) for e in guard.events]
-                      if guard else [], "raised": dict(guard.raised) if guard else {},
-                      "transients": list(guard.transients) if guard else []}
+        out[loop, fault] = {"losses": losses, "events": [(e.step, e.signal, e.where, e.action) for e in guard.events]
+                            if guard else [], "raised": dict(guard.raised) if guard else {},
+                            "transients": list(guard.transients) if guard else []}
     return out
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # 2 spawned ranks, seven runs: about 45 s here
+@pytest.mark.slow  # 2 spawned ranks, eleven runs: about 70 s here
 def test_a_sharded_llamas_fault_is_named_alike_on_every_rank() -> None:
-    """(a), (c), (d) and (e) on 2 FSDP2 ranks at O1 float16 with ampkit's scaler, (b) at O2 bfloat16, each rank on
-    two of each micro-batch's windows, (c) and (e) on rank 1's. Over ranks the guard re-runs the step on the live
-    model (FSDP2 refuses a copy; before, a run over ranks replayed nothing and the scaler's skips of (d) and (e)
-    went unnamed): (a) the projection named by rank 0's replay at the first overflow and raised; (b) the FP8 linear
-    by the figures reduced over the ranks, raised to 16 bits; (c) rank 1's micro-batch named; (d) the module named
-    by rank 0's re-run, unscaled, and raised; (e) transient. Both ranks record the same events, and each ends
-    within 1% of its unfaulted run."""
+    """(a) on 2 FSDP2 ranks at O1 float16 with ampkit's scaler, (b) at O2 bfloat16, (c), (d) and (e) at both, each
+    rank on two of each micro-batch's windows, (c) and (e) on rank 1's. Over ranks the guard re-runs the step on the
+    live model (FSDP2 refuses a copy; before, a run over ranks replayed nothing and the scaler's skips of (d) and
+    (e) went unnamed): (a) the projection named by rank 0's replay at the first overflow and raised; (b) the FP8
+    linear by the figures reduced over the ranks, raised to 16 bits; (c) rank 1's micro-batch named; (d) the module
+    named by rank 0's re-run (under the scaler, unscaled) and raised; (e) transient. Both ranks record the same
+    events, and each ends within 1% of its unfaulted run."""
     from multiprocess import run_ranks
 
     ranks = run_ranks(_sharded_worker, 2, timeout_s=400)
     for rank in ranks:
-        a = rank["a"]
+        a, b = rank["O1 float16", "a"], rank["O2 bfloat16", "b"]
         _the_first_overflow_named_and_raised(a["losses"], a["events"], a["raised"], suffix=" on rank 0")
-        _the_outlier_named_and_raised(rank["b"]["events"], rank["b"]["raised"])
-        assert _final(rank["b"]["losses"]) == pytest.approx(_final(rank["b unplanted"]["losses"]), rel=0.01)
-        c, d, e = (rank[fault]["events"] for fault in "cde")
-        assert c == [(FAULT, "nonfinite-loss", "the batch of rank 1: a tensor holding an inf or a NaN", "skipped")]
-        assert d == [(FAULT, "nonfinite-gradient", "model.layers.0.mlp.down_proj (mul in backward, micro-batch 0 of 2) "
-                      "on rank 0, unscaled", "raised to float32 and skipped")], d
-        assert rank["d"]["raised"] == {"model.layers.0.mlp.down_proj": "float32"}
-        [(step, signal, where, action)] = e
-        assert (step, signal, action) == (FAULT, "nonfinite-gradient", "skipped") and where.startswith("transient: ")
-        assert rank["e"]["transients"] == [FAULT]
-        for fault in "acde":
-            assert _final(rank[fault]["losses"]) == pytest.approx(_final(rank[None]["losses"]), rel=0.01)
-    for fault in "abcde":
-        assert ranks[0][fault]["events"] == ranks[1][fault]["events"]
+        _the_outlier_named_and_raised(b["events"], b["raised"])
+        assert _final(b["losses"]) == pytest.approx(_final(rank["O2 bfloat16", "b unplanted"]["losses"]), rel=0.01)
+        for loop in ("O1 float16", "O2 bfloat16"):
+            c, d, e = (rank[loop, fault]["events"] for fault in "cde")
+            assert c == [(FAULT, "nonfinite-loss", "the batch of rank 1: a tensor holding an inf or a NaN",
+                          "skipped")]
+            scaled = ", unscaled" if loop == "O1 float16" else ""
+            assert d == [(FAULT, "nonfinite-gradient", "model.layers.0.mlp.down_proj (mul in backward, micro-batch 0 "
+                          f"of 2) on rank 0{scaled}", "raised to float32 and skipped")], d
+            assert rank[loop, "d"]["raised"] == {"model.layers.0.mlp.down_proj": "float32"}
+            [(step, signal, where, action)] = e
+            assert (step, signal, action) == (FAULT, "nonfinite-gradient", "skipped") and where.startswith("transient")
+            assert rank[loop, "e"]["transients"] == [FAULT]
+            for fault in "acde" if loop == "O1 float16" else "cde":
+                unfaulted = rank[loop, None]["losses"]
+                assert _final(rank[loop, fault]["losses"]) == pytest.approx(_final(unfaulted), rel=0.01)
+    for run in ranks[0]:
+        assert ranks[0][run]["events"] == ranks[1][run]["events"]
 
 
 
