@@ -101,8 +101,9 @@ class Guard(Record):
             (benchmarks/bench_guard.py).
         saturation: a sampled layer clamping (or, in 16 bits, not keeping finite) more than this fraction of its
             values is a signal (default 0.01).
-        underflow: a sampled FP8 or block-scaled layer flushing more than this fraction of its input's nonzero
-            values to zero, or a float16 one with more of its output below float16's smallest normal (default 0.05).
+        underflow: a sampled FP8 layer flushing more than this share of its input channels' square sums to zero
+            (their mean), a block-scaled one more than this fraction of its input's nonzero values, or a float16 one
+            with more of its output below float16's smallest normal (default 0.05).
         near_overflow: a sampled 16-bit layer's largest output above this fraction of its format's largest value
             is a signal (default 0.5: a doubling from overflow).
         process_group: with torch.distributed, the ranks that must take the same action (``ranks.py``: the loss,
