@@ -81,6 +81,20 @@ def test_find_nonfinite_locates_a_planted_nan() -> None:
     assert finding is not None and finding.module == "2.1" and not finding.finite_inputs
 
 
+def test_find_nonfinite_reads_through_an_fp8_linear() -> None:
+    """An FP8 linear's casts make FP8 tensors, which torch's ``isfinite`` does not take: the guard's replay of an
+    FP8 model with a bad value raised NotImplementedError. They are read in float32: the NaN planted after the FP8
+    linear is found, named by its module."""
+    from ampkit.formats.fp8 import Fp8Linear, Fp8Recipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Fp8Linear.from_linear(nn.Linear(8, 8), Fp8Recipe()), nn.ReLU(), nn.Linear(8, 2))
+    with torch.no_grad():
+        model[2].bias[0] = float("nan")
+    finding = find_nonfinite(model, torch.randn(3, 8), Policy.default("cpu", torch.bfloat16, compute="native"))
+    assert finding is not None and finding.module == "2" and not finding.finite_inputs
+
+
 def test_histogram_png(tmp_path: Path) -> None:
     report = inspect_numerics(_planted_overflow(), torch.randn(4, 8), torch.randint(0, 4, (4,)))
     assert sum(report.log2_grad_hist.values()) > 0

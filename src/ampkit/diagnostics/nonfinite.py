@@ -73,7 +73,7 @@ class _FirstNonFinite(TorchDispatchMode):
             tensor = first_tensor(out)
             tensor = local_shard(tensor) if tensor is not None else None
             inputs = [local_shard(a) for a in _trees.leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-            if tensor is not None and not bool(torch.isfinite(tensor).all()) and not _view(tensor, inputs):
+            if tensor is not None and not _all_finite(tensor) and not _view(tensor, inputs):
                 previous = self._previous
                 if name in ("to", "_to_copy") and previous is not None and args and args[0] is previous[2]:
                     # float32 compute (ampkit.float32_compute): a GEMM's float32 result overflowed when rounded
@@ -83,7 +83,7 @@ class _FirstNonFinite(TorchDispatchMode):
                     (t.float().min().item(), t.float().max().item()) if t.is_floating_point() and t.numel() else None
                     for t in inputs
                 ]
-                finite_inputs = all(bool(torch.isfinite(t).all()) for t in inputs if t.is_floating_point())
+                finite_inputs = all(_all_finite(t) for t in inputs if t.is_floating_point())
                 found = NonFiniteFinding(self.current_module(), name, self.phase(), ranges, finite_inputs)
                 if found.phase == "forward":
                     self.pending.append(found)
@@ -164,6 +164,12 @@ def find_nonfinite(
     return mode.finding
 
 
+def _all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every value of a floating ``tensor`` is finite; an FP8 one (an FP8 linear's casts) read in float32, as
+    torch has no ``isfinite`` of its own for them (a replay of an FP8 model raised NotImplementedError)."""
+    return bool(torch.isfinite(tensor.float() if tensor.element_size() == 1 else tensor).all())
+
+
 def _view(tensor: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
     """Whether ``tensor`` is a view of one of ``inputs`` (a new tensor on its storage; an in-place op's output is the
     input itself). A view computes nothing: its values are its base's, non-finite where an earlier op made them so,
@@ -175,5 +181,5 @@ def _view(tensor: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
 
 def _finite(value: Any) -> bool:
     """Whether every floating tensor in ``value`` (through containers) is finite."""
-    return all(bool(torch.isfinite(t).all()) for t in _trees.leaves(value)
+    return all(_all_finite(t) for t in _trees.leaves(value)
                if isinstance(t, torch.Tensor) and t.is_floating_point())
