@@ -410,3 +410,16 @@ def test_a_lightning_run_resumed_from_its_checkpoint_has_the_guards_raised_layer
     assert resumed.guard.losses == whole.guard.losses and resumed.guard.step_count == 20
     for mine, theirs in zip(resumed_model.parameters(), through.parameters()):
         assert torch.equal(mine, theirs)
+
+
+def test_the_guards_training_step_replay_leaves_the_modules_logging_as_it_was() -> None:
+    """Over ranks the guard replays on the module itself, not a copy: the replay's quiet ``log`` stayed on it, and
+    the run logged nothing more. The module's own ``log`` and ``log_dict`` are back after a replay."""
+    from ampkit.integrations.lightning_guard import _training_step_replay
+
+    torch.manual_seed(0)
+    module = Digits()
+    trainer = _trainer(AmpkitPrecision("O1", torch.bfloat16, compute="native", device="cpu"))
+    loss = _training_step_replay(trainer)(module, next(iter(loader(32, 32))))
+    assert loss.ndim == 0 and "log" not in module.__dict__ and "log_dict" not in module.__dict__
+    assert module.log.__func__ is L.LightningModule.log

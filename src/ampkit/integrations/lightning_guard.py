@@ -108,12 +108,21 @@ class GuardCallback(Callback):
 def _training_step_replay(trainer: Trainer) -> Any:
     """The guard's replay: the loss ``training_step`` computes for a batch (its tensor, or its dict's ``"loss"``) on
     the module's copy, which a deep copy leaves without a trainer: ``trainer`` is attached (a step may read its
-    ``global_step``), and nothing of the replay is logged."""
+    ``global_step``), and nothing of the replay is logged. Over ranks the replay runs on the module itself: its own
+    ``log`` and ``log_dict`` are put back after."""
     def replay(module: LightningModule, batch: Any) -> torch.Tensor:
         module.trainer = trainer
         quiet = lambda *args, **kwargs: None  # noqa: E731
+        own = {name: module.__dict__[name] for name in ("log", "log_dict") if name in module.__dict__}
         module.log, module.log_dict = quiet, quiet  # type: ignore[method-assign, assignment]
-        out: Any = module.training_step(batch, 0)
+        try:
+            out: Any = module.training_step(batch, 0)
+        finally:
+            for name in ("log", "log_dict"):
+                if name in own:
+                    setattr(module, name, own[name])
+                else:
+                    delattr(module, name)
         return out["loss"] if isinstance(out, dict) else out
     return replay
 
