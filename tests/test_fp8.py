@@ -110,6 +110,19 @@ def test_an_outlier_saturates_once_then_widens_the_scale_for_the_history() -> No
     assert layer.scale[fp8.INPUT].item() == pytest.approx(0.448)
 
 
+def test_a_non_finite_input_leaves_the_history_and_the_next_finite_one_sets_the_scale() -> None:
+    """An inf input (a float16 overflow before the layer: a step the scaler skips) is not rolled into the amax
+    history: rolled in, it held the scale where it was until it rolled out (a float16 overflow before a Llama's FP8
+    linear froze its scale for 8 steps); the next finite input's amax sets the scale at once."""
+    layer = Fp8Linear.from_linear(nn.Linear(16, 16), Fp8Recipe(amax_history_len=4))
+    layer(torch.full((1, 16), 1.0))
+    layer(torch.full((1, 16), float("inf")))
+    assert layer.amax_history[fp8.INPUT].tolist() == [1.0, 0.0, 0.0, 0.0]
+    layer(torch.full((1, 16), 1000.0))
+    assert layer.amax_history[fp8.INPUT].tolist() == [1000.0, 1.0, 0.0, 0.0]
+    assert layer.scale[fp8.INPUT].item() == pytest.approx(0.448)
+
+
 def test_evaluation_leaves_the_scales_alone() -> None:
     layer = Fp8Linear.from_linear(nn.Linear(16, 16), Fp8Recipe())
     layer.eval()

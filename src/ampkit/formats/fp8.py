@@ -241,13 +241,17 @@ class Fp8Linear(nn.Linear):
 
         Only while training: an evaluation pass leaves the scales as they are. Under
         ``process_group`` the amax is the maximum over the ranks, so every rank uses the same scale.
+        A non-finite amax is not rolled in (the step it came from is one a loss scaler or the guard skips): the
+        scale's formula keeps the previous scale for a non-finite amax, so one in the history held the scale until
+        it rolled out (a float16 overflow before an FP8 linear froze its scale for 8 steps of 2 micro-batches).
         """
         if not self.training:
             return
         amax = tensor.detach().abs().amax().float()
         if self.process_group is not None:  # in place on a tensor of its own: torch.compile traces it into its graph
             torch.distributed.all_reduce(amax, op=torch.distributed.ReduceOp.MAX, group=self.process_group)
-        self.amax_history[role] = roll_in(self.amax_history[role], amax)
+        history = self.amax_history[role]
+        self.amax_history[role] = torch.where(torch.isfinite(amax), roll_in(history, amax), history)
         self.scale[role] = scale_from_amax(history_amax(self.amax_history[role], self.recipe.amax_compute_algo),
                                            self.recipe.dtype(role), self.recipe.margin, self.scale[role])
 

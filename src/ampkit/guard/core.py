@@ -164,6 +164,7 @@ class Guard(Record):
         self._refused_in_a_row = 0
         self._batches: list[Any] = [None]  # the last checked step's micro-batches
         self.attribution = Replay(model, self.watch, loss_fn, replay)
+        self.raises.sixteen = self.attribution.sixteen  # the run's 16-bit dtype, as the last training forward ran
 
     def step(self, loss: torch.Tensor, batch: Any = None, batches: list[Any] | None = None) -> bool:
         """Check this step's loss, gradients and (on a sampled step) layers, after ``backward``; then take the

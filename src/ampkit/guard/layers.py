@@ -262,6 +262,16 @@ def raised_to(module: nn.Module) -> str:
     return "16 bits" if _narrow(module) and _raised(module) is None else "float32"
 
 
+def input_past(module: nn.Module, sixteen: torch.dtype | None) -> str | None:
+    """Where an FP8 linear's recorded inputs (its amax history) are past ``sixteen``'s largest value, in words; else
+    None (``sixteen`` bfloat16 or None: float32's range)."""
+    if not isinstance(module, Fp8Linear) or sixteen is not torch.float16:
+        return None
+    amax = float(module.amax_history[INPUT].amax())
+    largest = torch.finfo(sixteen).max
+    return f"its input reached {amax:.3g}, past half float16's {largest:.0f}" if amax > largest / 2 else None
+
+
 def format_of(module: nn.Module) -> str:
     """``module``'s format in words: ``"fp8"``, the block-scaled recipe's label, or ``"16 bits"``."""
     if isinstance(module, Fp8Linear) or is_float8_linear(module):

@@ -4,8 +4,10 @@ window (no raise of it), a window doubled each time it is raised again after a r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from ampkit.guard import layers
@@ -24,6 +26,7 @@ class Raises:
     def __init__(self, model: nn.Module, watch: layers.LayerWatch, quiet_window: int | None,
                  master_of: layers.MasterOf | None = None) -> None:
         self.model, self.watch, self.quiet_window, self.master_of = model, watch, quiet_window, master_of
+        self.sixteen: Callable[[], torch.dtype | None] = lambda: None  # the run's 16-bit dtype (the guard's replay)
         self.raised: dict[str, str] = {}
         self._originals: dict[str, nn.Module] = {}  # each raised layer's module before its first raise
         self._raised_at: dict[str, int] = {}  # each raised layer's step of its last raise
@@ -35,14 +38,18 @@ class Raises:
             return f"not raised ({layer} runs in float32 already)"
         module = self.model.get_submodule(layer)
         to = layers.raised_to(module)
+        # an FP8 linear whose input float16 cannot hold (it comes in float32, from a layer raised before it) computes
+        # in float32: in float16 its input overflows at once, and it would be raised again the next step
+        past = layers.input_past(module, self.sixteen()) if to == "16 bits" else None
         if layer not in self._originals:  # its own format, which it returns to once quiet
             self._originals[layer] = module
             if layer in self._windows:  # it failed again after a return: a window twice as long
                 self._windows[layer] *= 2
         self._windows.setdefault(layer, self.quiet_window or 0)
-        self.watch.watch(layer, layers.raise_layer(self.model, layer, self.master_of))
-        self.raised[layer], self._raised_at[layer] = to, step
-        return f"raised to {to}"
+        for _ in range(2 if past is not None else 1):
+            self.watch.watch(layer, layers.raise_layer(self.model, layer, self.master_of))
+        self.raised[layer], self._raised_at[layer] = "float32" if past is not None else to, step
+        return f"raised to float32 ({past})" if past is not None else f"raised to {to}"
 
     def return_quiet(self, step: int) -> list[tuple[str, str, str]]:
         """Lower each raised layer quiet for its window at ``step``: (layer, why in words, what was done) each."""

@@ -63,6 +63,12 @@ class Replay:
         at = model if run is None or first is None else first
         self._hooks.append(at.register_forward_pre_hook(self.random.note))
 
+    def sixteen(self) -> torch.dtype | None:
+        """The 16-bit dtype of the region the last training forward ran in (None: float32, or none noted yet)."""
+        region = self.region[0]
+        dtype = region if isinstance(region, torch.dtype) else getattr(region, "dtype", None)
+        return dtype if dtype in (torch.float16, torch.bfloat16) else None
+
     def attribute(self, batches: list[Any], scale: float = 1.0, group: Any = None) -> tuple[str, str | None]:
         """Where the step's non-finite value came from, in words, and the module to raise (None: a batch, or
         unknown): the first micro-batch holding an inf or a NaN, else the first op a replay finds, its loss multiplied
