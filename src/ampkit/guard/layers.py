@@ -263,8 +263,9 @@ def raised_to(module: nn.Module) -> str:
 
 
 def input_past(module: nn.Module, sixteen: torch.dtype | None) -> str | None:
-    """Where an FP8 linear's recorded inputs (its amax history) are past ``sixteen``'s largest value, in words; else
-    None (``sixteen`` bfloat16 or None: float32's range)."""
+    """Where an FP8 linear's recorded inputs (its amax history) passed half of float16's largest value (a doubling
+    from overflow, as the guard's ``near_overflow``), in words, in a run whose 16-bit dtype ``sixteen`` is float16;
+    else None (bfloat16, or float32: float32's range)."""
     if not isinstance(module, Fp8Linear) or sixteen is not torch.float16:
         return None
     amax = float(module.amax_history[INPUT].amax())

@@ -38,8 +38,8 @@ class Raises:
             return f"not raised ({layer} runs in float32 already)"
         module = self.model.get_submodule(layer)
         to = layers.raised_to(module)
-        # an FP8 linear whose input float16 cannot hold (it comes in float32, from a layer raised before it) computes
-        # in float32: in float16 its input overflows at once, and it would be raised again the next step
+        # an FP8 linear whose input is within a doubling of float16's largest (it comes in float32, from a layer raised
+        # before it) computes in float32: in float16 it overflows at once, and would be raised again the next step
         past = layers.input_past(module, self.sixteen()) if to == "16 bits" else None
         if layer not in self._originals:  # its own format, which it returns to once quiet
             self._originals[layer] = module
