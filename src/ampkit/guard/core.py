@@ -152,7 +152,10 @@ class Guard(Record):
         self.events: list[GuardEvent] = []
         self.samples: list[tuple[int, dict[str, tuple[float, float, float]]]] = []  # (step, figures by layer)
         self.watch = layers.LayerWatch(model)
-        self.raises = Raises(model, self.watch, quiet_window, getattr(optimizer, "master_of", None))
+        self.attribution = Replay(model, self.watch, loss_fn, replay)
+        # the run's 16-bit dtype, as the replay noted the last training forward's region
+        self.raises = Raises(model, self.watch, quiet_window, getattr(optimizer, "master_of", None),
+                             self.attribution.sixteen)
         self.watch.sampling = sample_every > 0
         self.agreement = ranks.Agreement(process_group if process_group is not None
                                          else shard_group(sharded) if sharded is not None else None)
@@ -163,8 +166,6 @@ class Guard(Record):
         self._skips_in_a_row = 0
         self._refused_in_a_row = 0
         self._batches: list[Any] = [None]  # the last checked step's micro-batches
-        self.attribution = Replay(model, self.watch, loss_fn, replay)
-        self.raises.sixteen = self.attribution.sixteen  # the run's 16-bit dtype, as the last training forward ran
 
     def step(self, loss: torch.Tensor, batch: Any = None, batches: list[Any] | None = None) -> bool:
         """Check this step's loss, gradients and (on a sampled step) layers, after ``backward``; then take the

@@ -21,12 +21,14 @@ class Raises:
         watch: the guard's layer watch, which follows each layer's module through a raise and a return.
         quiet_window: the steps a raised layer runs quiet before it returns (None: never).
         master_of: a 16-bit parameter's float32 master (O2's optimizer's ``master_of``), or None.
+        sixteen: the run's 16-bit dtype, asked at a raise (``Replay.sixteen``), or None.
     """
 
     def __init__(self, model: nn.Module, watch: layers.LayerWatch, quiet_window: int | None,
-                 master_of: layers.MasterOf | None = None) -> None:
+                 master_of: layers.MasterOf | None = None,
+                 sixteen: Callable[[], torch.dtype | None] | None = None) -> None:
         self.model, self.watch, self.quiet_window, self.master_of = model, watch, quiet_window, master_of
-        self.sixteen: Callable[[], torch.dtype | None] = lambda: None  # the run's 16-bit dtype (the guard's replay)
+        self.sixteen = sixteen or (lambda: None)
         self.raised: dict[str, str] = {}
         self._originals: dict[str, nn.Module] = {}  # each raised layer's module before its first raise
         self._raised_at: dict[str, int] = {}  # each raised layer's step of its last raise
