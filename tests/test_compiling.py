@@ -154,6 +154,55 @@ def test_six_threads_each_under_its_own_policy_share_one_compiled_model_with_eag
                      3: (True, torch.float32), 4: (True, torch.bfloat16), 5: (True, torch.float32)}
 
 
+class _Two(nn.Module):
+    """Two linears called by name: a graph break at the second (its override wrapper) ends a graph of the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+@pytest.mark.skipif(not _torch.at_least(2, 13), reason="torch 2.11 tells no other thread that one compiles")
+def test_a_region_sets_its_override_wrappers_only_between_another_threads_compiles() -> None:
+    """Stop 80's CI failure on torch 2.15: a region set a module's wrapper while another thread compiled that
+    model, and dynamo's check of the guards it had just built failed ("Guard failed on the same frame it was
+    created", an AssertionError in the compiling thread). Made certain here: the compiling thread's backend
+    signals, then waits up to 2 s for the region's write, which now comes after the compile. (Taking a wrapper
+    off mid-compile failed no guard here: a graph guards nothing of the wrapper it breaks at. It waits too.)"""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = _Two(), torch.randn(8, 16)
+    overridden = CPU.with_modules("second", dtype=torch.float32)
+    compiling, written = threading.Event(), threading.Event()
+
+    def backend(graph: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Callable[..., Any]:
+        compiling.set()
+        written.wait(timeout=2)
+        return graph.forward
+
+    compiled = torch.compile(model, backend=backend)
+    found: list[Any] = []
+
+    def run() -> None:
+        try:
+            with autocast(CPU, model=model):
+                found.append(torch.equal(compiled(x), model(x)))
+        except Exception as error:  # noqa: BLE001 - the thread's failure is the test's finding
+            found.append(repr(error))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert compiling.wait(timeout=60)
+    with autocast(overridden, model=model):
+        written.set()
+        thread.join()
+    assert found == [True]
+    assert "forward" not in model.second.__dict__
+
+
 def test_a_model_compiled_under_a_module_override_compiles_once_over_ten_steps() -> None:
     """Issue 39: each region installed the override hooks anew, which failed dynamo's guard on the global hooks:
     8 graphs over 10 steps (the recompile limit, then eager; with inductor every step compiled again). Each region

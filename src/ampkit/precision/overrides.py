@@ -14,20 +14,29 @@ before each overridden module's call, and the module's own forward runs inside i
 graph of its own where dynamo compiles it (torch's own ``nn`` modules it compiles only inlined: they run eagerly;
 docs/compile.md lists the graphs). One wrapper object per module, kept while the module lives, so a compiled
 model's guards on its modules' attributes hold from one region to the next.
+
+A module's attribute set while another thread compiles that model fails dynamo's check of the guards it just
+built ("Guard failed on the same frame it was created", an AssertionError in the compiling thread). So a
+wrapper is set and taken off only while no thread compiles: ``torch.compiler.is_compiling()``, one flag for the
+process from torch 2.13 on, true in every thread while one compiles. torch 2.11 tells other threads nothing, and
+no public lock orders an attribute's write against a compile: there the race stays (docs/compile.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
+from ampkit import _torch
 from ampkit.precision import compiling
 from ampkit.precision.kernels import cast_tree, caster
 from ampkit.precision.policy import Policy
@@ -82,9 +91,22 @@ def matches(model: nn.Module, policy: Policy, *, root: bool = True) -> Matches:
     return found
 
 
+@contextlib.contextmanager
+def _between_compiles() -> Iterator[None]:
+    """Hold the wrappers' lock while no other thread compiles (waiting for one that does): their writes then
+    happen between compiles, as dynamo's guards need. The calling thread's own trace does not wait for itself."""
+    while True:
+        while torch.compiler.is_compiling() and not _torch.is_compiling():
+            time.sleep(0.001)
+        with _lock:
+            if not torch.compiler.is_compiling() or _torch.is_compiling():
+                yield
+                return
+
+
 def install(found: Matches) -> None:
     """Set each found module's forward to its wrapper (counted: regions in several threads may share one)."""
-    with _lock:
+    with _between_compiles():
         for module, _ in found.values():
             entry = _installed.get(id(module))
             if entry is not None:
@@ -98,7 +120,7 @@ def install(found: Matches) -> None:
 def uninstall(found: Matches) -> None:
     """Put back each found module's own forward after the last region using its wrapper, unless someone replaced
     the wrapper since (theirs stays)."""
-    with _lock:
+    with _between_compiles():
         for module, _ in found.values():
             entry = _installed[id(module)]
             entry[1] -= 1
