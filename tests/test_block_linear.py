@@ -254,7 +254,9 @@ def test_compiled_casts_of_many_formats_stay_compiled() -> None:
 def test_compiled_casts_give_the_eager_values_bit_for_bit(recipe: BlockScaledRecipe) -> None:
     """``compiled_casts`` (the default) fuses the quantization through torch.compile: every operand an emulated GEMM
     reads (NVFP4's tiles and stochastically rounded gradients included) is the eager cast's, bit for bit, on
-    random, eight-decade, tiny, huge and bfloat16 values of several shapes (one graph: dynamic shapes)."""
+    random, eight-decade, tiny, huge and bfloat16 values of several shapes (one graph: dynamic shapes). A bfloat16
+    operand and a transposed one (``transposed=True``, the backward's: converted and transposed inside the compiled
+    cast) give the float32 copy's and the transposed copy's values."""
     from ampkit.formats.block_linear import operand_values
 
     g = torch.Generator().manual_seed(0)
@@ -262,13 +264,18 @@ def test_compiled_casts_give_the_eager_values_bit_for_bit(recipe: BlockScaledRec
     step = torch.tensor(3)
     for x in (torch.randn(64, 256, generator=g), torch.randn(48, 96, generator=g) * torch.logspace(-4, 4, 96),
               torch.randn(32, 64, generator=g) * 1e-30, torch.randn(32, 64, generator=g) * 1e30,
-              torch.randn(40, 128, generator=g).bfloat16().float(), torch.randn(16, 32, generator=g).T):
+              torch.randn(40, 128, generator=g).bfloat16(), torch.randn(16, 32, generator=g).T):
         variants = [dict()]
         if recipe.format == "nvfp4":
             variants += [dict(tiles=True), dict(seed=5, step=step, stream=1, stochastic=True),
                          dict(seed=5, step=step, stream=0, stochastic=True, tiles=True)]
         for kwargs in variants:
             assert torch.equal(operand_values(x, recipe, **kwargs), operand_values(x, eager, **kwargs)), kwargs
+            assert torch.equal(operand_values(x, recipe, **kwargs), operand_values(x.float(), eager, **kwargs))
+            if x.dtype == torch.bfloat16:  # a graph of its own per dtype and transposition: compiled once here
+                transposed = operand_values(x.T.float().contiguous(), eager, **kwargs)
+                assert torch.equal(operand_values(x, recipe, transposed=True, **kwargs), transposed), kwargs
+                assert torch.equal(operand_values(x, eager, transposed=True, **kwargs), transposed), kwargs
             if kwargs.get("stochastic"):  # the draws of the cast itself (the native GEMM's backward takes them so)
                 draws = counter_draws(5, step, kwargs["stream"])
                 expected = quantize_nvfp4(x, -1, 16 if kwargs.get("tiles") else None, draws, True,

@@ -612,3 +612,16 @@ def test_the_nvfp4_ablation_settings_each_remove_one_part_of_the_recipe_and_plai
     for part in parts:
         assert on(f"nvfp4-no-{part}") == set(parts) - {part} and f"nvfp4-no-{part}" in PRECISIONS
     assert "nvfp4-plain" in PRECISIONS and BLOCK_RECIPES["nvfp4-plain"].format == "nvfp4"
+
+
+def test_block_scaled_formats_without_opt_levels_run_at_o1_alone_and_at_both_when_asked() -> None:
+    """Issue 68: ``compare --precision bf16 mxfp8 nvfp4`` ran seven runs, its emulated formats at O1 and O2 (272 s
+    on a 2-core machine, the issue's bound 240): the block-scaled formats run at O1 alone unless levels are given."""
+    def labels(**kwargs: Any) -> list[str]:
+        configs = settings.plan(model="gpt", precisions=["bf16", "mxfp8", "nvfp4"], computes=["native"], steps=2,
+                                **kwargs)
+        return [c.label for c in configs]
+
+    assert labels() == ["fp32", "bf16 O1", "bf16 O2", "mxfp8-rceil O1", "nvfp4 O1"]
+    assert labels(opt_levels=["O1", "O2"]) == ["fp32", "bf16 O1", "bf16 O2", "mxfp8-rceil O1", "mxfp8-rceil O2",
+                                               "nvfp4 O1", "nvfp4 O2"]

@@ -56,7 +56,8 @@ def add_parser(subparsers: argparse._SubParsersAction, line: str) -> None:
                         "pkg.module:factory")
     parser.add_argument("--data", default=None, help=f"{' | '.join(DATASETS)} (default: digits; text for gpt)")
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, help="mixed precisions to run")
-    parser.add_argument("--opt-level", nargs="+", choices=MIXED_LEVELS, help="opt levels of the mixed runs")
+    parser.add_argument("--opt-level", nargs="+", choices=MIXED_LEVELS,
+                        help="opt levels of the mixed runs (default: O1 and O2; O1 alone for the block-scaled formats)")
     parser.add_argument("--compute", nargs="+", choices=COMPUTE_MODES,
                         help="how the mixed runs' GEMMs compute (default: auto, native where measured faster here)")
     parser.add_argument("--loss-scale", nargs="+", choices=LOSS_SCALES,

@@ -60,6 +60,14 @@ def _check_choice(value: str, choices: Sequence[str], what: str) -> None:
         raise ValueError(f"Unknown {what} {value!r}. Choose from {list(choices)}.")
 
 
+def default_levels(precision: str) -> tuple[str, ...]:
+    """The opt levels a precision runs at where none are given: O1 and O2; a block-scaled format O1 alone. Its
+    emulated steps cost two to three times bf16's, the format changes only the linears, and what O2 does to the
+    rest of the model the 16-bit precisions' own O2 runs show: with O2 too, ``compare --precision bf16 mxfp8
+    nvfp4`` took 272 s on a 2-core machine, its own issue's bound 240 (``--opt-level O1 O2`` runs both)."""
+    return ("O1",) if precision in BLOCK_RECIPES else ("O1", "O2")
+
+
 def default_settings(device: torch.device) -> list[tuple[str, str]]:
     """The mixed settings the hardware supports: (precision, opt level) pairs."""
     if device.type == "cuda":
@@ -116,7 +124,8 @@ def plan(
     Unset options take the model's defaults (ResNet-18 and MLP: digits, batch 64,
     2 epochs, lr 2e-3; GPT: text, batch 32, 400 steps, lr 6e-3). ``precisions`` and
     ``opt_levels`` default to what the hardware supports (on a CPU: bf16 with O1
-    and O2; on CUDA: fp16 with O1 and O2, and bf16 too from compute capability 8.0).
+    and O2; on CUDA: fp16 with O1 and O2, and bf16 too from compute capability 8.0);
+    a block-scaled format given without ``opt_levels`` runs at O1 alone (``default_levels``).
     ``computes`` (default ``["auto"]``: native where the measured 16-bit kernels
     beat float32, else float32 GEMMs on 16-bit values) multiplies the settings.
 
@@ -254,7 +263,7 @@ def plan(
         settings = default_settings(parsed_device)
     else:
         mixed = [p for p in (precisions or ("bf16" if parsed_device.type == "cpu" else "fp16",)) if p != "fp32"]
-        settings = [(p, level) for p in mixed for level in (opt_levels or ("O1", "O2"))]
+        settings = [(p, level) for p in mixed for level in (opt_levels or default_levels(p))]
     if grad_accums and not any(OPT_LEVELS[level].weights_16bit for _, level in settings):
         raise ValueError(f"grad_accums={list(grad_accums)!r} applies to O2 and O3 runs only: add opt_levels=['O2'] "
                          "(16-bit weights; O1's weights and gradients are float32 already).")
