@@ -62,6 +62,9 @@ class Estimate:
         first_step_s: the float32 warm-up step here; each run's first step is as much slower than the
             others (at its setting's ratio to float32).
         evaluation_s: the part of ``run_s`` that is evaluation, all runs together.
+        report_s: writing the comparison's files.
+        first_extra_s: per mixed setting, what each of its runs' first step costs beyond float32's first step at
+            the setting's ratio (a compile: the block-scaled formats' casts), from its warm-up step here.
     """
 
     float32_step_s: float
@@ -74,6 +77,8 @@ class Estimate:
     first_step_s: float = 0.0
     evaluation_s: float = 0.0  # the runs' evaluations, in ``run_s`` (``compare`` revises the rest from the runs)
     report_s: float = 0.0  # writing results.json and the pictures, timed on stand-ins of the runs' shape
+    first_extra_s: dict[str, float] = dataclasses.field(default_factory=dict)  # per setting: in each of its runs'
+    # first step, beyond float32's first at the setting's ratio (a compile: the block-scaled formats' casts)
 
     @property
     def total_s(self) -> float:
@@ -122,7 +127,7 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
     try:
         with FlopCounterMode(display=False) as flops:
             first_s = step()[0]  # also the warm-up: a run's first step is as slow (it also counts what it saves)
-        setting_s, timed, first_extra_s = _time_in_turn(step, distinct, dataset, device, x, y, sync, say)
+        setting_s, timed, first_extra_s, warm_ups = _time_in_turn(step, distinct, dataset, device, x, y, sync, say)
     except ModelMistake:
         raise
     except Exception as error:  # the user's model on this data (torch's own ValueErrors too): one line
@@ -133,6 +138,10 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
         raise ValueError(f"The model from {first.model!r} failed on a batch of {first.data} (inputs "
                          f"{tuple(x.shape)}, {x.dtype}): {type(error).__name__}: {error}{hint}") from error
     step_s, forward_s = (statistics.median(times) for times in zip(*timed))
+    # Each setting's warm-up step beyond float32's first step at the setting's ratio: the block-scaled formats'
+    # compile of their casts (uncounted, compare's bf16 / MXFP8 / NVFP4 comparison took 1.4x its estimate).
+    for key, warm_up_s in warm_ups.items():
+        first_extra_s[key] = max(warm_up_s - first_s * setting_s[key] / step_s, 0.0)
     compile_s = 0.0
     compiled = [c for c in configs if c.compiled]
     if compiled:  # one compile of the float32 model, as the compiled runs will do theirs
@@ -175,7 +184,7 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
         runs.append(train + evaluation)
         evaluations.append(evaluation)
     return Estimate(step_s, forward_s, startup, runs, speedups, compile_s, setting_s, first_s, sum(evaluations),
-                    _report_s(configs))
+                    _report_s(configs), first_extra_s)
 
 
 def _report_s(configs: list[RunConfig]) -> float:
@@ -210,13 +219,15 @@ def _setting(config: RunConfig) -> str:
 
 def _time_in_turn(step: Callable[[], tuple[float, float]], distinct: dict[str, RunConfig], dataset: data_mod.Dataset,
                   device: torch.device, x: torch.Tensor, y: torch.Tensor, sync: Callable[[], None],
-                  say: Callable[[str], None]) -> tuple[dict[str, float], list[tuple[float, float]], dict[str, float]]:
+                  say: Callable[[str], None]) -> tuple[dict[str, float], list[tuple[float, float]], dict[str, float],
+                                                     dict[str, float]]:
     """Each mixed setting's step time (after a warm-up step of its own model), float32's timed steps (time,
-    forward), and per setting whose first step was slow and its second not, the first step's extra time (a
-    compile): ``ESTIMATE_STEPS`` rounds of a step each, in turn as the runs take their steps (each run's step
-    follows the others', whose tensors then fill the caches), the order reversed every other round."""
+    forward), per setting whose first step was slow and its second not, the first step's extra time (a compile),
+    and per other setting its warm-up step's time: ``ESTIMATE_STEPS`` rounds of a step each, in turn as the runs
+    take their steps (each run's step follows the others', whose tensors then fill the caches), the order reversed
+    every other round."""
     steppers: dict[str, Callable[[], tuple[float, float]]] = {"fp32": step}
-    setting_s, first_extra_s = {}, {}
+    setting_s, first_extra_s, warm_ups = {}, {}, {}
     for key, config in distinct.items():
         say(f"planning: a first step of {config.label}")
         stepper = _setting_stepper(config, dataset, device, x, y, sync)
@@ -227,6 +238,8 @@ def _time_in_turn(step: Callable[[], tuple[float, float]], distinct: dict[str, R
                 setting_s[key] = second_s
                 continue
             first_extra_s[key] = warm_up_s - second_s  # each of the setting's runs pays it once
+        else:
+            warm_ups[key] = warm_up_s
         steppers[key] = stepper
     names = ["fp32", *(distinct[key].label for key in steppers if key != "fp32")]
     say(f"planning: timing {ESTIMATE_STEPS} steps of {', '.join(names)}, in turn")
@@ -236,7 +249,7 @@ def _time_in_turn(step: Callable[[], tuple[float, float]], distinct: dict[str, R
             timed[key].append(steppers[key]())
     float32 = timed.pop("fp32")
     setting_s |= {key: statistics.median(t for t, _ in times) for key, times in timed.items()}
-    return setting_s, float32, first_extra_s
+    return setting_s, float32, first_extra_s, warm_ups
 
 
 def _setting_stepper(config: RunConfig, dataset: data_mod.Dataset, device: torch.device, x: torch.Tensor,
