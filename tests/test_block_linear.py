@@ -14,8 +14,8 @@ from torch import nn
 
 import ampkit
 from ampkit import BlockScaledRecipe, fake_quantize
-from ampkit.formats.block_linear import BlockScaledLinear, convert_to_block_scaled, hadamard_16
-from ampkit.formats.block_scaled import _hash32, counter_draws, quantize_nvfp4, round_e2m1
+from ampkit.formats.block_linear import BlockScaledLinear, convert_to_block_scaled, random_hadamard
+from ampkit.formats.block_scaled import _hash32, counter_draws, quantize_mx, quantize_nvfp4, round_e2m1
 
 
 def _layer(recipe: BlockScaledRecipe, seed: int = 0) -> tuple[BlockScaledLinear, torch.Tensor, torch.Tensor]:
@@ -50,7 +50,7 @@ def test_nvfp4_uses_one_tiled_weight_for_both_gemms_and_a_hadamard_transform_for
     tiled = fake_quantize(w, "nvfp4", tile=16)
     assert torch.equal(out, fake_quantize(x.detach(), "nvfp4") @ tiled.T)
     assert torch.equal(x.grad, fake_quantize(g, "nvfp4") @ tiled)
-    t = hadamard_16(recipe.hadamard_seed)
+    t = random_hadamard(recipe.hadamard_seed)
     assert torch.allclose(t @ t.T, torch.eye(16), atol=1e-6)  # orthogonal: g^T x is unchanged before quantizing
 
     def along_tokens(a: torch.Tensor) -> torch.Tensor:
@@ -153,7 +153,11 @@ def test_conversion_keeps_first_last_named_and_ragged_linears_with_the_reason() 
     ({"format": "mxfp6"}, r"format='mxfp6'\) is invalid: choose one of \['mxfp8', 'mxfp4', 'nvfp4'\]"),
     ({"format": "mxfp4", "element": "e5m2"}, "'e4m3' or 'e5m2', for mxfp8"),
     ({"format": "nvfp4", "scale_mode": "rceil"}, "NVFP4's scales are E4M3 values"),
-    ({"format": "mxfp8", "hadamard": True}, r"hadamard=True\) is part of the NVFP4 recipe"),
+    ({"format": "mxfp8", "hadamard": True}, r"hadamard=True\) is part of the nvfp4 and mxfp4 recipes"),
+    ({"format": "mxfp4", "weight_tiles": True}, r"weight_tiles=True\) is part of the nvfp4 recipe"),
+    ({"format": "mxfp4", "hadamard": True, "gemm": print}, "with hadamard: the 16-bit forward and MXFP4's recipe"),
+    ({"quantize_forward": False, "gemm": print}, "with quantize_forward=False: the 16-bit forward"),
+    ({"quantize_forward": 0}, r"quantize_forward=0\) is not a bool"),
     ({"format": "nvfp4", "weight_tiles": "yes"}, "is not a bool"),
     ({"keep": "lm_head"}, "must be a tuple of name patterns"),
     ({"gemm": 3}, "is not callable"),
@@ -207,10 +211,83 @@ def test_a_gpt_trains_a_few_steps_in_each_format_with_finite_losses() -> None:
     from ampkit.experiment.config import RunConfig
     from ampkit.experiment.training import execute
 
-    for precision in ("mxfp8", "mxfp4", "nvfp4", "nvfp4-4over6"):
+    for precision in ("mxfp8", "mxfp4", "mxfp4-recipe", "nvfp4", "nvfp4-4over6"):
         result = execute(RunConfig(model="gpt", data="text", precision=precision, opt_level="O1", steps=4,
                                    batch_size=4))
         assert all(math.isfinite(loss) for loss in result.losses), precision
+
+
+def _mx_dithered_reference(x: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Tseng et al.'s stochastically rounded MXFP4 (amazon-science/mxfp4-llm, microxcaling's ``dither_scale``),
+    written out from its formula: per block of 32, e = floor(log2(amax)) - 2 (E2M1's largest exponent), the block
+    as 3 x / 2**(e+2), each value rounded up to the next E2M1 grid value with probability its distance from the one
+    below over their gap (``draws`` < that), then x 2**(e+2) / 3."""
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    blocks, u = x.reshape(-1, 32), draws.reshape(-1, 32)
+    e = torch.floor(torch.log2(blocks.abs().amax(-1, keepdim=True))) - 2
+    a = 3 * blocks / 2 ** (e + 2)
+    below = grid[torch.searchsorted(grid, a.abs(), right=True) - 1]
+    above = grid[torch.clamp(torch.searchsorted(grid, a.abs(), right=True), max=7)]
+    gap = torch.where(above > below, above - below, torch.ones_like(below))
+    rounded = torch.where(u < (a.abs() - below) / gap, above, below)
+    return (torch.copysign(rounded, a) * 2 ** (e + 2) / 3).reshape(x.shape)
+
+
+def test_mxfp4_stochastic_rounding_is_tseng_et_al_s_dithered_rounding_and_unbiased_where_floor_clips() -> None:
+    """The MXFP4 recipe's stochastic rounding scales each block by 3/4 first: the spec's FLOOR scale maps a
+    block's largest value up to 8, past E2M1's 6, where rounding clips (biased). Bit for bit against the formula
+    written out above on the same draws; over 4,000 draws a block whose largest value FLOOR clips (7.9 x its
+    scale) decodes to its own values on average, where rounding at the unscaled block's scale falls short."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=g) * torch.logspace(-3, 3, 64)
+    draws = torch.rand(8, 64, generator=g)
+    got = quantize_mx(x, "e2m1", generator=lambda shape: draws.reshape(shape), stochastic=True).values
+    assert torch.equal(got, _mx_dithered_reference(x, draws))
+    block = torch.linspace(-1.0, 7.9, 32)  # amax 7.9: FLOOR's scale is 1, its 7.9 past E2M1's 6
+    draws = torch.rand(4000, 32, generator=g)
+    dithered = quantize_mx(block.expand(4000, 32), "e2m1", generator=lambda shape: draws.reshape(shape),
+                           stochastic=True).values.mean(0)
+    assert (dithered - block).abs().max() < 0.1
+    clipped = round_e2m1(block.expand(4000, 32), lambda shape: draws.reshape(shape), stochastic=True).mean(0)
+    assert block[-1] - clipped[-1] > 1.5  # 7.9 rounded at the unscaled block's scale: 6, always
+
+
+def test_the_mxfp4_recipe_computes_the_forward_in_16_bits_and_an_unbiased_mxfp4_backward() -> None:
+    """``compare``'s ``mxfp4-recipe`` (Tseng et al.): the forward is the model's own 16-bit linear (bfloat16
+    operands, float32 sums); each backward GEMM's operands go through the 64x64 random Hadamard transform along
+    its reduction dimension (a transform of both that leaves their product: with it alone, each gradient equals
+    the plain MXFP4 GEMM of the transformed operands) and round stochastically, so over 200 steps the gradients
+    average to the exact ones (within 2%) though each one is further from them (over 10%) than nearest
+    rounding's."""
+    from ampkit.formats.block_linear import _hadamard_columns, _hadamard_rows
+    from ampkit.formats.recipes import MXFP4_RECIPE
+
+    torch.manual_seed(0)
+    linear, x = nn.Linear(128, 96), torch.randn(48, 128, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = BlockScaledLinear.from_linear(linear, MXFP4_RECIPE)(x)
+    x16, w16 = x.detach().bfloat16().float(), linear.weight.detach().bfloat16().float()
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, ((x16 @ w16.T).bfloat16() + linear.bias.bfloat16()))
+    g = torch.randn(48, 96)
+    exact = torch.autograd.grad(linear(x), (x, linear.weight), g)
+
+    def grads(recipe: BlockScaledRecipe) -> tuple[torch.Tensor, ...]:
+        return torch.autograd.grad(BlockScaledLinear.from_linear(linear, recipe)(x), (x, linear.weight), g)
+
+    rotated = dataclasses.replace(MXFP4_RECIPE, stochastic_gradients=False)
+    t, mx = random_hadamard(0, 64), (lambda a: quantize_mx(a, "e2m1").values)
+    w = linear.weight.detach()
+    assert torch.equal(grads(rotated)[0], mx(_hadamard_columns(g, t)) @ mx(_hadamard_columns(w.T, t)).T)
+    assert torch.equal(grads(rotated)[1], mx(_hadamard_rows(g, t).T) @ mx(_hadamard_rows(x.detach(), t).T).T)
+    layer = BlockScaledLinear.from_linear(linear, MXFP4_RECIPE)
+    total = [torch.zeros_like(e) for e in exact]
+    for step in range(200):
+        each = torch.autograd.grad(layer(x), (x, linear.weight), g)
+        total = [a + b for a, b in zip(total, each)]
+        if step == 0:
+            assert all((a - e).norm() / e.norm() > 0.1 for a, e in zip(each, exact))
+    assert all((a / 200 - e).norm() / e.norm() < 0.02 for a, e in zip(total, exact))
 
 
 def test_compiled_casts_of_many_formats_stay_compiled() -> None:
@@ -249,7 +326,8 @@ def test_compiled_casts_of_many_formats_stay_compiled() -> None:
 
 
 @pytest.mark.parametrize("recipe", [BlockScaledRecipe("mxfp8"), BlockScaledRecipe("mxfp8", "e5m2", "rceil"),
-                                    BlockScaledRecipe("mxfp4"), BlockScaledRecipe("nvfp4"),
+                                    BlockScaledRecipe("mxfp4"), BlockScaledRecipe("mxfp4", stochastic_gradients=True),
+                                    BlockScaledRecipe("nvfp4"),
                                     BlockScaledRecipe("nvfp4", four_over_six=True)], ids=lambda r: r.label)
 def test_compiled_casts_give_the_eager_values_bit_for_bit(recipe: BlockScaledRecipe) -> None:
     """``compiled_casts`` (the default) fuses the quantization through torch.compile: every operand an emulated GEMM
@@ -269,6 +347,8 @@ def test_compiled_casts_give_the_eager_values_bit_for_bit(recipe: BlockScaledRec
         if recipe.format == "nvfp4":
             variants += [dict(tiles=True), dict(seed=5, step=step, stream=1, stochastic=True),
                          dict(seed=5, step=step, stream=0, stochastic=True, tiles=True)]
+        elif recipe.stochastic_gradients:  # MXFP4's recipe: blocks at 3/4 of their scale, rounded stochastically
+            variants += [dict(seed=5, step=step, stream=3, stochastic=True)]
         for kwargs in variants:
             assert torch.equal(operand_values(x, recipe, **kwargs), operand_values(x, eager, **kwargs)), kwargs
             assert torch.equal(operand_values(x, recipe, **kwargs), operand_values(x.float(), eager, **kwargs))
@@ -278,7 +358,8 @@ def test_compiled_casts_give_the_eager_values_bit_for_bit(recipe: BlockScaledRec
                 assert torch.equal(operand_values(x, eager, transposed=True, **kwargs), transposed), kwargs
             if kwargs.get("stochastic"):  # the draws of the cast itself (the native GEMM's backward takes them so)
                 draws = counter_draws(5, step, kwargs["stream"])
-                expected = quantize_nvfp4(x, -1, 16 if kwargs.get("tiles") else None, draws, True,
-                                          recipe.four_over_six).values
+                expected = (quantize_nvfp4(x, -1, 16 if kwargs.get("tiles") else None, draws, True,
+                                           recipe.four_over_six).values if recipe.format == "nvfp4"
+                            else quantize_mx(x, "e2m1", generator=draws, stochastic=True).values)
                 assert torch.equal(operand_values(x, recipe, **kwargs), expected), kwargs
 

@@ -274,3 +274,23 @@ def test_batches_from_a_generator_tune_as_the_same_list() -> None:
     assert [(l.name, l.format) for l in generated.layers] == [(l.name, l.format) for l in listed.layers]
     with pytest.raises(ValueError, match=r"batches=int is not a sequence of \(input, target\) pairs: pass a list"):
         ampkit.tune(model(), 8)  # type: ignore[arg-type]
+
+
+def test_tune_measures_the_mxfp4_recipe_as_compare_runs_it() -> None:
+    """Issue 68: ``tune`` and ``compare`` know MXFP4's recipe (a 16-bit forward, an MXFP4 backward: Tseng et al.),
+    the same recipe in both. ``tune`` measures each candidate linear in it; emulated here, it saves no time, so
+    each is kept with that reason; a linear lowered to it is a block-scaled one in the recipe."""
+    from ampkit.experiment.config import BLOCK_RECIPES
+    from ampkit.formats.block_linear import BlockScaledLinear
+    from ampkit.formats.recipes import MXFP4_RECIPE
+    from ampkit.planning.precision_plan import LOWER, lower_linear
+
+    assert BLOCK_RECIPES["mxfp4-recipe"] == LOWER["mxfp4-recipe"] == MXFP4_RECIPE
+    assert MXFP4_RECIPE.label == "mxfp4-floor-sr-hadamard-fwd16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = ampkit.tune(_gpt(planted=False), _batches(), formats=("mxfp4-recipe", "bf16"), tolerance=0.05)
+    measured = [layer for layer in plan.layers if "mxfp4-recipe" in layer.loss_change]
+    assert len(measured) >= 4 and all("mxfp4-recipe" in layer.why for layer in measured), plan.layers
+    lowered = lower_linear(nn.Linear(64, 64), "mxfp4-recipe")
+    assert isinstance(lowered, BlockScaledLinear) and lowered.recipe == MXFP4_RECIPE

@@ -9,13 +9,14 @@ import dataclasses
 
 import torch
 
-from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe
+from ampkit.formats.recipes import MXFP4_RECIPE, BlockScaledRecipe, Fp8Recipe
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import resolve_dtype
 from ampkit.precision.decide import GEMM_OPS, float32_classes
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current", "mxfp8", "mxfp8-floor", "mxfp4", "mxfp4-rceil", "nvfp4",
-              "nvfp4-no-tiles", "nvfp4-no-sr", "nvfp4-no-hadamard", "nvfp4-no-kept", "nvfp4-plain", "nvfp4-4over6")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current", "mxfp8", "mxfp8-floor", "mxfp4", "mxfp4-rceil",
+              "mxfp4-recipe", "nvfp4", "nvfp4-no-tiles", "nvfp4-no-sr", "nvfp4-no-hadamard", "nvfp4-no-kept",
+              "nvfp4-plain", "nvfp4-4over6")
 LOSS_SCALES = ("auto", "none", "static", "dynamic", "adaptive")
 GRAD_ACCUMS = ("fp32", "bf16", "fp16")  # compare --grad-accum: what O2/O3 gradients accumulate in
 # compare --compile: eager runs, compiled runs, each setting both ways, or compiled runs whose steps replay as CUDA
@@ -35,6 +36,7 @@ BLOCK_RECIPES = {name: BlockScaledRecipe(name) for name in ("mxfp4", "nvfp4")} |
     "mxfp8": BlockScaledRecipe("mxfp8", scale_mode="rceil"),
     "mxfp8-floor": BlockScaledRecipe("mxfp8"),
     "mxfp4-rceil": BlockScaledRecipe("mxfp4", scale_mode="rceil"),
+    "mxfp4-recipe": MXFP4_RECIPE,
     "nvfp4-no-tiles": BlockScaledRecipe("nvfp4", weight_tiles=False),
     "nvfp4-no-sr": BlockScaledRecipe("nvfp4", stochastic_gradients=False),
     "nvfp4-no-hadamard": BlockScaledRecipe("nvfp4", hadamard=False),

@@ -10,6 +10,10 @@ block-scaled tensor cores require:
   Hadamard transform of both along the tokens, which leaves ``g^T x`` unchanged in exact arithmetic and
   spreads outliers over 16 values; NVFP4's gradients round stochastically).
 
+MXFP4's recipe (Tseng et al., arXiv 2502.20586) transforms both backward GEMMs' operands (64x64, along each
+GEMM's reduction dimension) and rounds all four stochastically, blocks at 3/4 of their scale; with
+``quantize_forward=False`` the forward is the model's own 16-bit linear.
+
 Each GEMM runs in float32 on the decoded values (``recipe.gemm`` plugs in a native kernel instead), so the
 numerics are the format's on any machine, at emulation's cost. Bias, activations and everything outside
 the linears stay in the dtype the rest of the model runs in.
@@ -40,22 +44,30 @@ from ampkit.formats.recipes import (
 from ampkit.modes import without_autocast
 
 
-def hadamard_16(seed: int) -> torch.Tensor:
-    """A 16x16 orthogonal random Hadamard transform: Sylvester's Hadamard matrix / 4, columns signed at random
-    (fixed by ``seed``)."""
+def random_hadamard(seed: int, size: int = 16) -> torch.Tensor:
+    """A ``size`` x ``size`` (a power of two; 16 by default) orthogonal random Hadamard transform: Sylvester's
+    Hadamard matrix / sqrt(size), columns signed at random (fixed by ``seed``)."""
     h = torch.ones(1, 1)
-    while h.shape[0] < 16:
+    while h.shape[0] < size:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    signs = torch.randint(0, 2, (16,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
-    return h * signs / 4.0
+    signs = torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    return h * signs / size**0.5
 
 
 def _hadamard_rows(t: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
-    """``transform`` applied to each block of 16 rows of 2-D ``t`` (zero rows pad the last block)."""
-    pad = (-t.shape[0]) % 16
-    padded = torch.nn.functional.pad(t, (0, 0, 0, pad))
-    blocks = padded.reshape(-1, 16, t.shape[1])
+    """``transform`` applied to each block of its size's rows of 2-D ``t`` (zero rows pad the last block)."""
+    n = transform.shape[0]
+    padded = torch.nn.functional.pad(t, (0, 0, 0, (-t.shape[0]) % n))
+    blocks = padded.reshape(-1, n, t.shape[1])
     return torch.matmul(transform.to(t.device), blocks).reshape(-1, t.shape[1])
+
+
+def _hadamard_columns(t: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
+    """``transform`` applied to each block of its size's columns of 2-D ``t`` (zero columns pad the last block:
+    two operands transformed alike keep their product, ``(a H^T)(b H^T)^T = a b^T``)."""
+    n = transform.shape[0]
+    padded = torch.nn.functional.pad(t, (0, (-t.shape[1]) % n))
+    return (padded.reshape(t.shape[0], -1, n) @ transform.to(t.device).T).reshape(t.shape[0], -1)
 
 
 def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, generator: torch.Generator | Draws | None = None,
@@ -64,7 +76,7 @@ def quantize_operand(t: torch.Tensor, recipe: BlockScaledRecipe, generator: torc
     if recipe.format == "nvfp4":
         return quantize_nvfp4(t, -1, 16 if tiles else None, generator, stochastic, recipe.four_over_six)
     element = recipe.element if recipe.format == "mxfp8" else MX_ELEMENTS[recipe.format]
-    return quantize_mx(t, element, -1, recipe.block, recipe.scale_mode)
+    return quantize_mx(t, element, -1, recipe.block, recipe.scale_mode, generator, stochastic)
 
 
 def _operand_values(t: torch.Tensor, format: str, element: str, block: int, mode: str, tiles: bool,
@@ -74,10 +86,10 @@ def _operand_values(t: torch.Tensor, format: str, element: str, block: int, mode
     GEMM reads: what ``torch.compile`` fuses, the conversion and the transposition's copy with the cast. ``draws``:
     stochastic rounding's draws for the operand's blocks (``_draw_values``), flat."""
     t = t.float().T if transposed else t.float()
+    generator = (lambda shape: draws.reshape(shape)) if draws is not None else None
     if format == "nvfp4":
-        generator = (lambda shape: draws.reshape(shape)) if draws is not None else None
         return quantize_nvfp4(t, -1, 16 if tiles else None, generator, stochastic, four_over_six).values
-    return quantize_mx(t, element, -1, block, mode).values
+    return quantize_mx(t, element, -1, block, mode, generator, stochastic).values
 
 
 def _draw_values(seed: torch.Tensor, step: torch.Tensor, stream: int, count: int) -> torch.Tensor:
@@ -129,9 +141,10 @@ def operand_values(t: torch.Tensor, recipe: BlockScaledRecipe, seed: int = 0, st
     if transposed and recipe.format == "mxfp4":  # inductor's MXFP4 cast of a transposed read: 0.99 ms on a 2048x128
         t, transposed = t.T.contiguous(), False  # bf16 operand, against 0.53 ms with this copy first (0.35 MXFP8)
     draws = None
-    if recipe.format == "nvfp4" and stochastic and step is not None:
+    if stochastic and step is not None:
         rows, cols = t.shape[::-1] if transposed else t.shape
-        count = (-(-rows // 16) * 16 if tiles else rows) * -(-cols // 16) * 16  # the padded blocks' elements
+        block = recipe.block
+        count = (-(-rows // 16) * 16 if tiles else rows) * -(-cols // block) * block  # the padded blocks' elements
         seed_tensor = torch.tensor(seed, dtype=torch.int64, device=t.device)
         draws = (_draw_values(seed_tensor, step, stream, count) if eager
                  else _call(_draw_values, (stream,), seed_tensor, step, stream, count))
@@ -156,7 +169,13 @@ class _BlockScaledMatmul(torch.autograd.Function):
         recipe = module.recipe
         x2 = x.reshape(-1, x.shape[-1])
         tiles = bool(recipe.format == "nvfp4" and recipe.weight_tiles)
-        if recipe.gemm is not None:  # a native kernel takes the quantized operands themselves
+        dtype = x.dtype
+        if not recipe.quantize_forward:  # the model's own linear: 16-bit operands (autocast's, else x's), float32 sums
+            if torch.is_autocast_enabled(x.device.type):
+                dtype = torch.get_autocast_dtype(x.device.type)
+            out = x2.to(dtype).float() @ weight.to(dtype).float().T
+            ctx.tiled = None
+        elif recipe.gemm is not None:  # a native kernel takes the quantized operands themselves
             w = quantize_operand(weight.float(), recipe, tiles=tiles)
             out = _gemm(quantize_operand(x2.float(), recipe), w, recipe)
             ctx.tiled = w.values if tiles else None
@@ -166,7 +185,7 @@ class _BlockScaledMatmul(torch.autograd.Function):
             ctx.tiled = w_values if tiles else None
         ctx.save_for_backward(x, weight, step)
         ctx.module = module
-        return out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+        return out.reshape(*x.shape[:-1], weight.shape[0]).to(dtype)
 
     @staticmethod
     @without_autocast  # float32 GEMMs, also where torch.compile traces this under the forward's autocast state
@@ -178,6 +197,9 @@ class _BlockScaledMatmul(torch.autograd.Function):
         stochastic = step is not None
         if recipe.gemm is not None:
             return _native_backward(ctx, x, weight, x2.float(), g2.float(), step)
+        if recipe.format == "mxfp4" and (recipe.hadamard or recipe.stochastic_gradients):
+            grad_x, grad_w = _mxfp4_backward(module, x2, g2, weight, step)
+            return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(weight.dtype), None, None
         # Input gradient: reduction over the output features. The tiled weight's transpose is its tiles'.
         wt = ctx.tiled.T if ctx.tiled is not None else operand_values(weight, recipe, transposed=True)
         grad_x = operand_values(g2, recipe, module.seed, step, 0, stochastic) @ wt.T
@@ -187,6 +209,27 @@ class _BlockScaledMatmul(torch.autograd.Function):
         grad_w = (operand_values(g2, recipe, module.seed, step, 1, stochastic, transposed=True)
                   @ operand_values(x2, recipe, transposed=True).T)
         return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(weight.dtype), None, None
+
+
+def _mxfp4_backward(module: BlockScaledLinear, x2: torch.Tensor, g2: torch.Tensor, weight: torch.Tensor,
+                    step: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tseng et al.'s MXFP4 backward (arXiv 2502.20586; amazon-science/mxfp4-llm): both GEMMs' operands through
+    the random Hadamard transform along the reduction dimension (``hadamard``) and stochastically rounded, each
+    block at 3/4 of its scale (``stochastic_gradients``; streams 0 and 2 the input gradient's, 1 and 3 the weight
+    gradient's). Returns the input gradient (2-D) and the weight gradient."""
+    recipe, seed = module.recipe, module.seed
+    stochastic = step is not None
+    g, wt = g2.float(), weight.float().T  # the input gradient g W: reduction over the output features
+    if recipe.hadamard:
+        g, wt = _hadamard_columns(g, module.transform), _hadamard_columns(wt, module.transform)
+    grad_x = (operand_values(g, recipe, seed, step, 0, stochastic)
+              @ operand_values(wt, recipe, seed, step, 2, stochastic).T)
+    g, x = g2, x2  # the weight gradient g^T x: reduction over the tokens, transposed inside the casts
+    if recipe.hadamard:
+        g, x = _hadamard_rows(g2.float(), module.transform), _hadamard_rows(x2.float(), module.transform)
+    grad_w = (operand_values(g, recipe, seed, step, 1, stochastic, transposed=True)
+              @ operand_values(x, recipe, seed, step, 3, stochastic, transposed=True).T)
+    return grad_x, grad_w
 
 
 def _native_backward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, g2: torch.Tensor,
@@ -277,14 +320,14 @@ class BlockScaledLinear(nn.Linear):
 
     def _init_recipe(self, recipe: BlockScaledRecipe, seed: int) -> None:
         self.recipe, self.seed = recipe, seed
-        self.transform = hadamard_16(recipe.hadamard_seed)
+        self.transform = random_hadamard(recipe.hadamard_seed, recipe.hadamard_size)
         # Training forwards so far: which draws this step's stochastic rounding takes (not saved with the model).
         self.register_buffer("draws_step", torch.zeros((), dtype=torch.int64, device=self.weight.device),
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         step = None
-        if self.recipe.format == "nvfp4" and self.recipe.stochastic_gradients and torch.is_grad_enabled():
+        if self.recipe.stochastic_gradients and torch.is_grad_enabled():
             step = _next_count(self.draws_step)  # this forward's count, then the buffer's
             self.draws_step.copy_(step)
         weight = self.weight.t() if self.transposed else self.weight

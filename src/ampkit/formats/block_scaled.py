@@ -210,7 +210,9 @@ def quantize_mx(x: torch.Tensor, element: str = "e4m3", axis: int = -1, block: i
         block: elements per block (the spec's 32).
         mode: ``"floor"`` (the spec's) or ``"rceil"``.
         generator: stochastic rounding's random draws (a ``torch.Generator`` or ``Draws``).
-        stochastic: stochastic rounding of E2M1 elements.
+        stochastic: stochastic rounding of E2M1 elements, unbiased: each block scaled by 3/4 first (Tseng et al.,
+            arXiv 2502.20586, its code's ``dither_scale``: the FLOOR scale maps a block's largest value up to 8,
+            past E2M1's 6, where rounding clips), so its scale is ``2**e * 4/3``.
 
     Returns:
         ``Quantized``: ``.values`` are the decoded float32 values.
@@ -221,9 +223,15 @@ def quantize_mx(x: torch.Tensor, element: str = "e4m3", axis: int = -1, block: i
     e = mx_scale_exponent(amax, element, mode)
     scaled = torch.ldexp(blocks, -torch.nan_to_num(e, nan=0.0))  # exact: a power of two
     scaled = torch.where(torch.isnan(e), torch.full_like(scaled, math.nan), scaled)
-    elements = round_element(scaled, element, generator, stochastic)
-    decoded = elements * torch.exp2(e)
-    return Quantized(_unblocks(decoded, pad, axis), _unblocks(elements, pad, axis), torch.exp2(e).squeeze(-1),
+    if stochastic:  # 3/4 of the block: below 6 (FLOOR) or at most 4.5 (RCEIL), never clipped; as Tseng et al.'s
+        # code computes it: 3 x / 2**(e+2), and back by x 2**(e+2) / 3
+        scaled = torch.where(torch.isnan(e), scaled, 3 * torch.ldexp(blocks, -torch.nan_to_num(e, nan=0.0) - 2))
+        elements = round_element(scaled, element, generator, stochastic)
+        decoded, scale = elements * torch.exp2(e + 2) / 3, torch.exp2(e + 2) / 3
+    else:
+        elements = round_element(scaled, element, generator, stochastic)
+        decoded, scale = elements * torch.exp2(e), torch.exp2(e)
+    return Quantized(_unblocks(decoded, pad, axis), _unblocks(elements, pad, axis), scale.squeeze(-1),
                      torch.ones((), device=x.device), (scaled.abs() > element_type(element)[0]).any(-1),
                      _block_range(blocks), _unblocks((blocks != 0) & (decoded == 0), pad, axis))
 

@@ -91,9 +91,16 @@ class BlockScaledRecipe:
         scale_mode: MX formats: ``"floor"`` (default, the OCP spec's) or ``"rceil"`` (no element saturates).
         weight_tiles: NVFP4: 16x16 weight blocks (default: True for NVFP4; the MX formats have none), so
             that the forward and the input gradient see the same quantized weight.
-        stochastic_gradients: NVFP4: stochastic rounding of the output gradients (default: True for NVFP4).
-        hadamard: NVFP4: a random Hadamard transform (16x16, random signs) of the weight-gradient GEMM's
-            operands along the tokens (default: True for NVFP4); ``hadamard_seed`` fixes the signs (default 0).
+        stochastic_gradients: stochastic rounding in the backward (default: True for NVFP4, False for MX). NVFP4:
+            of the output gradients. MXFP4 (Tseng et al., arXiv 2502.20586): of both operands of both backward
+            GEMMs, each block scaled by 3/4 first so that no element clips (the spec's FLOOR scale maps a block's
+            largest value up to 8, past E2M1's 6), the decoded values scaled back.
+        hadamard: a random Hadamard transform (random signs, fixed by ``hadamard_seed``, default 0) along the
+            reduction dimension. NVFP4: 16x16, of the weight-gradient GEMM's operands (default: True). MXFP4:
+            64x64 (Tseng et al.'s default block), of both backward GEMMs' operands (default: False).
+        quantize_forward: the forward GEMM on block-scaled operands (default True); False computes it as the
+            model's own linear (16-bit operands, float32 accumulation) and quantizes the backward alone (Tseng et
+            al.'s MXFP4 recipe: BF16 forward, MXFP4 backward).
         four_over_six: NVFP4: each block scaled so that its amax maps to 6 or to 4, whichever decodes with the
             smaller squared error (Four Over Six, arXiv 2512.02010; default False, as Transformer Engine's recipe).
         keep: name patterns (``fnmatch``) of linears kept in 16 bits.
@@ -116,6 +123,7 @@ class BlockScaledRecipe:
     hadamard: bool | None = None
     hadamard_seed: int = 0
     four_over_six: bool = False
+    quantize_forward: bool = True
     keep: tuple[str, ...] = ()
     keep_first_last: bool | None = None
     gemm: object = dataclasses.field(default=None, compare=False)
@@ -130,14 +138,15 @@ class BlockScaledRecipe:
         if self.scale_mode not in ("floor", "rceil") or (self.format == "nvfp4" and self.scale_mode != "floor"):
             raise ValueError(f"BlockScaledRecipe(scale_mode={self.scale_mode!r}) is invalid: 'floor' or 'rceil', for "
                              "the MX formats (NVFP4's scales are E4M3 values, not powers of two).")
-        nvfp4_parts = ("weight_tiles", "stochastic_gradients", "hadamard")
-        for name in (*nvfp4_parts, "keep_first_last"):
+        parts = {"weight_tiles": ("nvfp4",), "stochastic_gradients": ("nvfp4", "mxfp4"),
+                 "hadamard": ("nvfp4", "mxfp4")}
+        for name in (*parts, "keep_first_last"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or value is None):
                 raise ValueError(f"BlockScaledRecipe({name}={value!r}) is not a bool: pass True or False.")
-            if name in nvfp4_parts and self.format != "nvfp4" and value:
-                raise ValueError(f"BlockScaledRecipe({name}=True) is part of the NVFP4 recipe: drop it for "
-                                 f"format={self.format!r}.")
+            if value and self.format not in parts.get(name, BLOCK_FORMATS):
+                raise ValueError(f"BlockScaledRecipe({name}=True) is part of the {' and '.join(parts[name])} "
+                                 f"recipe{'s' if len(parts[name]) > 1 else ''}: drop it for format={self.format!r}.")
             if value is None:
                 object.__setattr__(self, name, self.format == "nvfp4")
         if not isinstance(self.four_over_six, bool) or (self.four_over_six and self.format != "nvfp4"):
@@ -148,11 +157,22 @@ class BlockScaledRecipe:
         if isinstance(self.keep, str) or not all(isinstance(k, str) for k in self.keep):
             raise ValueError(f"BlockScaledRecipe(keep={self.keep!r}) must be a tuple of name patterns, e.g. "
                              "('lm_head', 'blocks.0.*').")
+        if not isinstance(self.quantize_forward, bool):
+            raise ValueError(f"BlockScaledRecipe(quantize_forward={self.quantize_forward!r}) is not a bool: pass True "
+                             "or False.")
         if not isinstance(self.compiled_casts, bool):
             raise ValueError(f"BlockScaledRecipe(compiled_casts={self.compiled_casts!r}) is not a bool: pass True or "
                              "False.")
         if self.gemm is not None and not callable(self.gemm):
             raise ValueError(f"BlockScaledRecipe(gemm={self.gemm!r}) is not callable: pass a native kernel or None.")
+        mxfp4 = self.format == "mxfp4"
+        emulated = [name for name, on in (("quantize_forward=False", not self.quantize_forward),
+                                          ("stochastic_gradients", mxfp4 and self.stochastic_gradients),
+                                          ("hadamard", mxfp4 and self.hadamard)) if on]
+        if self.gemm is not None and emulated:
+            raise ValueError(f"BlockScaledRecipe(gemm=...) with {', '.join(emulated)}: the 16-bit forward and "
+                             "MXFP4's recipe (3/4-scaled blocks, whose scales are no powers of two) are emulated "
+                             "only: drop gemm, or those options.")
         object.__setattr__(self, "keep", tuple(self.keep))
 
     @property
@@ -161,15 +181,28 @@ class BlockScaledRecipe:
         return BLOCK_SIZES[self.format]
 
     @property
+    def hadamard_size(self) -> int:
+        """The random Hadamard transform's size: 16 (NVFP4) or 64 (MXFP4, Tseng et al.'s default)."""
+        return 16 if self.format == "nvfp4" else 64
+
+    @property
     def label(self) -> str:
-        """The recipe in a run's label: ``mxfp8-floor``, ``nvfp4``, ``nvfp4-no-hadamard`` ..."""
+        """The recipe in a run's label: ``mxfp8-floor``, ``mxfp4-floor-sr-hadamard-fwd16``, ``nvfp4``,
+        ``nvfp4-no-hadamard`` ..."""
+        forward = "" if self.quantize_forward else "-fwd16"
         if self.format != "nvfp4":
             element = "" if self.element == "e4m3" else f"-{self.element}"
-            return f"{self.format}{element}-{self.scale_mode}"
+            on = "".join(f"-{name}" for name, part in (("sr", self.stochastic_gradients), ("hadamard", self.hadamard))
+                         if part)
+            return f"{self.format}{element}-{self.scale_mode}{on}{forward}"
         off = [name for name, on in (("tiles", self.weight_tiles), ("sr", self.stochastic_gradients),
                                      ("hadamard", self.hadamard), ("kept", self.keep_first_last)) if not on]
-        return "nvfp4" + "".join(f"-no-{name}" for name in off) + ("-4over6" if self.four_over_six else "")
+        return "nvfp4" + "".join(f"-no-{name}" for name in off) + ("-4over6" if self.four_over_six else "") + forward
 
+
+# Tseng et al.'s MXFP4 recipe (arXiv 2502.20586): a 16-bit forward, an MXFP4 backward with the random Hadamard
+# transform and stochastic rounding (compare's and tune's "mxfp4-recipe")
+MXFP4_RECIPE = BlockScaledRecipe("mxfp4", stochastic_gradients=True, hadamard=True, quantize_forward=False)
 
 CONVERTED_BY = ("ampkit.formats.", "torchao.")  # the modules whose linears are converted ones already
 

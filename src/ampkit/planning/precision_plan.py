@@ -19,7 +19,7 @@ from torch import nn
 from ampkit.files import atomic_write, publish_new, strict_json
 from ampkit.formats.block_linear import BlockScaledLinear
 from ampkit.formats.fp8 import Fp8Linear
-from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe, features, is_conv1d, refuse_converted
+from ampkit.formats.recipes import MXFP4_RECIPE, BlockScaledRecipe, Fp8Recipe, features, is_conv1d, refuse_converted
 
 VERSION = 1
 BASES = ("bf16", "fp16")  # the 16-bit format the rest of the model trains in
@@ -27,6 +27,7 @@ LOWER: dict[str, Fp8Recipe | BlockScaledRecipe] = {  # the formats a linear can 
     "fp8": Fp8Recipe(),  # delayed scaling, E4M3 forward and E5M2 gradients
     "mxfp8": BlockScaledRecipe("mxfp8", scale_mode="rceil"),  # RCEIL: as ampkit compare's mxfp8
     "mxfp4": BlockScaledRecipe("mxfp4"),
+    "mxfp4-recipe": MXFP4_RECIPE,  # a 16-bit forward, the backward in MXFP4 (Tseng et al.)
     "nvfp4": BlockScaledRecipe("nvfp4"),
     "nvfp4-4over6": BlockScaledRecipe("nvfp4", four_over_six=True),  # each block scaled to 4 or 6 (Four Over Six)
 }

@@ -224,7 +224,8 @@ def tune(model: nn.Module, batches: Sequence[Any], loss_fn: Callable[..., torch.
         batches: at least 2 ``(input, target)`` pairs, a list or any iterable (read once, then kept): the last
             quarter (at least one) is held out to check the combined plan, the rest measure each layer.
         loss_fn: ``loss_fn(output, target) -> loss`` (default: cross-entropy over the last dimension).
-        formats: formats to lower linears to (``"fp8"``, ``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``, ``"nvfp4-4over6"``)
+        formats: formats to lower linears to (``"fp8"``, ``"mxfp8"``, ``"mxfp4"``, ``"mxfp4-recipe"``, ``"nvfp4"``,
+            ``"nvfp4-4over6"``)
             and the 16-bit base the rest trains in (``"bf16"`` or ``"fp16"``).
         tolerance: the relative loss change the plan may cost (0.01: 1%).
         objective: ``"time"`` (milliseconds per step saved) or ``"memory"`` (saved-for-backward bytes).
