@@ -9,9 +9,11 @@ run is saved at once, so an interrupted script keeps what it measured; ``--resum
   each part of the recipe removed (the ablation) and nvfp4-4over6 (the recipe, each block scaled to 4 or 6);
 - ``hf:llama`` (the zoo's Llama): bf16, mxfp8, nvfp4, nvfp4-plain, nvfp4-4over6.
 
-Writes results/block-quality.json.
+Writes results/block-quality.json. With ``--set mxfp4``: bf16, MXFP4 alone and MXFP4's recipe (Tseng et al.:
+a 16-bit forward, the backward in MXFP4 with the Hadamard transform and stochastic rounding) on both models, in
+results/block-quality-mxfp4.json.
 
-    python benchmarks/bench_block_quality.py [--steps 200] [--seeds 3] [--resume]
+    python benchmarks/bench_block_quality.py [--steps 200] [--seeds 3] [--resume] [--set mxfp4]
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ RUNS = {
             "nvfp4-no-kept", "nvfp4-4over6"),
     "hf:llama": ("bf16", "mxfp8", "nvfp4", "nvfp4-plain", "nvfp4-4over6"),
 }
+SETS = {"issue": ("block-quality", RUNS),
+        "mxfp4": ("block-quality-mxfp4", {model: ("bf16", "mxfp4", "mxfp4-recipe") for model in RUNS})}
 
 
 def one_run(model: str, precision: str, steps: int, seed: int) -> dict[str, object]:
@@ -55,21 +59,24 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--resume", action="store_true", help="keep the runs results/block-quality.json holds")
+    parser.add_argument("--resume", action="store_true", help="keep the runs the record already holds")
+    parser.add_argument("--set", choices=sorted(SETS), default="issue", help="which settings: issue 68's (default) or "
+                        "MXFP4 alone against its recipe")
     parser.add_argument("--one", nargs=3, metavar=("MODEL", "PRECISION", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         model, precision, seed = args.one
         print(json.dumps(one_run(model, precision, args.steps, int(seed))))
         return
-    path = RESULTS / "block-quality.json"
+    name, table = SETS[args.set]
+    path = RESULTS / f"{name}.json"
     runs: dict[str, dict[str, object]] = {}
     if args.resume and path.exists():
         previous = json.loads(path.read_text())
         if previous.get("steps") == args.steps:
             runs = previous["runs"]
     for seed in range(args.seeds):
-        for model, precisions in RUNS.items():
+        for model, precisions in table.items():
             for precision in precisions:
                 if key(model, precision, seed) in runs:
                     continue
@@ -78,16 +85,16 @@ def main() -> None:
                 if found.returncode:
                     raise RuntimeError(f"{key(model, precision, seed)} failed:\n{found.stderr[-4000:]}")
                 runs[key(model, precision, seed)] = json.loads(found.stdout.strip().splitlines()[-1])
-                save("block-quality", {"steps": args.steps, "runs": runs, "summary": summary(runs)})
+                save(name, {"steps": args.steps, "runs": runs, "summary": summary(runs, table)})
                 print(key(model, precision, seed), f"{runs[key(model, precision, seed)]['final_train_loss']}",
                       flush=True)
-    print(json.dumps(summary(runs), indent=1))
+    print(json.dumps(summary(runs, table), indent=1))
 
 
-def summary(runs: dict[str, dict[str, object]]) -> dict[str, dict[str, object]]:
+def summary(runs: dict[str, dict[str, object]], settings: dict[str, tuple[str, ...]]) -> dict[str, dict[str, object]]:
     """Per model and precision: the seeds' final losses, their mean, and the mean against bf16's (seeds both ran)."""
     table: dict[str, dict[str, object]] = {}
-    for model, precisions in RUNS.items():
+    for model, precisions in settings.items():
         for precision in precisions:
             finals = {seed: runs[key(model, precision, seed)]["final_train_loss"] for seed in range(10)
                       if key(model, precision, seed) in runs}

@@ -627,8 +627,10 @@ def block_quality_section(results: dict[str, Any]) -> str:
     rows = [f"`python benchmarks/bench_block_quality.py`, {results['created']}, on {machine_line(results['machine'])}: "
             f"each `ampkit compare` setting at O1 trained {results['steps']} steps per seed, one process per run; final "
             "train loss as compare's (the mean of the last steps); the ratio is the mean over seeds against bf16's "
-            "mean over the same seeds. `nvfp4` is the full recipe, `nvfp4-plain` the format alone, `nvfp4-no-X` the "
-            "recipe without one part, `nvfp4-4over6` the recipe with Four Over Six's choice of each block's scale.", "", "| model | setting | seeds | final loss per seed | mean | vs bf16 |",
+            "mean over the same seeds." + (" `nvfp4` is the full recipe, `nvfp4-plain` the format alone, `nvfp4-no-X` "
+            "the recipe without one part, `nvfp4-4over6` the recipe with Four Over Six's choice of each block's scale."
+            if any("nvfp4" in label for label in results["summary"]) else ""), "",
+            "| model | setting | seeds | final loss per seed | mean | vs bf16 |",
             "|---|---|---|---|---|---|"]
     for label, row in results["summary"].items():
         model, setting = label.rsplit(" ", 1)
@@ -1034,6 +1036,12 @@ def records(directory: Path, level: str) -> tuple[list[str], dict[str, str]]:
     if quality:
         sections += [f"{level} Block-scaled formats against bf16 over seeds, and the NVFP4 recipe's ablation", "",
                      block_quality_section(quality), ""]
+    quality = load(directory, "block-quality-mxfp4.json")
+    if quality:
+        sections += [f"{level} MXFP4 against its training recipe, over seeds", "", block_quality_section(quality), "",
+                     "`mxfp4-recipe` is Tseng et al.'s (arXiv 2502.20586): a 16-bit forward, both backward GEMMs in "
+                     "MXFP4 on operands through a 64x64 random Hadamard transform, rounded stochastically at 3/4 of "
+                     "each block's scale (`python benchmarks/bench_block_quality.py --set mxfp4`).", ""]
     mechanism = load(directory, "policy-mechanism.json")
     if mechanism:
         sections += [f"{level} An edited policy: a TorchFunctionMode against the Autocast-key kernels", "",
