@@ -290,7 +290,7 @@ class BlockScaledLinear(nn.Linear):
         out_features: as ``nn.Linear``'s.
         bias: as ``nn.Linear``'s.
         recipe: the ``BlockScaledRecipe`` (default: MXFP8).
-        seed: stochastic rounding's seed (default 0): NVFP4's gradient draws are hashed from it and the layer's
+        seed: stochastic rounding's seed (default 0): NVFP4's and MXFP4's draws are hashed from it and the layer's
             count of training forwards (``block_scaled.counter_draws``), the same eagerly and compiled.
         device: as ``nn.Linear``'s.
         dtype: as ``nn.Linear``'s.
