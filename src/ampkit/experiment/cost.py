@@ -77,8 +77,7 @@ class Estimate:
     first_step_s: float = 0.0
     evaluation_s: float = 0.0  # the runs' evaluations, in ``run_s`` (``compare`` revises the rest from the runs)
     report_s: float = 0.0  # writing results.json and the pictures, timed on stand-ins of the runs' shape
-    first_extra_s: dict[str, float] = dataclasses.field(default_factory=dict)  # per setting: in each of its runs'
-    # first step, beyond float32's first at the setting's ratio (a compile: the block-scaled formats' casts)
+    first_extra_s: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
