@@ -9,6 +9,7 @@ From Lightning's own mixed precision, one line changes:
 from __future__ import annotations
 
 import argparse
+import time
 
 import lightning as L
 import torch
@@ -74,10 +75,12 @@ def main(argv: list[str] | None = None) -> Digits:
         float32_bytes = sum(p.numel() * 4 for p in model.parameters()) * trainer.global_step
         print(f"rank {trainer.global_rank}: all-reduce bytes {precision.hook_state.bytes_sent} "
               f"= {precision.hook_state.bytes_sent / float32_bytes:.3f}x float32's {float32_bytes}")
-    # Tear the process group down before exit: left to the interpreter, a rank could abort there ("terminate
-    # called without an active exception", SIGABRT) after training had finished.
+    # Before exit, all collectives ended and a pause: else a gloo worker freeing the last ones while the interpreter
+    # finalizes can abort the process after training (torch's fault; docs/distributed.md, "Exiting a gloo process cleanly").
     if torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        time.sleep(0.2)
     return model
 
 

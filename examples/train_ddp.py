@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,11 @@ def main(argv: list[str] | None = None) -> None:
         summary = {"world_size": world, "final_loss": loss.item(), "bytes_sent_per_rank": state.bytes_sent,
                    "overflows": state.overflows, "compression": args.compression}
         print(json.dumps(summary) if args.json else summary, flush=True)
+    # All collectives ended, then a pause: else a gloo worker freeing the last ones while the interpreter finalizes can
+    # abort the process after training (torch's fault; docs/distributed.md, "Exiting a gloo process cleanly").
+    dist.barrier()
     dist.destroy_process_group()
+    time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,11 @@ def main(argv: list[str] | None = None) -> None:
                    "blocks": list(layout.blocks), "parameters_per_rank": sum(p.to_local().numel()
                                                                               for p in model.parameters())}
         print(json.dumps(summary) if args.json else summary, flush=True)
+    # All collectives ended, then a pause: else a gloo worker freeing the last ones while the interpreter finalizes can
+    # abort the process after training (torch's fault; docs/distributed.md, "Exiting a gloo process cleanly").
+    dist.barrier()
     dist.destroy_process_group()
+    time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -38,6 +39,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out: s
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+            time.sleep(0.2)  # gloo's workers free the last collectives while Python lives (docs/distributed.md)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
