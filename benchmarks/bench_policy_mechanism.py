@@ -8,8 +8,10 @@ ops. This script times both on the GPT of ``bench_autocast.py`` (its edit: ``add
 ``gelu`` denied), in eager, against torch.autocast's step, in one interleaved run: torch.autocast bf16, ampkit's
 default and edited policies (today's kernels), torch.autocast with a prototype mode that carries the same edit
 (``EditMode`` below, a few lines: the moved functions looked up by name in ``torch``, ``torch.nn.functional`` and
-``torch.Tensor``), and the same mode with nothing to move (its bare cost per torch call). It checks that the
-prototype's edited step gives the kernels' losses (equal dtypes; the values within rounding). Then the cost per
+``torch.Tensor``), the same mode with nothing to move (its bare cost per torch call), and the edit written by hand
+under torch.autocast (a copy of the model whose GELUs compute in float32: the cost of the edit's numerics alone, no
+mechanism; its layer norms read float32 already, the residual stream being float32). It checks that the prototype's
+and the hand-written edited steps give the kernels' losses (equal dtypes; the values within rounding). Then the cost per
 call, over 10,000 small linears without grad: a moved linear (denied) through a kernel and through the mode, a
 linear the mode passes through, against torch.autocast's.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +42,24 @@ def _functions(name: str) -> list[Callable[..., Any]]:
     found = [getattr(namespace, attr) for namespace in (torch, F, torch.Tensor)
              for attr in (name, f"__{name}__", f"__r{name}__") if hasattr(namespace, attr)]
     return list(dict.fromkeys(found))
+
+
+class Float32GELU(torch.nn.Module):
+    """GELU in float32 under torch.autocast: the edit ``deny=["gelu"]`` as a user writes it without ampkit."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return F.gelu(x.float())
+
+
+def by_hand(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` (the same weights) whose ``nn.GELU`` modules compute in float32."""
+    model = copy.deepcopy(model)
+    for module in list(model.modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.GELU):
+                setattr(module, child_name, Float32GELU())
+    return model
 
 
 class EditMode(TorchFunctionMode):
@@ -92,26 +113,31 @@ def main() -> None:
         "torch.autocast + mode, edited": lambda: with_mode(EditMode(edits["deny"], edits["infer"])),
         "torch.autocast + mode, nothing moved": lambda: with_mode(EditMode([], [])),
     }
+    hand_model = by_hand(model)
+    models = dict.fromkeys(regions, model) | {"torch.autocast, the edit by hand": hand_model}
+    regions["torch.autocast, the edit by hand"] = regions["torch.autocast bf16"]
     losses = {}
     for label, region in regions.items():
         torch.manual_seed(0)
         with region():
-            logits = model(x)
+            logits = models[label](x)
             losses[label] = (logits.dtype, F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                             y.reshape(-1)).item())
     kernels, mode = losses["ampkit edited (kernels)"], losses["torch.autocast + mode, edited"]
-    assert kernels[0] == mode[0] and abs(kernels[1] - mode[1]) < 1e-2 * abs(kernels[1]), (kernels, mode)
+    hand = losses["torch.autocast, the edit by hand"]
+    for other in (mode, hand):
+        assert kernels[0] == other[0] and abs(kernels[1] - other[1]) < 1e-2 * abs(kernels[1]), (kernels, other)
 
-    steps = {label: step_fn(model, x, y, region) for label, region in regions.items()}
+    steps = {label: step_fn(models[label], x, y, region) for label, region in regions.items()}
     rows = timed_against(steps, "torch.autocast bf16", args.repeats)
-    print(f"losses: kernels {kernels[1]:.5f}, mode {mode[1]:.5f}")
+    print(f"losses: kernels {kernels[1]:.5f}, mode {mode[1]:.5f}, by hand {hand[1]:.5f}")
     calls = _count_calls(steps["torch.autocast + mode, nothing moved"])
     print(f"torch-function calls a step: {calls}")
     per_call = _per_call_us(default)
     for label, us in per_call.items():
         print(f"{label:40s} {us:6.2f} us a linear")
     payload = {"repeats": args.repeats, "edits": edits, "variants": rows, "torch_calls_per_step": calls,
-               "losses": {"kernels": kernels[1], "mode": mode[1]}, "us_per_linear": per_call}
+               "losses": {"kernels": kernels[1], "mode": mode[1], "by_hand": hand[1]}, "us_per_linear": per_call}
     print(f"wrote {save('policy-mechanism', payload)}")
 
 
