@@ -12,8 +12,11 @@ import functools
 import torch
 
 from ampkit.hardware import throughput
-from ampkit.modes import check_compute
+from ampkit.hardware.advice import slow_native_message
+from ampkit.hardware.flags import SlowPrecisionWarning
+from ampkit.modes import ComputeModeWarning, check_compute
 from ampkit.precision.policy import Policy, known_op
+from ampkit.precision.state import warn_once
 
 # The op classes a measurement distinguishes, and the autocast-level (ATen) ops of
 # each whose work is GEMMs or convolutions: with float32 compute for a class,
@@ -62,6 +65,22 @@ def float32_ops(policy: Policy) -> frozenset[str]:
     """The autocast-level ops that ``policy`` runs through ``run_in_float32``."""
     classes = float32_classes(policy.device_type, policy.dtype, policy.compute)
     return _existing(frozenset().union(*(GEMM_OPS[c] for c in classes)))
+
+
+def resolve(policy: Policy) -> frozenset[str]:
+    """The ops a region of ``policy`` computes in float32 here: its compute mode resolved, once a region (regions
+    read the result, ``Region.float32_ops``). Says once a process what it chose for the setting: a
+    ``ComputeModeWarning`` with the measured figures where GEMMs compute in float32, a ``SlowPrecisionWarning``
+    where ``"native"`` runs 16-bit kernels this machine runs slower than float32."""
+    if not policy.enabled:
+        return frozenset()
+    ops = float32_ops(policy)
+    device_type, dtype = policy.device_type, policy.dtype
+    if ops:
+        warn_once(f"compute:{device_type}:{dtype}:{policy.compute}", lambda: describe(policy), ComputeModeWarning)
+    elif policy.compute == "native":
+        warn_once(f"slow:{device_type}:{dtype}", lambda: slow_native_message(device_type, dtype), SlowPrecisionWarning)
+    return ops
 
 
 def compute_label(policy: Policy) -> str:

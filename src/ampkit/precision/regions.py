@@ -16,11 +16,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from ampkit.hardware.advice import slow_native_message
-from ampkit.hardware.flags import SlowPrecisionWarning
-from ampkit.modes import ComputeModeWarning
 from ampkit.precision import compiling, overrides
-from ampkit.precision.decide import describe, float32_ops
+from ampkit.precision.decide import resolve
 from ampkit.precision.kernels import kernel_ops, registry
 from ampkit.precision.policy import Policy
 from ampkit.precision.state import Region, state, warn_once
@@ -86,19 +83,12 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
                       f"{torch.__version__}): the region is disabled, as torch.autocast disables itself.")
             enabled = False
         self.policy = policy if enabled else policy.disabled()
-        self.float32_ops = float32_ops(self.policy) if self.policy.enabled else frozenset()
+        self.float32_ops = resolve(self.policy)  # the compute mode, resolved here once (and said once a process)
         self._kernel_ops = kernel_ops(self.policy, self.float32_ops) if self.policy.enabled else frozenset()
         self._overrides = bool(self.policy.enabled and self.policy.overrides)  # wrap the model's matching modules
         # torch.compile guards on torch.autocast's state: a policy that differs carries a guard of its own
         self._guard = (compiling.guard_for(self.policy, self.float32_ops)
                        if self.policy.enabled and compiling.needs_guard(self.policy, self._kernel_ops) else None)
-        device_type, dtype = self.policy.device_type, self.policy.dtype
-        if self.float32_ops:
-            warn_once(f"compute:{device_type}:{dtype}:{self.policy.compute}", lambda: describe(self.policy),
-                      ComputeModeWarning)
-        elif self.policy.enabled and self.policy.compute == "native":
-            warn_once(f"slow:{device_type}:{dtype}", lambda: slow_native_message(device_type, dtype),
-                      SlowPrecisionWarning)
 
     @torch.compiler.disable  # the region opens and closes eagerly; what runs inside it compiles
     def __enter__(self) -> autocast:
