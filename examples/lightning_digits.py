@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None) -> Digits:
         print(f"rank {trainer.global_rank}: all-reduce bytes {precision.hook_state.bytes_sent} "
               f"= {precision.hook_state.bytes_sent / float32_bytes:.3f}x float32's {float32_bytes}")
     # Before exit, all collectives ended and a pause: else a gloo worker freeing the last ones while the interpreter
-    # finalizes can abort the process after training (torch's fault; docs/distributed.md, "Exiting a gloo process cleanly").
+    # finalizes can abort the process after training (torch's fault: docs/distributed.md, "Exiting a gloo process
+    # cleanly").
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
