@@ -16,6 +16,7 @@ The loop (accelerator.backward, optimizer.step, scheduler.step, save_state) stay
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -85,14 +86,14 @@ def main(argv: list[str] | None = None) -> list[float]:
         float32_bytes = sum(p.numel() * 4 for p in model.parameters()) * backwards  # one all-reduce per backward
         print(f"rank {accelerator.process_index}: all-reduce bytes {hook.bytes_sent} "
               f"= {hook.bytes_sent / float32_bytes:.3f}x float32's {float32_bytes}")
-    # Tear down in order before exit: the ranks meet first, so neither closes its gloo connections while
-    # the other still runs, then Accelerate lets go of the model (and DDP's reducer with it), then the
-    # process group. Left to the interpreter's exit, and with end_training() alone, a rank aborted
-    # (SIGABRT, "terminate called without an active exception") after training had finished, in about
-    # 1 of 3 full test runs here and about 1 in 50 runs alone.
+    # Before exit, all collectives ended (the ranks meet), the model and the process group let go, and a pause:
+    # else a gloo worker freeing the last collectives while the interpreter finalizes can abort the process after
+    # training (SIGABRT, "terminate called without an active exception"; torch's fault: docs/distributed.md,
+    # "Exiting a gloo process cleanly").
     accelerator.wait_for_everyone()
     model, optimizer, batches, scheduler = accelerator.free_memory(model, optimizer, batches, scheduler)
     accelerator.end_training()
+    time.sleep(0.2)
     return losses
 
 
