@@ -197,39 +197,25 @@ class _BlockScaledMatmul(torch.autograd.Function):
         stochastic = step is not None
         if recipe.gemm is not None:
             return _native_backward(ctx, x, weight, x2.float(), g2.float(), step)
-        if recipe.format == "mxfp4" and (recipe.hadamard or recipe.stochastic_gradients):
-            grad_x, grad_w = _mxfp4_backward(module, x2, g2, weight, step)
-            return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(weight.dtype), None, None
-        # Input gradient: reduction over the output features. The tiled weight's transpose is its tiles'.
-        wt = ctx.tiled.T if ctx.tiled is not None else operand_values(weight, recipe, transposed=True)
-        grad_x = operand_values(g2, recipe, module.seed, step, 0, stochastic) @ wt.T
+        seed, transform = module.seed, module.transform
+        every = recipe.format == "mxfp4"  # MXFP4's recipe rounds all four operands (NVFP4's: the gradient's)
+        # Input gradient: reduction over the output features; MXFP4's recipe transforms along it too (Tseng et al.,
+        # arXiv 2502.20586; amazon-science/mxfp4-llm). The tiled weight's transpose is its tiles'.
+        g = g2
+        if every and recipe.hadamard:
+            g, wt = _hadamard_columns(g2.float(), transform), _hadamard_columns(weight.float().T, transform)
+            wt = operand_values(wt, recipe, seed, step, 2, stochastic)
+        elif ctx.tiled is not None:
+            wt = ctx.tiled.T
+        else:
+            wt = operand_values(weight, recipe, seed, step, 2, stochastic and every, transposed=True)
+        grad_x = operand_values(g, recipe, seed, step, 0, stochastic) @ wt.T
         # Weight gradient: reduction over the tokens, the operands transposed inside their casts.
-        if recipe.format == "nvfp4" and recipe.hadamard:
-            g2, x2 = _hadamard_rows(g2.float(), module.transform), _hadamard_rows(x2.float(), module.transform)
-        grad_w = (operand_values(g2, recipe, module.seed, step, 1, stochastic, transposed=True)
-                  @ operand_values(x2, recipe, transposed=True).T)
+        if recipe.hadamard:
+            g2, x2 = _hadamard_rows(g2.float(), transform), _hadamard_rows(x2.float(), transform)
+        grad_w = (operand_values(g2, recipe, seed, step, 1, stochastic, transposed=True)
+                  @ operand_values(x2, recipe, seed, step, 3, stochastic and every, transposed=True).T)
         return grad_x.reshape(x.shape).to(x.dtype), grad_w.to(weight.dtype), None, None
-
-
-def _mxfp4_backward(module: BlockScaledLinear, x2: torch.Tensor, g2: torch.Tensor, weight: torch.Tensor,
-                    step: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tseng et al.'s MXFP4 backward (arXiv 2502.20586; amazon-science/mxfp4-llm): both GEMMs' operands through
-    the random Hadamard transform along the reduction dimension (``hadamard``) and stochastically rounded, each
-    block at 3/4 of its scale (``stochastic_gradients``; streams 0 and 2 the input gradient's, 1 and 3 the weight
-    gradient's). Returns the input gradient (2-D) and the weight gradient."""
-    recipe, seed = module.recipe, module.seed
-    stochastic = step is not None
-    g, wt = g2.float(), weight.float().T  # the input gradient g W: reduction over the output features
-    if recipe.hadamard:
-        g, wt = _hadamard_columns(g, module.transform), _hadamard_columns(wt, module.transform)
-    grad_x = (operand_values(g, recipe, seed, step, 0, stochastic)
-              @ operand_values(wt, recipe, seed, step, 2, stochastic).T)
-    g, x = g2, x2  # the weight gradient g^T x: reduction over the tokens, transposed inside the casts
-    if recipe.hadamard:
-        g, x = _hadamard_rows(g2.float(), module.transform), _hadamard_rows(x2.float(), module.transform)
-    grad_w = (operand_values(g, recipe, seed, step, 1, stochastic, transposed=True)
-              @ operand_values(x, recipe, seed, step, 3, stochastic, transposed=True).T)
-    return grad_x, grad_w
 
 
 def _native_backward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, x2: torch.Tensor, g2: torch.Tensor,
