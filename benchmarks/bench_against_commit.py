@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import paired_ratio_quartiles, save
+from common import RESULTS, paired_ratio_quartiles, save
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "4e13802^"  # the last commit before issue 38's first change
@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--opt-level", default="policy", choices=["policy", "O1", "O2", "O3"],
                         help="policy (default): the default policy's region around an SGD step; an opt level: "
                              "initialize's model and AdamW at it, the whole step (writes against-commit-<level>.json)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the folder the record goes to")
     args = parser.parse_args()
     commit = args.commit
     def git(*args: str) -> str:
@@ -135,7 +136,7 @@ def main() -> None:
         print(f"{model}: {json.dumps(result)}")
     name = "against-commit" if args.opt_level == "policy" else f"against-commit-{args.opt_level.lower()}"
     path = save(name, {"commit": resolved, "tree": tree, "rounds": ROUNDS, "models": found, "opt_level":
-                       args.opt_level, "wall_s": round(time.perf_counter() - started)})
+                       args.opt_level, "wall_s": round(time.perf_counter() - started)}, args.out)
     print(f"wrote {path}")
 
 

@@ -137,9 +137,9 @@ def bench_models(device: str, repeats: int = REPEATS, size: str = "small", compi
                 "size": size,
                 "batch": len(x),
                 "variant": label,
-                "compute": decide.describe(auto) if "auto" in label else None,
-                "float32_compute": sorted(decide.float32_classes(device, torch.bfloat16, "auto"))
-                if "auto" in label else [],
+                "compute": decide.decision_of(auto).describe() if ", auto" in label else None,
+                "float32_compute": sorted(decide.decision(device, torch.bfloat16, "auto").classes)
+                if ", auto" in label else [],
                 "edits": EDITS[name] if label.startswith("ampkit edited") else None,
                 "ms_per_step": medians[label] * 1e3,
                 "timed_steps": len(samples[label]),

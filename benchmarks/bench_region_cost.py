@@ -29,7 +29,7 @@ import torch
 
 import ampkit
 from ampkit.experiment.models import GPT, MLP
-from ampkit.precision.decide import compute_label
+from ampkit.precision.decide import decision_of
 from ampkit.precision.kernels import registry
 from common import interleaved_medians, save
 
@@ -76,7 +76,7 @@ def main() -> None:
     mlp_ms = _float32_compute_steps()
     path = save("region-cost", {"us_per_region": us_per_region, "small_gpt_step_ms": {
         name: s * 1e3 for name, s in step_s.items()}, "small_gpt_ratio": ratio, "mlp_float32_compute_ms": mlp_ms,
-        "auto_computes": compute_label(auto), "block": BLOCK, "gpt_rounds": GPT_ROUNDS, "mlp_rounds": MLP_ROUNDS,
+        "auto_computes": decision_of(auto).label, "block": BLOCK, "gpt_rounds": GPT_ROUNDS, "mlp_rounds": MLP_ROUNDS,
         "mlp_steps": MLP_STEPS})
     print("an empty region: " + ", ".join(f"{name} {us:.1f} us" for name, us in us_per_region.items())
           + "; a small GPT step: " + ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in step_s.items())

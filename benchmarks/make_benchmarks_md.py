@@ -37,6 +37,13 @@ DEVICE_RECORDS = [
      "`benchmarks/bench_autocast.py --device cpu --repeats 101` and `benchmarks/bench_compile.py --only gpt` on the "
      "same lent machine's host CPU (an Intel Xeon that computes bfloat16 natively), torch 2.11: the CPU that issue "
      "38's eager and compiled criteria ask for."),
+    ("avx2-capped-cpu", "## An AVX2-only CPU, by capping this one",
+     "This machine's AVX-512 BF16 CPU with torch's kernels and oneDNN's capped to AVX2 (`ATEN_CPU_CAPABILITY=avx2 "
+     "ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/bench_autocast.py --out benchmarks/results/avx2-capped-cpu`, and "
+     "`bench_against_commit.py d699444^ --out ...`, the tree issue 71 was filed against): torch then finds no native "
+     "bf16 and runs a bf16 GEMM at about 0.015x float32's speed, as an AVX2-only CPU does (0.0205x on the AVX2 machine "
+     "of the records above), so ampkit's `compute=\"auto\"` computes GEMMs and convolutions in float32: the setting "
+     "issue 71's AVX2 criterion asks about, on a CPU these sessions do not always get."),
 ]
 
 
@@ -45,6 +52,8 @@ def machine_line(machine: dict[str, Any]) -> str:
         f"{machine['device_name']}, {machine['cpu_cores']} cores, torch {machine['torch']}; "
         f"CPU native bf16: {machine['cpu_native_bf16']}, native fp16: {machine['cpu_native_fp16']}"
     )
+    if machine.get("isa_caps"):  # flags read from /proc/cpuinfo; the kernels ran capped
+        line += " (by its flags), its instructions capped: " + ", ".join(f"{k}={v}" for k, v in machine["isa_caps"].items())
     if machine.get("compute_capability"):
         line += f"; CUDA {machine['cuda']}, compute capability {machine['compute_capability']}"
     speed = machine.get("measured_speedup")

@@ -476,7 +476,7 @@ def test_only_a_policy_that_does_what_torch_autocast_does_not_pushes_a_guard_mod
     from ampkit.precision import compiling, decide
 
     def pushes(policy: Policy) -> bool:
-        return compiling.needs_guard(policy, kernels.kernel_ops(policy, decide.float32_ops(policy)))
+        return compiling.needs_guard(policy, kernels.kernel_ops(policy, decide.decision_of(policy).ops))
 
     cuda = Policy.default("cuda", torch.float16, compute="native")
     assert kernels.kernel_ops(cuda, frozenset()) == {"binary_cross_entropy"} and not pushes(cuda)

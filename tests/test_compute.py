@@ -255,10 +255,10 @@ def test_emulated_fp16_with_loss_scaling_skips_the_steps_native_skips() -> None:
 def test_auto_follows_the_measured_speed(monkeypatch: pytest.MonkeyPatch, speedups: dict[str, float],
                                          expected: set[str]) -> None:
     monkeypatch.setattr(throughput, "measure", lambda device="cpu", refresh=False: fake_throughput(speedups))
-    assert decide.float32_classes("cpu", torch.bfloat16, "auto") == expected
-    assert decide.float32_classes("cpu", torch.bfloat16, "native") == set()
-    assert decide.float32_classes("cpu", torch.bfloat16, "float32") == {"matmul", "conv"}
-    ops = decide.float32_ops(ampkit.Policy.default("cpu", torch.bfloat16))
+    assert decide.decision("cpu", torch.bfloat16, "auto").classes == expected
+    assert decide.decision("cpu", torch.bfloat16, "native").classes == set()
+    assert decide.decision("cpu", torch.bfloat16, "float32").classes == {"matmul", "conv"}
+    ops = decide.decision_of(ampkit.Policy.default("cpu", torch.bfloat16)).ops
     assert ("conv2d" in ops) == ("conv" in expected) and ("linear" in ops) == ("matmul" in expected)
 
 
@@ -355,7 +355,7 @@ def test_cuda_float32_compute_matches_tensor_cores_and_auto_picks_native(dtype: 
     g = torch.randn_like(out)
     for e, n in zip(torch.autograd.grad(out, (a, b), g), torch.autograd.grad(native, (a, b), g)):
         assert ulps(e, n, dtype) <= 1
-    assert decide.float32_classes("cuda", dtype, "auto") == set()  # tensor cores beat float32
+    assert decide.decision("cuda", dtype, "auto").classes == set()  # tensor cores beat float32
 
 
 def test_linear_and_convolutions_take_the_fast_paths_and_the_rest_the_generic_one() -> None:

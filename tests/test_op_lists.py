@@ -330,7 +330,7 @@ def test_cpu_op_matches_torch_autocast(op: str) -> None:
         warnings.simplefilter("ignore", ampkit.SlowPrecisionWarning)
         assert _outcome(op, inputs, ampkit.autocast(native)) == torch_outcome
     emulated = native.with_compute("float32")
-    in_float32 = op in decide.float32_ops(emulated)
+    in_float32 = op in decide.decision_of(emulated).ops
     assert _outcome(op, inputs, ampkit.autocast(emulated)) == (expected if in_float32 else torch_outcome)
 
 

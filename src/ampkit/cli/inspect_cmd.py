@@ -27,7 +27,7 @@ from ampkit.experiment.settings import model_defaults
 from ampkit.files import strict_json, writable_directory
 from ampkit.formats.recipes import BlockScaledRecipe, Fp8Recipe
 from ampkit.modes import MIXED_LEVELS
-from ampkit.precision.decide import compute_label
+from ampkit.precision.decide import decision_of
 from ampkit.precision.policy import Policy
 
 MIB = 2**20
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         payload = {"numerics": dataclasses.asdict(report), "memory": dataclasses.asdict(memory),
                    "alignment": [dataclasses.asdict(a) for a in alignment],
                    "nonfinite": dataclasses.asdict(nonfinite) if nonfinite else None,
-                   "nonfinite_compute": compute_label(policy) if args.find_nonfinite else None,
+                   "nonfinite_compute": decision_of(policy).label if args.find_nonfinite else None,
                    "histogram": str(histogram)}
         non_finite: list[str] = []
         payload = strict_json(payload, "", non_finite)  # inf/NaN as null, their places listed: strict JSON
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         console.print(f"Tensor-core alignment{where}: every Linear/Conv/Embedding dimension is a multiple of 8.")
     if args.find_nonfinite:
-        console.print(f"First inf/NaN under {args.find_nonfinite} (compute: {compute_label(policy)}): " + (
+        console.print(f"First inf/NaN under {args.find_nonfinite} (compute: {decision_of(policy).label}): " + (
             "none" if nonfinite is None else
             f"{nonfinite.op} in {nonfinite.module} ({nonfinite.phase}), input ranges {nonfinite.input_ranges}"))
     console.print(f"Wrote {histogram}")

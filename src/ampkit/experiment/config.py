@@ -12,7 +12,7 @@ import torch
 from ampkit.formats.recipes import MXFP4_RECIPE, BlockScaledRecipe, Fp8Recipe
 from ampkit.hardware.advice import recommend_dtype
 from ampkit.modes import resolve_dtype
-from ampkit.precision.decide import GEMM_OPS, float32_classes
+from ampkit.precision.decide import GEMM_OPS, decision
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp8", "fp8-current", "mxfp8", "mxfp8-floor", "mxfp4", "mxfp4-rceil",
               "mxfp4-recipe", "nvfp4", "nvfp4-no-tiles", "nvfp4-no-sr", "nvfp4-no-hadamard", "nvfp4-no-kept",
@@ -111,7 +111,7 @@ class RunConfig:
         if self.precision == "fp32":
             return []
         device_type = torch.device(self.device).type
-        return sorted(float32_classes(device_type, low_dtype(self.precision, self.device), self.compute))
+        return sorted(decision(device_type, low_dtype(self.precision, self.device), self.compute).classes)
 
     @property
     def label(self) -> str:

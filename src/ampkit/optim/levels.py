@@ -31,7 +31,7 @@ from ampkit.optim.kept import (
 )
 from ampkit.optim.master import MasterWeightOptimizer, follow_model
 from ampkit.optim.states import check_states, for_level
-from ampkit.precision.decide import float32_ops
+from ampkit.precision.decide import decision_of
 from ampkit.precision.policy import Policy
 from ampkit.precision.regions import autocast
 from ampkit.shards import is_sharded
@@ -214,7 +214,7 @@ def forward_region(level: OptLevel, device_type: str, dtype: torch.dtype, comput
     if not level.weights_16bit:
         return None
     model16 = Policy.for_16bit_model(device_type, dtype, compute)
-    return autocast(model16) if float32_ops(model16) else None
+    return autocast(model16) if decision_of(model16).ops else None
 
 
 def forward_wrappers(level: OptLevel, device_type: str, dtype: torch.dtype, compute: str,

@@ -2,12 +2,14 @@
 
 ``"native"`` runs 16-bit kernels, ``"float32"`` runs every GEMM class in float32,
 ``"auto"`` decides per op class from ``ampkit.measure()`` (measured once per
-machine, then cached; never assumed).
+machine, then cached; never assumed). ``decision`` is the one place a compute mode is
+resolved; regions, ``initialize``, ``ampkit compare`` and ``inspect`` read its ``Decision``.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -40,31 +42,64 @@ GEMM_OPS: dict[str, frozenset[str]] = {
 }
 
 
-def float32_classes(device_type: str, dtype: torch.dtype, compute: str) -> frozenset[str]:
-    """The op classes (``"conv"``, ``"matmul"``) that compute in float32 under ``compute``.
+class Decision(NamedTuple):
+    """How one setting's GEMMs and convolutions compute on this machine (``decision`` makes it; nothing else reads
+    the compute mode or the measurement behind it)."""
 
-    ``"auto"`` reads ``throughput.measure(device_type)`` (measured once per machine,
-    then cached): float32 for each class whose native ``dtype`` kernel is slower
-    than float32 here.
-    """
-    check_compute(compute)
+    device_type: str
+    dtype: torch.dtype
+    compute: str
+    classes: frozenset[str]  # the op classes ("conv", "matmul") computed in float32 on 16-bit values
+    measured: throughput.Throughput | None  # what an "auto" decision read
+
+    @property
+    def ops(self) -> frozenset[str]:
+        """The autocast-level ops computed in float32: the classes' ops this torch has."""
+        return _existing(frozenset().union(*(GEMM_OPS[c] for c in self.classes)))
+
+    @property
+    def label(self) -> str:
+        """In a few words: ``"native"`` or ``"float32 (conv, matmul)"``."""
+        return f"float32 ({', '.join(sorted(self.classes))})" if self.classes else "native"
+
+    def describe(self) -> str:
+        """One sentence on how the GEMMs and convolutions compute here, with the measured figures behind an
+        ``"auto"`` decision."""
+        dtype, device_type = str(self.dtype).removeprefix("torch."), self.device_type
+        if not self.classes:
+            return f"{dtype} GEMMs and convolutions on {device_type} run natively in {dtype}."
+        text = f"ampkit computes {' and '.join(sorted(self.classes))} in float32 on {dtype} values on {device_type}"
+        if self.measured is None:
+            return text + f" (compute='float32': emulating a tensor core's {dtype} numerics at float32 speed)."
+        speeds = ", ".join(f"{c} {self.measured.speedup(c, self.dtype):.3g}x" for c in sorted(self.classes))
+        return text + (
+            f": measured on {self.measured.device_name}, native {dtype} kernels run at {speeds} float32's speed. "
+            f"Tensors stay {dtype} (memory as a native run's, or less) and results are rounded as a tensor core rounds "
+            "them; Policy(compute='native') forces the 16-bit kernels."
+        )
+
+
+def decision(device_type: str, dtype: torch.dtype, compute: str) -> Decision:
+    """How ``dtype`` GEMMs and convolutions compute on ``device_type`` under ``compute``: ``"auto"`` reads
+    ``throughput.measure(device_type)`` (measured once per machine, then cached) and computes in float32 each class
+    whose native ``dtype`` kernel is slower than float32 here."""
     if compute == "native":
-        return frozenset()
+        return Decision(device_type, dtype, compute, frozenset(), None)
     if compute == "float32":
-        return frozenset(GEMM_OPS)
+        return Decision(device_type, dtype, compute, frozenset(GEMM_OPS), None)
+    check_compute(compute)  # a compute mode not given through a Policy (which checks its own)
     measured = throughput.measure(device_type)
-    return frozenset(c for c in GEMM_OPS if not measured.native_is_faster(c, dtype))
+    return Decision(device_type, dtype, compute,
+                    frozenset(c for c in GEMM_OPS if not measured.native_is_faster(c, dtype)), measured)
+
+
+def decision_of(policy: Policy) -> Decision:
+    return decision(policy.device_type, policy.dtype, policy.compute)
 
 
 @functools.cache
 def _existing(ops: frozenset[str]) -> frozenset[str]:
     return frozenset(op for op in ops if known_op(op))
-
-
-def float32_ops(policy: Policy) -> frozenset[str]:
-    """The autocast-level ops that ``policy`` runs through ``run_in_float32``."""
-    classes = float32_classes(policy.device_type, policy.dtype, policy.compute)
-    return _existing(frozenset().union(*(GEMM_OPS[c] for c in classes)))
 
 
 def resolve(policy: Policy) -> frozenset[str]:
@@ -74,38 +109,10 @@ def resolve(policy: Policy) -> frozenset[str]:
     where ``"native"`` runs 16-bit kernels this machine runs slower than float32."""
     if not policy.enabled:
         return frozenset()
-    ops = float32_ops(policy)
+    chosen = decision_of(policy)
     device_type, dtype = policy.device_type, policy.dtype
-    if ops:
-        warn_once(f"compute:{device_type}:{dtype}:{policy.compute}", lambda: describe(policy), ComputeModeWarning)
+    if chosen.classes:
+        warn_once(f"compute:{device_type}:{dtype}:{policy.compute}", chosen.describe, ComputeModeWarning)
     elif policy.compute == "native":
         warn_once(f"slow:{device_type}:{dtype}", lambda: slow_native_message(device_type, dtype), SlowPrecisionWarning)
-    return ops
-
-
-def compute_label(policy: Policy) -> str:
-    """How ``policy`` computes here, in a few words: ``"native"`` or ``"float32 (conv, matmul)"``."""
-    classes = float32_classes(policy.device_type, policy.dtype, policy.compute)
-    return f"float32 ({', '.join(sorted(classes))})" if classes else "native"
-
-
-def describe(policy: Policy) -> str:
-    """One sentence on how ``policy``'s GEMMs and convolutions compute here, with the
-    measured figures behind an ``"auto"`` decision."""
-    dtype = str(policy.dtype).removeprefix("torch.")
-    classes = float32_classes(policy.device_type, policy.dtype, policy.compute)
-    if not classes:
-        return f"{dtype} GEMMs and convolutions on {policy.device_type} run natively in {dtype}."
-    names = " and ".join(sorted(classes))
-    text = f"ampkit computes {names} in float32 on {dtype} values on {policy.device_type}"
-    if policy.compute == "auto":
-        measured = throughput.measure(policy.device_type)
-        speeds = ", ".join(f"{c} {measured.speedup(c, policy.dtype):.3g}x" for c in sorted(classes))
-        text += (
-            f": measured on {measured.device_name}, native {dtype} kernels run at {speeds} float32's speed. "
-            f"Tensors stay {dtype} (memory as a native run's, or less) and results are rounded as a tensor core rounds "
-            "them; Policy(compute='native') forces the 16-bit kernels."
-        )
-    else:
-        text += f" (compute='float32': emulating a tensor core's {dtype} numerics at float32 speed)."
-    return text
+    return chosen.ops
