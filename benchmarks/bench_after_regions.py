@@ -95,7 +95,7 @@ def registration_ms() -> dict[str, dict[str, float]]:
     for name, policy in (("an edit", default.with_ops(deny=["gelu"], allow=["softmax"])),
                          ("float32 compute", ampkit.Policy.default("cpu", torch.bfloat16, compute="float32"))):
         region = ampkit.autocast(policy)
-        ops = kernels.kernel_ops(region.policy, region.float32_ops)
+        ops = region.resolved.kernel_ops
         times = []
         for _ in range(50):
             assert not kernels.registry.registered()

@@ -476,10 +476,10 @@ def test_only_a_policy_that_does_what_torch_autocast_does_not_pushes_a_guard_mod
     from ampkit.precision import compiling, decide
 
     def pushes(policy: Policy) -> bool:
-        return compiling.needs_guard(policy, kernels.kernel_ops(policy, decide.decision_of(policy).ops))
+        return compiling.needs_guard(decide.Resolved(policy, decide.decision_of(policy).ops))
 
     cuda = Policy.default("cuda", torch.float16, compute="native")
-    assert kernels.kernel_ops(cuda, frozenset()) == {"binary_cross_entropy"} and not pushes(cuda)
+    assert decide.Resolved(cuda, frozenset()).kernel_ops == {"binary_cross_entropy"} and not pushes(cuda)
     assert not pushes(Policy.default("cpu", torch.bfloat16, compute="native"))
     assert pushes(cuda.with_ops(deny=["linear"])) and pushes(cuda.with_modules(nn.LayerNorm, dtype=torch.float32))
     assert pushes(Policy.default("cpu", torch.bfloat16, compute="float32"))

@@ -117,7 +117,7 @@ def without_autocast(backward: _Backward) -> _Backward:
     Eager autograd runs a backward where ``.backward()`` is called, outside the region as a rule; torch.compile
     traces it under the forward's autocast state instead, which cast the float32 GEMMs of ampkit's emulations
     (float32 compute, block-scaled formats) to 16 bits: inductor then ran a native bfloat16 GEMM where eager
-    runs a float32 one (1.6x slower a GPT step on a CPU without bf16 arithmetic). Off, both run what is written.
+    runs a float32 one (a GPT step far slower on a CPU without bf16 arithmetic). Off, both run what is written.
     """
 
     @functools.wraps(backward)

@@ -138,7 +138,7 @@ def estimate(configs: list[RunConfig], progress: Callable[[str], None] | None = 
                          f"{tuple(x.shape)}, {x.dtype}): {type(error).__name__}: {error}{hint}") from error
     step_s, forward_s = (statistics.median(times) for times in zip(*timed))
     # Each setting's warm-up step beyond float32's first step at the setting's ratio: the block-scaled formats'
-    # compile of their casts (uncounted, compare's bf16 / MXFP8 / NVFP4 comparison took 1.4x its estimate).
+    # compile of their casts (uncounted, compare's bf16 / MXFP8 / NVFP4 comparison took well over its estimate).
     for key, warm_up_s in warm_ups.items():
         first_extra_s[key] = max(warm_up_s - first_s * setting_s[key] / step_s, 0.0)
     compile_s = 0.0

@@ -10,7 +10,7 @@ line on stdin before every training step and a ``finish`` line before its
 evaluation, so the parent can interleave the runs' steps (one process computes
 at a time) and every run meets the machine's fast and slow moments alike, as a
 benchmark that alternates its variants does. Timings of separate processes run
-one after the other differed by 10-20% on a shared 2-core machine.
+one after the other differed widely on a shared 2-core machine.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ checkpoint sees one GEMM whose output is the 16-bit tensor a native kernel retur
 While torch.compile traces they are single ops too. As plain ops, AOTAutograd's CSE merged the forward's
 float32 conversion of each GEMM input with the backward's conversion of the same 16-bit tensor, and the
 partitioner then saved that float32 copy for backward: compiled float32 compute saved about twice eager's
-activation bytes (the GPT of ``ampkit compare``: 34.8 MiB against 17.7; inductor and aot_eager alike). The
+activation bytes (the GPT of ``ampkit compare``, inductor and aot_eager alike). The
 conversions inside an opaque op cannot be merged, so the 16-bit tensors are what is saved. The cost is the
 fusion inductor did of those conversions (BENCHMARKS.md, "torch.compile under every kind of policy").
 Elsewhere the same functions run as plain ops. The fast paths call ``linear``, ``convolution`` and

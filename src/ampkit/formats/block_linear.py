@@ -95,8 +95,8 @@ def _operand_values(t: torch.Tensor, format: str, element: str, block: int, mode
 def _draw_values(seed: torch.Tensor, step: torch.Tensor, stream: int, count: int) -> torch.Tensor:
     """``count`` of ``counter_draws``' draws. The seed is a tensor, so that one graph serves every layer (an integer
     would be a constant of each). A graph of its own: fused into the cast's, inductor hashed 16 elements per block
-    in a loop over the blocks, and the NVFP4 cast with stochastic rounding took 7.0 ms on a 2048x256 operand
-    against 2.3 ms in two graphs (the same draws; this CPU kind, AVX-512)."""
+    in a loop over the blocks, and the NVFP4 cast with stochastic rounding took about three times as long as in
+    two graphs (the same draws; a 2048x256 operand on an AVX-512 CPU)."""
     return counter_draws(seed, step, stream)(torch.Size([count]))  # type: ignore[arg-type]
 
 
@@ -138,8 +138,8 @@ def operand_values(t: torch.Tensor, recipe: BlockScaledRecipe, seed: int = 0, st
     functions), one compiled copy per configuration, dtype and transposition (each at most two graphs)."""
     element = recipe.element if recipe.format == "mxfp8" else MX_ELEMENTS.get(recipe.format, "e2m1")
     eager = not recipe.compiled_casts or torch.compiler.is_compiling()
-    if transposed and recipe.format == "mxfp4":  # inductor's MXFP4 cast of a transposed read: 0.99 ms on a 2048x128
-        t, transposed = t.T.contiguous(), False  # bf16 operand, against 0.53 ms with this copy first (0.35 MXFP8)
+    if transposed and recipe.format == "mxfp4":  # inductor's MXFP4 cast of a transposed read took about twice a copy
+        t, transposed = t.T.contiguous(), False  # and the cast (a 2048x128 bf16 operand): this one copies first
     draws = None
     if stochastic and step is not None:
         rows, cols = t.shape[::-1] if transposed else t.shape

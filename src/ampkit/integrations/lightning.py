@@ -231,7 +231,7 @@ class AmpkitPrecision(_AmpkitCore, Precision):
     def _log(self, model: LightningModule) -> None:
         """Log the skip count and the scale when either changed, and on the Trainer's logging steps.
 
-        LightningModule.log costs about 2 ms a call here, as much as a small model's whole step;
+        A LightningModule.log call can cost as much as a small model's whole step on a CPU;
         the values change rarely (a skip, a growth), so logging them on change loses nothing.
         """
         figures = (float(self.scaler.stats.skipped), float(self.scaler.get_scale()))

@@ -25,7 +25,7 @@ from typing import Any
 
 from ampkit import _torch
 from ampkit.precision import op_lists
-from ampkit.precision.kernels import kernel_ops, registry
+from ampkit.precision.kernels import registry
 from ampkit.precision.state import current_policy, current_region
 
 ContextFn = Callable[[], tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]]
@@ -44,7 +44,7 @@ class _Recompute:
         self.regions = [(r.policy, r.model) for r in regions]
         self.stack = contextlib.ExitStack()
         for region in regions:
-            ops = kernel_ops(region.policy, region.float32_ops)  # type: ignore[arg-type]
+            ops = region.resolved.kernel_ops  # type: ignore[union-attr]
             registry.acquire(region.device_type, ops)
             weakref.finalize(self, registry.release, region.device_type, ops)
 

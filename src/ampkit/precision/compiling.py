@@ -9,7 +9,7 @@ calling thread's stack of torch function modes: the *type* of each mode on it
 from torch.autocast's (edited lists, float32 compute, module overrides: what needs ampkit's dispatcher
 kernels or hooks) pushes a mode whose type stands for that policy, one type per distinct policy and set of
 float32-computed ops (``guard_for``). The mode passes every call through unchanged (no measurable cost in
-eager code: a 2-layer GPT step, 0.99x); it is there to be guarded on.
+a 2-layer GPT's eager step); it is there to be guarded on.
 
 - A graph traced inside such a region runs only where the same policy is open: any other policy (or
   none, or the default policy, which pushes no mode) fails the guard and dynamo traces again, or finds the
@@ -50,7 +50,7 @@ import torch
 from torch.overrides import BaseTorchFunctionMode
 
 from ampkit.precision import op_lists
-from ampkit.precision.policy import Policy
+from ampkit.precision.policy import Resolved
 from ampkit.precision.state import state
 
 
@@ -63,11 +63,12 @@ class PolicyGuard(BaseTorchFunctionMode):
 
 
 _lock = threading.Lock()
-_guards: dict[tuple[Policy, frozenset[str]], type[PolicyGuard]] = {}
+_guards: dict[Resolved, type[PolicyGuard]] = {}
 
 
-def fingerprint(policy: Policy, float32_ops: frozenset[str]) -> str:
-    """The same string for the same policy in every process (sorted lists: a frozenset's order is not)."""
+def fingerprint(resolved: Resolved) -> str:
+    """The same string for the same resolved policy in every process (sorted lists: a frozenset's order is not)."""
+    policy = resolved.policy
 
     def pattern(p: object) -> str:
         return p if isinstance(p, str) else f"{p.__module__}.{p.__qualname__}"  # type: ignore[attr-defined]
@@ -76,26 +77,29 @@ def fingerprint(policy: Policy, float32_ops: frozenset[str]) -> str:
         "device_type": policy.device_type, "dtype": str(policy.dtype), "enabled": policy.enabled,
         "compute": policy.compute, "allow": sorted(policy.allow), "deny": sorted(policy.deny),
         "infer": sorted(policy.infer), "overrides": [[pattern(o.pattern), str(o.dtype)] for o in policy.overrides],
-        "float32_ops": sorted(float32_ops),
+        "float32_ops": sorted(resolved.float32_ops),
     })
 
 
-def needs_guard(policy: Policy, kernel_ops: frozenset[str]) -> bool:
-    """Whether a region of ``policy``, with dispatcher kernels for ``kernel_ops``, pushes a guard mode: where it
-    does what torch.autocast does not (module overrides, a kernel for an op torch.autocast runs) or what the
-    default policy does not (an op torch.autocast refuses, run other than in float32)."""
+def needs_guard(resolved: Resolved) -> bool:
+    """Whether a region of ``resolved`` pushes a guard mode: where it does what torch.autocast does not (module
+    overrides, a kernel for an op torch.autocast runs) or what the default policy does not (an op torch.autocast
+    refuses, run other than in float32)."""
+    policy = resolved.policy
+    if not policy.enabled:
+        return False
     banned = op_lists.BANNED[policy.device_type]  # no set operation on its keys: torch 2.11's dynamo traces this
-    return bool(policy.overrides) or any(op not in banned or op not in policy.deny for op in kernel_ops)
+    return bool(policy.overrides) or any(op not in banned or op not in policy.deny for op in resolved.kernel_ops)
 
 
-def guard_for(policy: Policy, float32_ops: frozenset[str]) -> type[PolicyGuard]:
-    """The mode type that stands for ``policy`` with ``float32_ops`` computed in float32 (one per pair)."""
+def guard_for(resolved: Resolved) -> type[PolicyGuard]:
+    """The mode type that stands for ``resolved`` (one per resolved policy)."""
     with _lock:
-        found = _guards.get((policy, float32_ops))
+        found = _guards.get(resolved)
         if found is None:
             found = type(f"PolicyGuard{len(_guards)}", (PolicyGuard,),
-                         {"key": fingerprint(policy, float32_ops), "__module__": __name__})
-            _guards[(policy, float32_ops)] = found
+                         {"key": fingerprint(resolved), "__module__": __name__})
+            _guards[resolved] = found
         return found
 
 

@@ -3,7 +3,8 @@
 ``"native"`` runs 16-bit kernels, ``"float32"`` runs every GEMM class in float32,
 ``"auto"`` decides per op class from ``ampkit.measure()`` (measured once per
 machine, then cached; never assumed). ``decision`` is the one place a compute mode is
-resolved; regions, ``initialize``, ``ampkit compare`` and ``inspect`` read its ``Decision``.
+resolved; regions, ``initialize``, ``ampkit compare`` and ``inspect`` read its ``Decision``,
+and a region reads its policy as ``resolve`` makes it: one ``Resolved``, plain data.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ampkit.hardware import throughput
 from ampkit.hardware.advice import slow_native_message
 from ampkit.hardware.flags import SlowPrecisionWarning
 from ampkit.modes import ComputeModeWarning, check_compute
-from ampkit.precision.policy import Policy, known_op
+from ampkit.precision.policy import Policy, Resolved, known_op
 from ampkit.precision.state import warn_once
 
 # The op classes a measurement distinguishes, and the autocast-level (ATen) ops of
@@ -102,17 +103,16 @@ def _existing(ops: frozenset[str]) -> frozenset[str]:
     return frozenset(op for op in ops if known_op(op))
 
 
-def resolve(policy: Policy) -> frozenset[str]:
-    """The ops a region of ``policy`` computes in float32 here: its compute mode resolved, once a region (regions
-    read the result, ``Region.float32_ops``). Says once a process what it chose for the setting: a
-    ``ComputeModeWarning`` with the measured figures where GEMMs compute in float32, a ``SlowPrecisionWarning``
-    where ``"native"`` runs 16-bit kernels this machine runs slower than float32."""
+def resolve(policy: Policy) -> Resolved:
+    """``policy`` resolved here: its compute mode decided, once a region. Says once a process what it chose for the
+    setting: a ``ComputeModeWarning`` with the measured figures where GEMMs compute in float32, a
+    ``SlowPrecisionWarning`` where ``"native"`` runs 16-bit kernels this machine runs slower than float32."""
     if not policy.enabled:
-        return frozenset()
+        return Resolved(policy, frozenset())
     chosen = decision_of(policy)
     device_type, dtype = policy.device_type, policy.dtype
     if chosen.classes:
         warn_once(f"compute:{device_type}:{dtype}:{policy.compute}", chosen.describe, ComputeModeWarning)
     elif policy.compute == "native":
         warn_once(f"slow:{device_type}:{dtype}", lambda: slow_native_message(device_type, dtype), SlowPrecisionWarning)
-    return chosen.ops
+    return Resolved(policy, chosen.ops)

@@ -32,11 +32,10 @@ Why not a torch function mode (thread-local, which would need no registration; i
 either carry an edit, chosen by measurement): a mode sees Python-level calls, and ``nn.functional``'s Python
 composites (``multi_head_attention_forward``, ``mse_loss``) run their inner calls with the mode popped, so an
 edited ``linear`` would miss the attention's projections; the Autocast key sees every ATen op, as torch.autocast
-does, and lies above autograd, so the casts are differentiated. Measured (``benchmarks/bench_policy_mechanism.py``,
-the GPT's eager training step, an edit moving ``add``, ``layer_norm`` and ``gelu``, on a native-bf16 CPU,
-2026-12-07): the kernels' step is 1.009x the same edit written by hand under torch.autocast, a prototype mode's
-0.990x, equal within the rounds' spread; the edit's own numerics cost 1.14x torch.autocast's step. Same cost, so
-the kernels stay, for the composites.
+does, and lies above autograd, so the casts are differentiated. Measured (``benchmarks/bench_policy_mechanism.py``:
+the GPT's eager training step under an edit moving ``add``, ``layer_norm`` and ``gelu``, its record in
+BENCHMARKS.md): the kernels' step and a prototype mode's are equal, within the rounds' spread, to the same edit
+written by hand under torch.autocast. Same cost, so the kernels stay, for the composites.
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ from ampkit.float32_compute import run_in_float32
 from ampkit.float32_compute.gelu_recompute import recording
 from ampkit.precision import op_lists
 from ampkit.precision.op_lists import ALLOW, DENY, INFER
-from ampkit.precision.policy import Policy, autocast_ops, torch_category
+from ampkit.precision.policy import autocast_ops, torch_category
 from ampkit.precision.state import current_region, state, warn_once
 
 # ---------------------------------------------------------------------------
@@ -147,7 +146,7 @@ def _make_kernel(device_type: str, op: str, overload: _torch.OpOverload) -> Call
         region = current_region(device_type)  # None below a plain torch.autocast that changed the dtype
         if region is not None:
             category = region.policy.category(op)  # type: ignore[union-attr]
-            in_float32 = op in region.float32_ops
+            in_float32 = op in region.resolved.float32_ops  # type: ignore[union-attr]
         else:  # a thread using plain torch.autocast, or a region that treats this op as torch does
             category, in_float32 = torch_default, False
         if category is None and decomposes:
@@ -274,13 +273,3 @@ def _kernels(device_type: str, op: str) -> tuple[tuple[str, Callable[..., Any]],
 
 registry = _Registry()
 
-
-def kernel_ops(policy: Policy, float32_ops: frozenset[str]) -> frozenset[str]:
-    """The ops that need ampkit kernels for ``policy``, its module overrides and its
-    float32-computed ops."""
-    ops = policy.edits | float32_ops
-    if "linear" in float32_ops:  # a linear reading a GELU's output recomputes it (float32_compute/gelu_recompute.py)
-        ops = ops | {"gelu"}
-    if any(o.dtype != torch.float32 for o in policy.overrides):
-        ops = ops | policy.all_low.edits
-    return ops

@@ -183,10 +183,11 @@ def _open(key: int, args: tuple, kwargs: dict[str, Any]) -> tuple[Callable[..., 
         cast = caster(policy.device_type, torch.float32)
         args, kwargs = cast_tree(args, cast), cast_tree(kwargs, cast)
     else:  # torch.autocast's state does not change: the policy's guard does (compiling.py)
-        ctx, pushed = torch.autocast(policy.device_type, dtype=policy.dtype), policy.all_low
-        guard = compiling.enter(compiling.guard_for(pushed, top.float32_ops))  # type: ignore[union-attr]
+        ctx = torch.autocast(policy.device_type, dtype=policy.dtype)
+        pushed = top.resolved.all_low  # type: ignore[union-attr]
+        guard = compiling.enter(compiling.guard_for(pushed))
     ctx.__enter__()
-    state.stack.append(Region(policy.device_type, pushed, ctx, top.float32_ops, guard))  # type: ignore[union-attr]
+    state.stack.append(Region(policy.device_type, pushed, ctx, guard))
     return forward, (args, kwargs, ctx, guard)
 
 

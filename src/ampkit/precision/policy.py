@@ -2,7 +2,9 @@
 
 A policy is a low-precision ``dtype``, three op lists (allow / deny / infer) and
 per-module overrides. It is immutable: every edit returns a new policy, so a
-policy can be shared between threads and stored in a config.
+policy can be shared between threads and stored in a config. ``Resolved`` is a policy
+as a region reads it on this machine: with the ops it computes in float32 (``decide.py``
+decides them) and the ops that need ampkit's kernels.
 """
 
 from __future__ import annotations
@@ -290,3 +292,32 @@ class Policy:
     def all_low(self) -> Policy:
         """This policy with every deny op moved to allow (for modules overridden to ``dtype``)."""
         return dataclasses.replace(self, allow=self.allow | self.deny, deny=frozenset(), overrides=())
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A policy resolved on this machine into plain data: what its regions, their kernels, their compile guards
+    and their checkpointed recomputes read (``decide.resolve`` makes it, once a region)."""
+
+    policy: Policy
+    float32_ops: frozenset[str]  # the autocast-level ops computed in float32 on 16-bit values
+
+    @functools.cached_property
+    def kernel_ops(self) -> frozenset[str]:
+        """The ops that need ampkit's Autocast-key kernels (``kernels.py``): the policy's edits, its float32-computed
+        ops, and the edits of the 16-bit policy its module overrides push; none where the policy is disabled."""
+        policy = self.policy
+        if not policy.enabled:
+            return frozenset()
+        ops = policy.edits | self.float32_ops
+        if "linear" in self.float32_ops:  # a linear reading a GELU's output recomputes it (gelu_recompute.py)
+            ops |= {"gelu"}
+        if any(o.dtype != torch.float32 for o in policy.overrides):
+            ops |= policy.all_low.edits
+        return ops
+
+    @functools.cached_property
+    def all_low(self) -> Resolved:
+        """What a 16-bit module override of this policy pushes: every op in the policy's dtype, the same float32
+        compute."""
+        return Resolved(self.policy.all_low, self.float32_ops)

@@ -18,7 +18,7 @@ from torch import nn
 
 from ampkit.precision import compiling, overrides
 from ampkit.precision.decide import resolve
-from ampkit.precision.kernels import kernel_ops, registry
+from ampkit.precision.kernels import registry
 from ampkit.precision.policy import Policy
 from ampkit.precision.state import Region, state, warn_once
 
@@ -83,12 +83,11 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
                       f"{torch.__version__}): the region is disabled, as torch.autocast disables itself.")
             enabled = False
         self.policy = policy if enabled else policy.disabled()
-        self.float32_ops = resolve(self.policy)  # the compute mode, resolved here once (and said once a process)
-        self._kernel_ops = kernel_ops(self.policy, self.float32_ops) if self.policy.enabled else frozenset()
+        self.resolved = resolve(self.policy)  # the compute mode decided here once (and said once a process)
+        self._kernel_ops = self.resolved.kernel_ops
         self._overrides = bool(self.policy.enabled and self.policy.overrides)  # wrap the model's matching modules
         # torch.compile guards on torch.autocast's state: a policy that differs carries a guard of its own
-        self._guard = (compiling.guard_for(self.policy, self.float32_ops)
-                       if self.policy.enabled and compiling.needs_guard(self.policy, self._kernel_ops) else None)
+        self._guard = compiling.guard_for(self.resolved) if compiling.needs_guard(self.resolved) else None
 
     @torch.compiler.disable  # the region opens and closes eagerly; what runs inside it compiles
     def __enter__(self) -> autocast:
@@ -120,10 +119,9 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         if guard_type is None and any(region.guard is not None for region in state.stack):
             # inside a guarded region, a region torch.autocast alone would serve is guarded too: else a graph
             # traced under both would pass the outer region's guard alone, and run there
-            guard_type = compiling.guard_for(self.policy, self.float32_ops)
+            guard_type = compiling.guard_for(self.resolved)
         guard = compiling.enter(guard_type) if guard_type is not None else None
-        state.stack.append(Region(policy.device_type, policy if policy.enabled else None, ctx, self.float32_ops,
-                                  guard, model, modules))
+        state.stack.append(Region(policy.device_type, self.resolved, ctx, guard, model, modules))
 
     @torch.compiler.disable
     def __exit__(self, *exc: object) -> None:

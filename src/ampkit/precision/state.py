@@ -17,19 +17,24 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from ampkit.precision.policy import Policy
+from ampkit.precision.policy import Policy, Resolved
 
 
 class Region(NamedTuple):
     """One open region (an ampkit.autocast, or a module override inside one)."""
 
     device_type: str
-    policy: Policy | None  # None where autocast is off
+    resolved: Resolved | None  # its policy, resolved (decide.py); None where a float32 override turns autocast off
     ctx: torch.autocast
-    float32_ops: frozenset[str]  # ops computed in float32 on 16-bit values
     guard: Any = None  # the torch function mode torch.compile guards this region's policy by (compiling.py)
     model: nn.Module | None = None  # the module whose modules its overrides match
     modules: Any = None  # overrides.Matches: the modules its overrides run in another dtype, with their forward wrapped
+
+    @property
+    def policy(self) -> Policy | None:
+        """The region's policy; None where autocast is off."""
+        policy = self.resolved.policy if self.resolved is not None else None
+        return policy if policy is not None and policy.enabled else None
 
 
 class ThreadState(threading.local):
