@@ -1,20 +1,20 @@
 """What ampkit's regions leave behind in a process (issue 38): plain torch.autocast's step after edited, override and
 float32-compute regions ran, against its step where none ran since, in the same process; and while the kernels stay
-because a second thread lives.
+because a second thread runs.
 
 ampkit's edited policies, module overrides and float32 compute register Python kernels at the Autocast dispatch key
-while a region needs them (precision/kernels.py); when the last region closes in a process with one thread they are
-released, and torch's own kernels run again, as in a process that never ran a region. With a second Python thread
-alive they stay (releasing a kernel that thread is about to run crashes it), and plain torch.autocast reaches them
+while a region needs them (precision/kernels.py); when the last region closes where every other thread waits they are
+released, and torch's own kernels run again, as in a process that never ran a region. Beside a thread that runs
+Python they stay (releasing a kernel that thread is about to run crashes it), and plain torch.autocast reaches them
 for their ops: the same bits as torch's own kernels (tests/test_autocast.py), in Python.
 What each state costs: the GPT of `ampkit compare` (batch 32, forward and backward under plain
 ``torch.autocast("cpu", torch.bfloat16)``), blocks of 20 steps alternated between three states of one process:
 "after" (one step each under an edited, a module-override and a float32-compute ampkit policy, untimed, then the
 block: ampkit holds no kernel, checked), "without" (no region since the last block, none held, checked: what a fresh
-process has), "kept" (the same regions while a helper thread waits, and the block while it still lives: the kernels
-held, checked), 15 rounds, the order rotated every round; medians. Also one op alone: a 64x64 ``torch.mm`` under
-plain torch.autocast, the same alternation. And what the registration costs a region that opens alone: the registry's
-acquire and release of an edited policy's ops and of float32 compute's, medians of 50.
+process has), "kept" (the same regions while a helper thread runs, sleeping 10 ms at a time, and the block while it
+still does: the kernels held, checked), 15 rounds, the order rotated every round; medians. Also one op alone: a
+64x64 ``torch.mm`` under plain torch.autocast, the same alternation. And what the registration costs a region that
+opens alone: the registry's acquire and release of an edited policy's ops and of float32 compute's, medians of 50.
 
 Writes results/after-regions.json.
 
@@ -55,13 +55,14 @@ STATES = ("after", "without", "kept")
 
 
 def _enter(state: str, model: torch.nn.Module, x: torch.Tensor) -> threading.Event | None:
-    """Put the process in ``state`` (untimed); returns the event that ends the helper thread of "kept"."""
+    """Put the process in ``state`` (untimed); returns the event that ends the helper thread of "kept" (one that runs:
+    its innermost frame sleeps in its own code, not in a wait of the standard library, so the kernels stay)."""
     if state == "without":
         assert not kernels.registry.registered()
         return None
     release = threading.Event() if state == "kept" else None
     if release is not None:
-        threading.Thread(target=release.wait).start()
+        threading.Thread(target=lambda: [time.sleep(0.01) for _ in iter(release.is_set, True)]).start()
     _regions(model, x)
     assert bool(kernels.registry.registered()) == (state == "kept"), state
     return release

@@ -313,7 +313,7 @@ def after_regions_section(results: dict[str, Any]) -> str:
             "(batch 32, forward and backward) right after such regions ran and closed (no ampkit kernel held, "
             f"checked) {gpt['after'] * 1e3:.1f} ms a step, with no region since the last block "
             f"{gpt['without'] * 1e3:.1f} ms (what a fresh process has): **{ratios['gpt_step']['after']:.3f}x** "
-            f"(issue 38 asks <= 1.01x); with the regions' {results['registered']} kernels kept by a live second "
+            f"(issue 38 asks <= 1.01x); with the regions' {results['registered']} kernels kept by a second thread that runs "
             f"thread {gpt['kept'] * 1e3:.1f} ms, {ratios['gpt_step']['kept']:.3f}x. A 64x64 `torch.mm`: "
             f"{mm['after'] * 1e6:.1f}, {mm['without'] * 1e6:.1f} and {mm['kept'] * 1e6:.1f} us "
             f"({ratios['mm']['after']:.2f}x, {ratios['mm']['kept']:.2f}x)." + registration_sentence(results))

@@ -553,14 +553,73 @@ print("wrong", len(wrong))
 @pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
 def test_threads_open_edited_default_and_torch_regions_concurrently_without_a_crash() -> None:
     """Registering and removing dispatcher kernels while other threads dispatch crashed the
-    process (segfault, or SafePyObject INTERNAL ASSERT); kernels are now released only where the
-    main thread is alone. The race runs for 5 s in its own process, so a crash fails this test, not the suite."""
+    process (segfault, or SafePyObject INTERNAL ASSERT); kernels are now released only by the main
+    thread, where every other thread waits. The race runs for 5 s in its own process, so a crash fails this test, not the suite."""
     import subprocess
     import sys
 
     done = subprocess.run([sys.executable, "-c", _RACE, "5"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "wrong 0"
+
+
+# The main thread opens and closes an edited region in a loop, each close releasing the kernels where every other
+# thread waits, while two threads alternate a plain torch.autocast and a short wait and an executor's workers run the
+# plain torch.autocast the main thread submits. Releasing regardless of the others crashed it in 3 runs of 3 (torch's
+# SafePyObject INTERNAL ASSERT, or a call dispatched with the wrong arguments).
+_RELEASE_BESIDE_THREADS = """
+import concurrent.futures, sys, threading, time, warnings
+import torch
+import torch.nn.functional as F
+import ampkit
+from ampkit.precision import kernels
+
+warnings.simplefilter("ignore")
+edited = ampkit.Policy.default("cpu", torch.bfloat16, compute="native").with_ops(deny=["gelu", "mm"])
+stop = time.time() + float(sys.argv[1])
+wrong, releases = [], 0
+
+def plain():
+    x = torch.randn(8, 8)
+    with torch.autocast("cpu", torch.bfloat16):
+        return torch.mm(x, x).dtype == torch.bfloat16 and F.gelu(x.bfloat16()).dtype == torch.bfloat16
+
+def plain_then_wait():
+    pause = threading.Event()
+    while time.time() < stop:
+        if not plain():
+            wrong.append("plain")
+        pause.wait(2e-4)
+
+threads = [threading.Thread(target=plain_then_wait) for _ in range(2)]
+for t in threads:
+    t.start()
+pool, submitted, x = concurrent.futures.ThreadPoolExecutor(2), [], torch.randn(8, 8)
+while time.time() < stop:
+    submitted.append(pool.submit(plain))
+    with ampkit.autocast(edited):
+        if F.gelu(x.bfloat16()).dtype != torch.float32 or torch.mm(x, x).dtype != torch.float32:
+            wrong.append("edited")
+    releases += not kernels.registry.registered()
+for t in threads:
+    t.join()
+wrong += ["pool"] * sum(not f.result() for f in submitted)
+print("wrong", len(wrong), "released", releases > 100)
+"""
+
+
+@pytest.mark.slow  # over 5 s here; CI runs it (deselect with -m "not slow")
+def test_the_main_thread_releases_the_kernels_while_the_others_wait_without_a_crash() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}  # this checkout's ampkit
+    done = subprocess.run([sys.executable, "-c", _RELEASE_BESIDE_THREADS, "5"], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "wrong 0 released True"
 
 
 def test_torch_jit_script_of_a_region_is_refused_by_name() -> None:
@@ -641,12 +700,13 @@ def test_a_cuda_policy_without_cuda_warns_and_disables_as_torch_autocast_does(mo
     assert not region.policy.enabled and f(torch.ones(2, 2)).dtype == torch.float32
 
 
-# The kernels an edited and a float32-compute region registered, after the regions closed: alone in the process, with
-# a second thread alive, once that thread has ended, and beside tqdm's monitor thread. Prints what is registered, how many calls of a plain
-# torch.autocast reached ampkit's kernels, and their dtypes. (In a subprocess: a thread that another test started,
-# such as tqdm's monitor, would keep the kernels in the suite's process.)
+# The kernels an edited and a float32-compute region registered, after the regions closed: alone in the process,
+# beside threads that wait (on an event, on a multiprocessing queue; an idle executor's worker, as inductor's compile
+# threads are), beside one that runs, once that one has ended, and beside tqdm's monitor thread. Prints what is
+# registered, how many calls of a plain torch.autocast reached ampkit's kernels, and their dtypes. (In a subprocess:
+# a thread another test started would be in the suite's process.)
 _KERNELS_AFTER_REGIONS = """
-import threading, warnings
+import concurrent.futures, multiprocessing, queue, threading, time, warnings
 import torch, torch.nn.functional as F
 import ampkit
 from ampkit.precision import kernels
@@ -668,17 +728,28 @@ for policy in (edited, ampkit.Policy.default("cpu", torch.bfloat16, compute="flo
         torch.mm(x, x)
         assert reached and kernels.registry.registered()  # inside, the kernels run
 print("alone", plain())
-release = threading.Event()
-helper = threading.Thread(target=release.wait)
-helper.start()
+release, results = threading.Event(), multiprocessing.Queue()  # a DataLoader's pin-memory thread polls one
+waiting = [threading.Thread(target=release.wait), threading.Thread(target=lambda: results.get(timeout=60))]
+for thread in waiting:
+    thread.start()
+pool = concurrent.futures.ThreadPoolExecutor(1)
+pool.submit(plain).result()  # its worker ran a plain torch.autocast, and waits for work
 with ampkit.autocast(edited):
     pass
-print("thread", plain())
-release.set()
-helper.join()
+print("waiting", plain())
+stop = threading.Event()
+running = threading.Thread(target=lambda: [time.sleep(1e-4) for _ in iter(stop.is_set, True)])
+running.start()
+with ampkit.autocast(edited):
+    pass
+print("running", plain())
+stop.set()
+running.join()
 with ampkit.autocast(edited):
     pass
 print("ended", plain())
+release.set()
+results.put(None)
 import tqdm  # its monitor thread, which torch.compile starts for good, never dispatches a torch op
 tqdm.tqdm(total=1, mininterval=0).close()
 assert any(type(t).__name__ == "TMonitor" for t in threading.enumerate())
@@ -688,9 +759,10 @@ print("tqdm", plain())
 """
 
 
-def test_kernels_go_with_the_last_region_unless_another_thread_lives() -> None:
-    """Outside regions torch's own kernels run (none of ampkit's is reached); with a second thread alive they stay,
-    doing what torch's do, since releasing one that thread is about to run crashes it (the race test above)."""
+def test_kernels_go_with_the_last_region_unless_another_thread_runs() -> None:
+    """Outside regions torch's own kernels run (none of ampkit's is reached), also beside threads that wait; beside a
+    thread that runs they stay, doing what torch's do, since releasing one that thread is about to run crashes it (the
+    race tests above)."""
     import os
     import subprocess
     import sys
@@ -702,7 +774,8 @@ def test_kernels_go_with_the_last_region_unless_another_thread_lives() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     torch_dtypes = ["torch.bfloat16", "torch.bfloat16"]  # torch.autocast leaves gelu alone and runs mm in bf16
     assert done.stdout.splitlines() == [f"alone {([], 0, torch_dtypes)}",
-                                        f"thread {(['gelu', 'mm'], 2, torch_dtypes)}",
+                                        f"waiting {([], 0, torch_dtypes)}",
+                                        f"running {(['gelu', 'mm'], 2, torch_dtypes)}",
                                         f"ended {([], 0, torch_dtypes)}",
                                         f"tqdm {([], 0, torch_dtypes)}"]
 

@@ -21,12 +21,14 @@ recompute re-enters the region in the backward (``checkpointing.py``).
 While registered, each kernel reads the calling thread's innermost ampkit region
 (``state.py``) and, in a thread without one, does what torch.autocast would.
 
-The release waits while another Python thread lives: a thread that has looked a kernel up and waits for
-the GIL to run it crashes if the kernel is released meanwhile (torch's ``SafePyObject``
-assertion; the three-thread race in ``tests/test_autocast.py`` failed in 4 of 4 runs), and
-a plain torch.autocast in any thread may be that one. There the kernels stay until a region
-closes in a process with a single thread again, doing there what torch's would. Threads known
-never to dispatch a torch op do not count: tqdm's monitor, which torch.compile starts for good.
+The release waits while another thread runs: a thread that has looked a kernel up and waits for the GIL to run it
+crashes if the kernel is released meanwhile (torch's ``SafePyObject`` assertion, in every run of the race tests in
+``tests/test_autocast.py`` that released regardless), and a plain torch.autocast in any thread may be that one. No
+public call pins a registered kernel, so the main thread releases where every other thread waits in the standard
+library (a lock, a condition, an event, a queue, an idle executor's worker: tqdm's monitor, a DataLoader's pin-memory
+thread, the compile threads inductor leaves alive), read from their frames while the releasing thread holds the GIL
+with forced hand-overs off: such a thread has looked up no kernel, and must take the GIL to run the Python that
+would. Beside a thread that runs, the kernels stay until a region closes where none does, doing what torch's would.
 
 Why not a torch function mode (thread-local, which would need no registration; issue 71's first rule lets
 either carry an edit, chosen by measurement): a mode sees Python-level calls, and ``nn.functional``'s Python
@@ -41,8 +43,13 @@ written by hand under torch.autocast. Same cost, so the kernels stay, for the co
 from __future__ import annotations
 
 import functools
+import inspect
+import selectors
+import sys
 import threading
+import types
 import warnings
+from concurrent.futures import thread as futures_thread
 from collections.abc import Callable
 from typing import Any
 
@@ -213,10 +220,17 @@ class _Registry:
                 self._counts[key] -= 1
                 if not self._counts[key]:
                     del self._counts[key]
-            # No open region needs a kernel: torch's own come back, unless another thread lives (below).
-            if not self._counts and not self._depth and _alone():
-                self._libs.clear()
-                self._registered.clear()
+            # No open region needs a kernel: torch's own come back, unless another thread may be running one (below).
+            if self._counts or self._depth:
+                return
+            interval = sys.getswitchinterval()
+            sys.setswitchinterval(1e3)  # no forced hand-over of the GIL between the check and the release
+            try:
+                if _alone():
+                    self._libs.clear()
+                    self._registered.clear()
+            finally:
+                sys.setswitchinterval(interval)
 
     def active(self) -> set[tuple[str, str]]:
         """(device_type, op) pairs whose ampkit kernels an open region needs now."""
@@ -242,17 +256,50 @@ class _Registry:
         return lib
 
 
-# Threads known never to dispatch a torch op: tqdm's monitor (which torch.compile's progress bars start, for good).
-_QUIET_THREADS = frozenset({("tqdm._monitor", "TMonitor")})
+# Where a thread waits in the standard library: on a lock or a condition (events, queues, joins), on file descriptors
+# (selectors: sockets, pipes, multiprocessing queues), or, idle, for its executor's next work item (concurrent.futures'
+# worker loop, such as the pool of compile threads inductor leaves alive after a compile: ``_executor_waits``).
+_WAITS = frozenset(wait.__code__ for wait in (
+    threading.Condition.wait, threading.Thread.join, getattr(threading.Thread, "_wait_for_tstate_lock", None),
+    *(vars(kind)["select"] for kind in vars(selectors).values()
+      if isinstance(kind, type) and kind is not selectors.BaseSelector and "select" in vars(kind))) if wait)
+_KERNEL_CODES: set[types.CodeType] = set()  # the code of ampkit's kernels (``_kernels``)
+
+
+@functools.cache
+def _executor_waits() -> frozenset[tuple[types.CodeType, int]]:
+    """(code, line) where concurrent.futures' worker waits for work (read from its source once)."""
+    worker = getattr(futures_thread, "_worker", None)
+    try:
+        lines, first = inspect.getsourcelines(worker)  # type: ignore[arg-type]
+    except (OSError, TypeError):
+        return frozenset()
+    return frozenset((worker.__code__, first + i) for i, line in enumerate(lines)  # type: ignore[union-attr]
+                     if "work_queue.get(block=True)" in line)
+
+
+def _waiting(frame: types.FrameType | None) -> bool:
+    """Whether a thread whose innermost frame is ``frame`` waits in the standard library, no ampkit kernel on its
+    stack: it has looked up no kernel, and before it can it must run Python, which needs the GIL the releasing thread
+    holds (a thread inside a torch op, which drops the GIL, has the frame that called the op innermost)."""
+    if frame is None or not (frame.f_code in _WAITS or (frame.f_code, frame.f_lineno) in _executor_waits()):
+        return False
+    while frame is not None:
+        if frame.f_code in _KERNEL_CODES:
+            return False
+        frame = frame.f_back
+    return True
 
 
 def _alone() -> bool:
-    """Whether the calling thread is the main one and no other Python thread lives that might dispatch a torch op
-    (a thread torch runs Python in, such as an autograd device thread's, is not listed: only the main one releases)."""
-    if threading.get_ident() != threading.main_thread().ident:
+    """Whether the calling thread is the main one and every other thread with Python frames waits (``_waiting``): a
+    thread that runs, which a plain torch.autocast may have led into a kernel, keeps the kernels (only the main thread
+    releases: a thread torch runs Python in without a frame now, such as an autograd device thread's, is unseen)."""
+    me = threading.get_ident()
+    if me != threading.main_thread().ident:
         return False
-    return all(thread is threading.main_thread() or (type(thread).__module__, type(thread).__name__) in _QUIET_THREADS
-               for thread in threading.enumerate())
+    _executor_waits()  # read before the frames are: reading a source file may hand the GIL over
+    return all(ident == me or _waiting(frame) for ident, frame in sys._current_frames().items())
 
 
 @functools.cache
@@ -265,8 +312,10 @@ def _kernels(device_type: str, op: str) -> tuple[tuple[str, Callable[..., Any]],
         if _torch.is_mutable(overload):  # out= and in-place variants keep their dtypes
             continue
         kernel = _make_kernel(device_type, op, overload)
+        _KERNEL_CODES.add(kernel.__code__)
         if op == "gelu":  # notes what its output was computed from, for a float32-computed linear reading it
             kernel = recording(kernel)
+            _KERNEL_CODES.add(kernel.__code__)
         found.append((op if name == "default" else f"{op}.{name}", kernel))
     return tuple(found)
 

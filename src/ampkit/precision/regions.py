@@ -55,8 +55,8 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
     Note:
         An edited policy, or float32 compute, registers process-wide dispatcher
         kernels on entry of the first region that needs them (under a millisecond),
-        released when the last open region closes (kept while another Python thread
-        lives, doing there what torch.autocast does: ``precision/kernels.py``).
+        released when the last open region closes (kept while another thread runs
+        rather than waits, doing there what torch.autocast does: ``precision/kernels.py``).
         ``"auto"`` compute reads ``ampkit.measure()``, which times this machine's
         kernels for about a second the first time it ever runs here (then it is
         cached on disk). Compiled code called inside a region traces the policy
