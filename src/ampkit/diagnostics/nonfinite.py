@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -137,7 +138,9 @@ def find_nonfinite(
     stack: list[tuple[str, int]] = []  # the modules running: name, and how many candidates were pending at entry
     phase = ["forward"]
     in_backward = ["(model)"]  # the module whose output's gradient autograd computed last
-    marked: set[int] = set()  # outputs marked by the innermost module that returned them
+    # Outputs marked by the innermost module that returned them, by id, each with a reference that tells the tensor from
+    # a later one given a freed tensor's id (which lost a module its mark, and named its parent, in a long test run).
+    marked: dict[int, weakref.ref[torch.Tensor]] = {}
 
     def enter(module: nn.Module, _: Any) -> None:
         stack.append((names[module], len(mode.pending)))
@@ -146,8 +149,9 @@ def find_nonfinite(
         name, since = stack.pop()
         mode.settle(since, output)
         tensor = first_tensor(output)
-        if tensor is not None and tensor.requires_grad and id(tensor) not in marked:
-            marked.add(id(tensor))
+        earlier = marked.get(id(tensor)) if tensor is not None else None
+        if tensor is not None and tensor.requires_grad and (earlier is None or earlier() is not tensor):
+            marked[id(tensor)] = weakref.ref(tensor)
             tensor.register_hook(lambda grad: in_backward.__setitem__(0, name))
 
     pre = [m.register_forward_pre_hook(enter) for m in model.modules()]
