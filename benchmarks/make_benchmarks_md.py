@@ -53,7 +53,8 @@ def machine_line(machine: dict[str, Any]) -> str:
         f"CPU native bf16: {machine['cpu_native_bf16']}, native fp16: {machine['cpu_native_fp16']}"
     )
     if machine.get("isa_caps"):  # flags read from /proc/cpuinfo; the kernels ran capped
-        line += " (by its flags), its instructions capped: " + ", ".join(f"{k}={v}" for k, v in machine["isa_caps"].items())
+        caps = ", ".join(f"{name}={value}" for name, value in machine["isa_caps"].items())
+        line += f" (by its flags), its instructions capped: {caps}"
     if machine.get("compute_capability"):
         line += f"; CUDA {machine['cuda']}, compute capability {machine['compute_capability']}"
     speed = machine.get("measured_speedup")
@@ -307,13 +308,15 @@ def after_regions_section(results: dict[str, Any]) -> str:
     ratios = results["ratios"]
     return (f"`python benchmarks/bench_after_regions.py`, {results['created']}, on {machine_line(results['machine'])}. "
             "ampkit's Python kernels at the Autocast key (edited, module-override and float32-compute regions) live "
-            "while a region needs them and are released when the last one closes, unless another Python thread "
-            "lives (then they stay, doing what torch's do, in Python). Plain `torch.autocast`, in one process, blocks "
+            "while a region needs them and are released when the last one closes, unless another thread runs "
+            "rather than waits (then they stay, doing what torch's do, in Python). Plain `torch.autocast`, in one "
+            "process, blocks "
             f"alternated between three states ({results['rounds']} rounds; medians): the GPT of `ampkit compare` "
             "(batch 32, forward and backward) right after such regions ran and closed (no ampkit kernel held, "
             f"checked) {gpt['after'] * 1e3:.1f} ms a step, with no region since the last block "
             f"{gpt['without'] * 1e3:.1f} ms (what a fresh process has): **{ratios['gpt_step']['after']:.3f}x** "
-            f"(issue 38 asks <= 1.01x); with the regions' {results['registered']} kernels kept by a second thread that runs "
+            f"(issue 38 asks <= 1.01x); with the regions' {results['registered']} kernels kept by a second thread "
+            "that runs "
             f"thread {gpt['kept'] * 1e3:.1f} ms, {ratios['gpt_step']['kept']:.3f}x. A 64x64 `torch.mm`: "
             f"{mm['after'] * 1e6:.1f}, {mm['without'] * 1e6:.1f} and {mm['kept'] * 1e6:.1f} us "
             f"({ratios['mm']['after']:.2f}x, {ratios['mm']['kept']:.2f}x)." + registration_sentence(results))

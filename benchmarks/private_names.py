@@ -31,7 +31,8 @@ _DOTTED = re.compile(r"\b(?:torch|nn|F)(?:\.[A-Za-z_]\w*)*\.(?!__)_[A-Za-z]\w*(?
 _ATTRIBUTE = re.compile(r"\.(_base|_version|_values)\b")
 # Private names of Python's and of other libraries that src/ reads: not torch's.
 NOT_TORCH = {
-    "_getframe": "sys", "_SubParsersAction": "argparse", "_fields": "collections.namedtuple",
+    "_getframe": "sys", "_current_frames": "sys", "_wait_for_tstate_lock": "threading",
+    "_worker": "concurrent.futures.thread", "_SubParsersAction": "argparse", "_fields": "collections.namedtuple",
     "_after_closure": "Lightning's precision plugin", "_current_fx_name": "Lightning's LightningModule",
     "_optimizer": "Lightning's LightningOptimizer", "_optimizers": "Accelerate's Accelerator",
 }

@@ -268,7 +268,9 @@ _KERNEL_CODES: set[types.CodeType] = set()  # the code of ampkit's kernels (``_k
 
 @functools.cache
 def _executor_waits() -> frozenset[tuple[types.CodeType, int]]:
-    """(code, line) where concurrent.futures' worker waits for work (read from its source once)."""
+    """(code, line) where concurrent.futures' worker waits for work (read from its source once). Python's own private
+    names, here and in ``_WAITS`` and ``_alone``: where a release of Python changes them, such threads count as running
+    and the kernels stay, as beside any thread that runs."""
     worker = getattr(futures_thread, "_worker", None)
     try:
         lines, first = inspect.getsourcelines(worker)  # type: ignore[arg-type]
@@ -293,8 +295,8 @@ def _waiting(frame: types.FrameType | None) -> bool:
 
 def _alone() -> bool:
     """Whether the calling thread is the main one and every other thread with Python frames waits (``_waiting``): a
-    thread that runs, which a plain torch.autocast may have led into a kernel, keeps the kernels (only the main thread
-    releases: a thread torch runs Python in without a frame now, such as an autograd device thread's, is unseen)."""
+    thread that runs, which a plain torch.autocast may have led into a kernel, keeps the kernels. Only the main thread
+    releases: a thread of torch's with no Python frame at the moment, such as an autograd device thread, is unseen."""
     me = threading.get_ident()
     if me != threading.main_thread().ident:
         return False
