@@ -44,8 +44,8 @@ GEMM_OPS: dict[str, frozenset[str]] = {
 
 
 class Decision(NamedTuple):
-    """How one setting's GEMMs and convolutions compute on this machine (``decision`` makes it; nothing else reads
-    the compute mode or the measurement behind it)."""
+    """How one setting's GEMMs and convolutions compute on this machine (``decision`` makes it; nothing else turns
+    a compute mode and the measurement behind it into ops)."""
 
     device_type: str
     dtype: torch.dtype

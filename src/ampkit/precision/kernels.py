@@ -49,8 +49,8 @@ import sys
 import threading
 import types
 import warnings
-from concurrent.futures import thread as futures_thread
 from collections.abc import Callable
+from concurrent.futures import thread as futures_thread
 from typing import Any
 
 import torch
