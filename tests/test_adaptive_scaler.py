@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -185,6 +186,31 @@ def test_float32_compute_still_recomputes_a_gelu_output_behind_the_brackets(monk
     saving, saved_grads = run()
     assert saving - recomputing == 8 * 64 * 2  # the float16 GELU output
     assert all(torch.equal(a, b) for a, b in zip(grads, saved_grads))
+
+
+def test_a_rebuilt_optimizer_taking_a_freed_ones_id_still_unscales_by_each_layers_scale() -> None:
+    # A training loop that builds a new optimizer (a new phase, a resume) keeps its scaler. CPython gives a new
+    # object the address of one just freed now and then, and the scaler once took "this id was mapped" for "these
+    # masters were mapped": A's master gradients were then unscaled by the global scale, silently wrong.
+    from ampkit.optim.master import MasterWeightOptimizer
+
+    model, opt, scaler = _train(lambda model: AdaptiveLossScaler(model))
+    x1, x2 = _inputs()
+    expected_a = x1.expand(4, 32) * A_OUTPUT_WEIGHT
+    seen, reused = {id(opt)}, 0
+    for _ in range(60):
+        del opt
+        gc.collect()
+        opt = MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+        reused += id(opt) in seen
+        seen.add(id(opt))
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(model(x1, x2).float().sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+        assert torch.equal(opt.master_params[0].grad, expected_a)
+    assert reused > 0  # the case this test is for happened (10 of 60 rebuilds when written)
 
 
 def test_state_dict_round_trip_resumes_identically() -> None:

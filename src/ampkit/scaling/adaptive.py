@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections import defaultdict
 from typing import Any
 
@@ -139,7 +140,9 @@ class AdaptiveLossScaler(DynamicLossScaler):
         self._faulted: list[int] = []  # layers whose own gradients overflowed in the last update
         self._table: list[list[float]] = []  # per group: largest incoming, input and weight gradient (last sync)
         self._master_of: dict[int, int] = {}  # id of a float32 master -> id of its model parameter
-        self._mapped: set[int] = set()  # optimizers whose masters are in _master_of
+        # each optimizer with masters -> their ids when _master_of was built (weak: a rebuilt optimizer may take
+        # a freed one's id)
+        self._mapped: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()
         self._handles: list[Any] = []
         if self.enabled:
             for module, group in layers:
@@ -326,15 +329,19 @@ class AdaptiveLossScaler(DynamicLossScaler):
 
     def _map_masters(self, optimizer: Any) -> None:
         """Let gradients of float32 masters (MasterWeightOptimizer, possibly inside a
-        DistributedOptimizer) find their model parameters' layers. Once per optimizer."""
-        if id(optimizer) in self._mapped:
-            return
-        self._mapped.add(id(optimizer))
+        DistributedOptimizer) find their model parameters' layers. Built again whenever an optimizer's masters
+        are not those of the last build: a new optimizer, or masters replaced."""
         inner = optimizer
         while inner is not None and not hasattr(inner, "master_params"):
             inner = inner.__dict__.get("optimizer")
-        if inner is not None:
-            self._master_of.update({id(m): id(p) for m, p in zip(inner.master_params, inner.model_params)})
+        if inner is None:
+            return
+        masters = tuple(map(id, inner.master_params))
+        if self._mapped.get(inner) == masters:
+            return
+        self._mapped[inner] = masters
+        self._master_of = {id(m): id(p) for mapped in self._mapped.keys()
+                           for m, p in zip(mapped.master_params, mapped.model_params)}
 
 
 def _layer_groups(model: nn.Module) -> tuple[list[str], dict[int, int], list[tuple[nn.Module, int]]]:
