@@ -17,6 +17,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -491,6 +492,29 @@ def test_a_region_opened_inside_compiled_code_gives_its_dtypes() -> None:
     got, eager = torch.compile(f, backend="aot_eager")(x, w), f(x, w)
     assert [t.dtype for t in got] == [t.dtype for t in eager] == [torch.float32, torch.bfloat16, torch.float32]
     assert all(torch.equal(a, b) for a, b in zip(got, eager))
+
+
+def test_a_region_opened_inside_compiled_code_says_its_note_without_dynamo_s_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The region's first note (here float32 compute's), said once, at the user's line, and nothing of dynamo's:
+    traced, the region's construction read frames and the policy's construction a cached table, and dynamo warned
+    of each (it cannot trace ``sys._getframe``; it traces past ``functools.cache``). Both are built eagerly now."""
+    from ampkit.precision import state
+
+    monkeypatch.setattr(state, "_warned", set())
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with autocast(Policy.default("cpu", torch.bfloat16, compute="float32")):
+            return torch.mm(x, w)
+
+    torch._dynamo.reset()
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(f, backend="aot_eager")(x, w)
+    assert torch.equal(got, f(x, w))
+    assert [w.category for w in caught if "_getframe" in str(w.message)] == []
+    assert [(w.category, w.filename) for w in caught] == [(ampkit.ComputeModeWarning, __file__)]  # at the user's line
 
 
 def test_compiled_delayed_fp8_gives_the_eager_gradients_on_a_step_whose_scales_change() -> None:

@@ -46,6 +46,7 @@ def _ops_like(op: str) -> list[str]:
     return difflib.get_close_matches(op, sorted(n for n in names if known_op(n)), n=3)
 
 
+@torch.compiler.disable  # a policy built inside compiled code: read here, not traced (dynamo skips the cache)
 @functools.cache
 def autocast_ops(device_type: str) -> frozenset[str]:
     """The ops of ampkit's table that the running torch autocasts on ``device_type``, read once.

@@ -63,6 +63,7 @@ class autocast:  # noqa: N801 - named like torch.autocast, which it extends
         into its graph and runs only under that policy (docs/compile.md).
     """
 
+    @torch.compiler.disable  # built eagerly too, inside compiled code: it reads measurements and may warn
     def __init__(self, policy: Policy | None = None, *, enabled: bool = True, model: nn.Module | None = None) -> None:
         policy = policy if policy is not None else Policy.default("cpu")
         if not isinstance(policy, Policy):
