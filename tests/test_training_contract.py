@@ -299,6 +299,36 @@ def test_torchs_ddp_around_an_o2_model_is_refused_at_the_first_forward_naming_th
         dist.destroy_process_group()
 
 
+def test_a_weight_average_of_an_o2_model_is_16_bit_and_the_documented_twin_averages_the_masters() -> None:
+    """What still differs (docs/training.md): ``AveragedModel`` copies an O2 model's 16-bit weights and averages in
+    16 bits, where an EMA's small steps round away; the recipe there, a float32 twin loaded from the model's state
+    dict (the masters), gives the float32 EMA of the masters exactly."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    decay = 0.999
+    model = _model()
+    twin = copy.deepcopy(model)  # float32, before initialize
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, optimizer = ampkit.initialize(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "O2",
+                                             torch.bfloat16)
+    naive = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay))
+    ema = AveragedModel(twin, multi_avg_fn=get_ema_multi_avg_fn(decay))
+    expected: list[torch.Tensor] = []
+    for _ in range(20):
+        F.cross_entropy(model(X).float(), Y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        naive.update_parameters(model)
+        twin.load_state_dict(model.state_dict())
+        ema.update_parameters(twin)
+        masters = [m.detach() for m in optimizer.master_params]
+        expected = [m.clone() for m in masters] if not expected else [
+            torch.lerp(e, m, 1 - decay) for e, m in zip(expected, masters)]
+    assert {p.dtype for p in naive.module.parameters() if p.dim() > 1} == {torch.bfloat16}
+    assert all(torch.equal(a, e) for a, e in zip(ema.module.parameters(), expected))
+
+
 def test_save_pretrained_after_o2_writes_the_float32_masters() -> None:
     transformers = pytest.importorskip("transformers")
     import tempfile
