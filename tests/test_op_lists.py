@@ -12,7 +12,6 @@ Two checks, both generated from ampkit.op_lists:
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import subprocess
 import sys
@@ -283,7 +282,7 @@ def _torch_autocasts(monkeypatch: pytest.MonkeyPatch, ops: dict[str, set[str]]) 
     them)."""
     device = {op_lists.autocast_key(device_type): device_type for device_type in op_lists.DEVICE_TYPES}
     monkeypatch.setattr(policy_module, "_has_kernel", lambda op, key: op in ops[device[key]])
-    monkeypatch.setattr(policy_module, "autocast_ops", inspect.unwrap(policy_module.autocast_ops))  # cache, compile mark
+    monkeypatch.setattr(policy_module, "autocast_ops", policy_module.autocast_ops.__wrapped__)
 
 
 def test_a_default_policy_leaves_out_the_ops_the_running_torch_lacks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,7 +46,6 @@ def _ops_like(op: str) -> list[str]:
     return difflib.get_close_matches(op, sorted(n for n in names if known_op(n)), n=3)
 
 
-@torch.compiler.disable  # a policy built inside compiled code: read here, not traced (dynamo skips the cache)
 @functools.cache
 def autocast_ops(device_type: str) -> frozenset[str]:
     """The ops of ampkit's table that the running torch autocasts on ``device_type``, read once.
@@ -61,6 +60,13 @@ def autocast_ops(device_type: str) -> frozenset[str]:
     key = op_lists.autocast_key(device_type)
     candidates = frozenset().union(*op_lists.TABLE[device_type].values(), op_lists.BANNED[device_type])
     return frozenset(op for op in candidates if known_op(op) and _has_kernel(op, key))
+
+
+@torch.compiler.disable
+def _read_eagerly(device_type: str) -> frozenset[str]:
+    """``autocast_ops`` for ``Policy.default``, which may be built inside compiled code: dynamo would trace past the
+    cache, reading the dispatcher again at each trace, and warn."""
+    return autocast_ops(device_type)
 
 
 def _has_kernel(op: str, key: str) -> bool:
@@ -188,7 +194,7 @@ class Policy:
         and where this machine computes 16-bit GEMMs slower than float32 (measured),
         ``"auto"`` computes them in float32 on the 16-bit values.
         """
-        lists = op_lists.default_lists(check_device_type(device_type), autocast_ops(device_type))
+        lists = op_lists.default_lists(check_device_type(device_type), _read_eagerly(device_type))
         if dtype is None:
             dtype = torch.bfloat16 if device_type == "cpu" else torch.float16
         return cls(device_type, resolve_dtype(dtype), lists[ALLOW], lists[DENY], lists[INFER], compute=compute)
