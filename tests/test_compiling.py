@@ -513,8 +513,10 @@ def test_a_region_opened_inside_compiled_code_says_its_note_without_dynamo_s_war
         warnings.simplefilter("always")
         got = torch.compile(f, backend="aot_eager")(x, w)
     assert torch.equal(got, f(x, w))
-    assert [w.category for w in caught if "_getframe" in str(w.message)] == []
-    assert [(w.category, w.filename) for w in caught] == [(ampkit.ComputeModeWarning, __file__)]  # at the user's line
+    assert [str(w.message) for w in caught if "_getframe" in str(w.message) or "lru_cache" in str(w.message)] == []
+    # at the user's line (torch 2.11's dynamo also warns, as before, on ampkit's kernel it compiles as a frame)
+    notes = [(w.category, w.filename) for w in caught if issubclass(w.category, ampkit.ComputeModeWarning)]
+    assert notes == [(ampkit.ComputeModeWarning, __file__)]
 
 
 def test_compiled_delayed_fp8_gives_the_eager_gradients_on_a_step_whose_scales_change() -> None:
